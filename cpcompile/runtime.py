@@ -1,0 +1,278 @@
+"""The runtime shim: ``shard`` (slice a global batch for this rank), ``gather`` and the plan-mask op.
+
+The compiled graph cannot carry the per-batch layout (FSDP2 splits a model into one graph per layer, and the
+layer graphs never see ``position_ids``), so :func:`shard` activates a :class:`~cpcompile.plan.CPPlan` for the
+duration of a ``with`` block and the rewritten attention reads it at run time through the opaque custom op
+``torch.ops.cpcompile.plan_mask``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from cpcompile import _compat
+from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
+
+__all__ = ["shard", "gather", "current_plan", "sync_grads", "MaskMismatchError"]
+
+
+class MaskMismatchError(RuntimeError):
+    """The attention mask a model built differs from the mask cpcompile would apply across ranks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Active:
+    plan: CPPlan
+    group: dist.ProcessGroup | None
+
+
+class _State(threading.local):
+    """The shard context that is active in this thread; owned by :func:`shard`."""
+
+    def __init__(self) -> None:
+        self.active: _Active | None = None
+
+
+_STATE = _State()
+
+#: Attention sites whose in-graph mask was already compared with the plan's mask, keyed by site id.
+#: Written only by :func:`_verify_site_mask`.
+_VERIFIED_SITES: set[str] = set()
+
+
+def current_plan() -> CPPlan | None:
+    """The plan of the innermost active :func:`shard` context of this thread, or ``None``."""
+    active = _STATE.active
+    return None if active is None else active.plan
+
+
+def _check_group(cp_group: object) -> tuple[int, int, str]:
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(
+            f"cp_group must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one with "
+            "torch.distributed.new_group(ranks) or DeviceMesh.get_group('cp')"
+        )
+    rank = dist.get_rank(cp_group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of cp_group "
+            f"(ranks {dist.get_process_group_ranks(cp_group)}); pass the CP group that contains this rank"
+        )
+    return dist.get_world_size(cp_group), rank, _compat.group_name_of(cp_group)
+
+
+@contextlib.contextmanager
+def shard(
+    batch: Mapping[str, object],
+    cp_group: dist.ProcessGroup,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    pad_token_id: int = 0,
+    hf_kwargs: bool = True,
+) -> Iterator[dict[str, object]]:
+    """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
+
+    Args:
+        batch: dict of ``[B, T, ...]`` tensors, identical on every rank of ``cp_group``. ``input_ids`` is
+            required; ``position_ids`` (default ``arange(T)`` per row; packed documents restart at 0) and
+            ``labels`` (unshifted, ``-100`` ignored) are optional; any other ``[B, T, ...]`` tensor is sliced
+            the same way and anything that is not a tensor is passed through.
+        cp_group: the context-parallel process group. A group of size 1 slices nothing.
+        num_items_in_batch: loss denominator. Default: the number of supervised tokens of this batch
+            (labels ``!= -100`` after the shift). Pass the global count when data parallelism splits the
+            global batch further.
+        pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
+        hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
+            builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
+
+    Yields:
+        ``local``: this rank's contiguous chunk of every per-token tensor, global ``position_ids``, and with
+        labels ``labels`` (the local chunk), ``shift_labels`` (shifted over the whole row before slicing) and
+        ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
+    """
+    cp_size, cp_rank, group_name = _check_group(cp_group)
+    if _STATE.active is not None:
+        raise RuntimeError(
+            "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
+            "finish the current step's `with cpcompile.shard(...)` block before starting another"
+        )
+    plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
+    local = _local_batch(batch, plan, num_items_in_batch, pad_token_id, hf_kwargs)
+    _STATE.active = _Active(plan, cp_group)
+    try:
+        yield local
+    finally:
+        _STATE.active = None
+
+
+def _local_batch(
+    batch: Mapping[str, object],
+    plan: CPPlan,
+    num_items_in_batch: int | torch.Tensor | None,
+    pad_token_id: int,
+    hf_kwargs: bool,
+) -> dict[str, object]:
+    local: dict[str, object] = {}
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            local[key] = value
+        elif key == "position_ids":
+            continue
+        elif key == "attention_mask":
+            if not bool(value.all()):
+                raise ValueError(
+                    "batch['attention_mask'] masks out tokens; cpcompile.shard supports padding-free packed "
+                    "batches: drop padding, concatenate the documents and mark them with position_ids that "
+                    "restart at 0 (the transformers packing convention)"
+                )
+        elif key == "input_ids":
+            local[key] = plan.local(plan.pad(value, pad_token_id))
+        elif key == "labels":
+            local[key] = plan.local(plan.pad(value, IGNORE_INDEX))
+        else:
+            local[key] = plan.local(plan.pad(value, False if value.dtype == torch.bool else 0))
+    local["position_ids"] = plan.local(plan.position_ids)
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and hf_kwargs:
+        shifted = plan.labels_shifted(labels)
+        local["shift_labels"] = plan.local(shifted)
+        if num_items_in_batch is None:
+            num_items_in_batch = (shifted != IGNORE_INDEX).sum()
+        local["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=labels.device)
+    if hf_kwargs:
+        local["use_cache"] = False
+    return local
+
+
+def _require_active(what: str) -> _Active:
+    active = _STATE.active
+    if active is None:
+        raise RuntimeError(
+            f"{what} needs an active CP plan, but no cpcompile.shard context is active; call the model as "
+            "`with cpcompile.shard(batch, cp_group) as local: model(**local)`"
+        )
+    return active
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, dim: int, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+        ctx.dim, ctx.rank = dim, rank
+        moved = t.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
+        _compat.all_gather_into(out, moved, group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        c = grad.shape[ctx.dim] // _require_active("cpcompile.gather backward").plan.cp_size
+        return grad.narrow(ctx.dim, ctx.rank * c, c).contiguous(), None, None, None, None
+
+
+def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Gather this rank's per-token tensor into the whole sequence, in original order, without padding.
+
+    ``t`` has this rank's chunk along ``dim`` (e.g. logits ``[B, c, V]``); the result has the global length
+    ``T`` there. Autograd-aware: the backward returns this rank's slice of the incoming gradient, which is
+    right when every rank computes the same function of the gathered tensor. Call inside the
+    :func:`shard` context of the batch.
+    """
+    active = _require_active("cpcompile.gather")
+    plan = active.plan
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"cpcompile.gather expects a tensor, got {type(t).__name__}")
+    dim = dim % t.dim()
+    if t.shape[dim] != plan.chunk_len:
+        raise ValueError(
+            f"cpcompile.gather: tensor has {t.shape[dim]} elements along dim {dim}, expected this rank's chunk "
+            f"length {plan.chunk_len} (global length {plan.seq_len}, CP size {plan.cp_size}); pass the per-token "
+            "output of the model called with this shard context's `local` batch and the right `dim`"
+        )
+    if plan.cp_size == 1:
+        return plan.unpad(t, dim)
+    full = _GatherSeq.apply(t, dim, active.group, plan.cp_rank, plan.cp_size)
+    return plan.unpad(full, dim)
+
+
+# -- the op the rewritten graph calls ---------------------------------------------------------------------
+@torch.library.custom_op("cpcompile::plan_mask", mutates_args=())
+def plan_mask(
+    q: torch.Tensor,
+    model_mask: torch.Tensor | None,
+    site: str,
+    group_name: str,
+    cp_size: int,
+    documents: bool,
+    window: int,
+) -> torch.Tensor:
+    """The active plan's ``[B, 1, c, c * cp_size]`` bool mask for the local queries ``q`` ``[B, H, c, D]``.
+
+    ``documents``: add the same-document condition; ``window``: sliding window in tokens (``-1``: none).
+    When ``model_mask`` (the mask the model built on the local chunk) is given, the first call of each
+    ``site`` checks that it equals the diagonal block of the plan's mask and raises
+    :class:`MaskMismatchError` otherwise.
+    """
+    plan = _require_active(f"the CP attention at {site}").plan
+    if plan.group_name != group_name or plan.cp_size != cp_size:
+        raise RuntimeError(
+            f"the CP attention at {site} was compiled for group {group_name!r} of size {cp_size}, but the active "
+            f"shard context uses group {plan.group_name!r} of size {plan.cp_size}; pass the same cp_group to "
+            "cpcompile.backend and cpcompile.shard"
+        )
+    if q.shape[0] != plan.batch_size or q.shape[2] != plan.chunk_len:
+        raise RuntimeError(
+            f"the CP attention at {site} got queries of batch {q.shape[0]} and length {q.shape[2]}, but the "
+            f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
+            "with the `local` batch of the active cpcompile.shard context"
+        )
+    mask = plan.mask(documents=documents, window=None if window < 0 else window)
+    if model_mask is not None and site not in _VERIFIED_SITES:
+        _verify_site_mask(site, model_mask, mask[..., plan.chunk_slice()], documents, window)
+    return mask.clone()
+
+
+@plan_mask.register_fake
+def _(q, model_mask, site, group_name, cp_size, documents, window):
+    return q.new_empty((q.shape[0], 1, q.shape[2], q.shape[2] * cp_size), dtype=torch.bool)
+
+
+def _verify_site_mask(site: str, model_mask: torch.Tensor, ours: torch.Tensor, documents: bool, window: int):
+    theirs = model_mask.to(torch.bool).expand_as(ours)
+    if not torch.equal(theirs, ours):
+        b, _, i, j = (theirs != ours).nonzero()[0].tolist()
+        form = "global causal" + (" same-document" if documents else "") + (
+            f" sliding-window({window})" if window >= 0 else ""
+        )
+        raise MaskMismatchError(
+            f"the attention mask built by the model at {site} differs from the {form} mask cpcompile applies "
+            f"across ranks (first difference: row {b}, local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, "
+            f"cpcompile {bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. "
+            "Use a standard causal/packed-document mask (transformers with attn_implementation='sdpa' and "
+            "use_cache=False), or run this model without context parallelism"
+        )
+    _VERIFIED_SITES.add(site)
+
+
+def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
+    """Sum the gradients of ``parameters`` over ``cp_group`` (for models not wrapped in FSDP/DDP).
+
+    Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
+    gradient of the whole sequence. One flat all-reduce per dtype.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat, group=cp_group)
+        offset = 0
+        for g in group:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,79 @@
+"""Tiny transformers models and synthetic packed batches for tests, examples and benchmarks.
+
+Models are built from configs with random weights (no downloads). Requires ``transformers``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpcompile.plan import IGNORE_INDEX
+
+__all__ = ["FAMILIES", "tiny_config", "tiny_model", "packed_batch"]
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+)
+
+#: family name -> (transformers config class name, extra config fields)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+}
+
+
+def tiny_config(family: str, **overrides):
+    """A small config of ``family`` (see :data:`FAMILIES`): 2 layers, hidden 64, 4 query / 2 KV heads, SDPA."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
+    cls_name, extra = FAMILIES[family]
+    fields = {**_COMMON, **extra, **overrides}
+    config = getattr(transformers, cls_name)(**fields)
+    config._attn_implementation = overrides.get("attn_implementation", "sdpa")
+    return config
+
+
+def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised causal LM of ``family`` (same weights for the same ``seed``), in train mode."""
+    import transformers
+
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    return model.to(dtype).train()
+
+
+def packed_batch(
+    doc_lens: list[list[int]],
+    *,
+    vocab_size: int = 128,
+    seed: int = 0,
+    mask_first_label: bool = True,
+) -> dict[str, torch.Tensor]:
+    """A packed ``[B, T]`` batch: row ``b`` concatenates documents of lengths ``doc_lens[b]``.
+
+    Every row must have the same total length. ``position_ids`` restart at 0 at every document; ``labels``
+    are the input ids (unshifted, transformers convention) with the first token of every document set to
+    ``-100`` when ``mask_first_label`` (so no label crosses a document boundary after the shift).
+    """
+    totals = {sum(row) for row in doc_lens}
+    if len(totals) != 1:
+        raise ValueError(f"every row must have the same total length, got {[sum(r) for r in doc_lens]}")
+    g = torch.Generator().manual_seed(seed)
+    T = totals.pop()
+    ids = torch.randint(1, vocab_size, (len(doc_lens), T), generator=g)
+    pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in doc_lens])
+    labels = ids.clone()
+    if mask_first_label:
+        labels[pos == 0] = IGNORE_INDEX
+    return {"input_ids": ids, "position_ids": pos, "labels": labels}

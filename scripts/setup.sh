@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned CPU torch and cpcompile (editable) with its test extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
