@@ -12,17 +12,19 @@ Main API::
 from cpcompile.backend import BackendOptions, CPBackend, backend
 from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
 from cpcompile.plan import CPPlan, build_plan
-from cpcompile.runtime import MaskMismatchError, current_plan, gather, shard, sync_grads
+from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
 
 __all__ = [
     "BackendOptions",
     "CPBackend",
     "CPPlan",
+    "CommStats",
     "MaskMismatchError",
     "SiteReport",
     "UnsupportedAttentionError",
     "backend",
     "build_plan",
+    "comm_stats",
     "counters",
     "current_plan",
     "gather",

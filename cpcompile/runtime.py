@@ -19,7 +19,7 @@ import torch.distributed as dist
 from cpcompile import _compat
 from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 
-__all__ = ["shard", "gather", "current_plan", "sync_grads", "MaskMismatchError"]
+__all__ = ["shard", "gather", "current_plan", "sync_grads", "comm_stats", "CommStats", "MaskMismatchError"]
 
 
 class MaskMismatchError(RuntimeError):
@@ -30,6 +30,7 @@ class MaskMismatchError(RuntimeError):
 class _Active:
     plan: CPPlan
     group: dist.ProcessGroup | None
+    comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
 
 
 class _State(threading.local):
@@ -37,6 +38,7 @@ class _State(threading.local):
 
     def __init__(self) -> None:
         self.active: _Active | None = None
+        self.last_comm: CommStats | None = None
 
 
 _STATE = _State()
@@ -104,11 +106,13 @@ def shard(
         )
     plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
     local = _local_batch(batch, plan, num_items_in_batch, pad_token_id, hf_kwargs)
-    _STATE.active = _Active(plan, cp_group)
+    active = _Active(plan, cp_group)
+    _STATE.active = active
     try:
         yield local
     finally:
         _STATE.active = None
+        _STATE.last_comm = active.comm
 
 
 def _local_batch(
@@ -201,9 +205,48 @@ def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 
 # -- the op the rewritten graph calls ---------------------------------------------------------------------
+@dataclasses.dataclass
+class CommStats:
+    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context).
+
+    Forward all-gathers are counted as they run; every gathered K/V that needs a gradient adds one
+    reduce-scatter of the same size in backward.
+    """
+
+    #: Number of all-gather calls (one for K, one for V per attention call).
+    all_gathers: int = 0
+    #: Bytes this rank received from the other ranks in those all-gathers: (N-1) chunks each.
+    all_gather_bytes: int = 0
+    #: Number of backward reduce-scatters (one per gathered tensor that requires grad).
+    reduce_scatters: int = 0
+    #: Bytes this rank sends in those reduce-scatters: (N-1) chunks each.
+    reduce_scatter_bytes: int = 0
+
+    def record_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
+        nbytes = (cp_size - 1) * t.numel() * t.element_size()
+        self.all_gathers += 1
+        self.all_gather_bytes += nbytes
+        if needs_grad:
+            self.reduce_scatters += 1
+            self.reduce_scatter_bytes += nbytes
+
+
+def comm_stats() -> CommStats:
+    """Collective counts and bytes of the active :func:`shard` context, or of the last one that ended."""
+    active = _STATE.active
+    if active is not None:
+        return active.comm
+    if _STATE.last_comm is None:
+        raise RuntimeError("cpcompile.comm_stats(): no cpcompile.shard context has run in this thread yet")
+    return _STATE.last_comm
+
+
 @torch.library.custom_op("cpcompile::plan_mask", mutates_args=())
 def plan_mask(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    needs_grad: bool,
     model_mask: torch.Tensor | None,
     site: str,
     group_name: str,
@@ -213,12 +256,16 @@ def plan_mask(
 ) -> torch.Tensor:
     """The active plan's ``[B, 1, c, c * cp_size]`` bool mask for the local queries ``q`` ``[B, H, c, D]``.
 
+    ``k``/``v`` are the local tensors this attention all-gathers (detached; only their sizes are read, to count
+    bytes in :func:`comm_stats`; ``needs_grad``: they are reduce-scattered in backward).
+
     ``documents``: add the same-document condition; ``window``: sliding window in tokens (``-1``: none).
     When ``model_mask`` (the mask the model built on the local chunk) is given, the first call of each
     ``site`` checks that it equals the diagonal block of the plan's mask and raises
     :class:`MaskMismatchError` otherwise.
     """
-    plan = _require_active(f"the CP attention at {site}").plan
+    active = _require_active(f"the CP attention at {site}")
+    plan = active.plan
     if plan.group_name != group_name or plan.cp_size != cp_size:
         raise RuntimeError(
             f"the CP attention at {site} was compiled for group {group_name!r} of size {cp_size}, but the active "
@@ -231,6 +278,8 @@ def plan_mask(
             f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
             "with the `local` batch of the active cpcompile.shard context"
         )
+    active.comm.record_gather(k, cp_size, needs_grad)
+    active.comm.record_gather(v, cp_size, needs_grad)
     mask = plan.mask(documents=documents, window=None if window < 0 else window)
     if model_mask is not None and site not in _VERIFIED_SITES:
         _verify_site_mask(site, model_mask, mask[..., plan.chunk_slice()], documents, window)
@@ -238,7 +287,7 @@ def plan_mask(
 
 
 @plan_mask.register_fake
-def _(q, model_mask, site, group_name, cp_size, documents, window):
+def _(q, k, v, needs_grad, model_mask, site, group_name, cp_size, documents, window):
     return q.new_empty((q.shape[0], 1, q.shape[2], q.shape[2] * cp_size), dtype=torch.bool)
 
 

@@ -91,6 +91,8 @@ class SiteReport:
     dtype: str
     mask_form: str
     enable_gqa: bool
+    #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless rewritten.
+    gathered_shapes: tuple
     action: str  # "rewritten" | "refused" | "untouched"
     reason: str = ""
 
@@ -177,7 +179,8 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, *, site_id: str, group_name
 
         k_all = all_gather_seq(k, 2, group)        # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
         v_all = all_gather_seq(v, 2, group)
-        mask  = cpcompile.plan_mask(q.detach(), local_mask | None, site_id, group, N, documents, window)
+        mask  = cpcompile.plan_mask(q, k, v (detached; sizes for comm_stats), needs_grad,
+                                    local_mask | None, site_id, group, N, documents, window)
         out   = sdpa(q, k_all, v_all, attn_mask=mask, scale=s, enable_gqa=g)
 
     ``documents`` is True for the bool-mask form (transformers' packed-document mask; the op checks the
@@ -188,10 +191,12 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, *, site_id: str, group_name
     with graph.inserting_before(node):
         k_all = graph.call_function(_compat.all_gather_seq, (site.key, 2, group_name))
         v_all = graph.call_function(_compat.all_gather_seq, (site.value, 2, group_name))
-        q_ref = graph.call_method("detach", (site.query,))
+        refs = [graph.call_method("detach", (n,)) for n in (site.query, site.key, site.value)]
+        k_meta, v_meta = site.meta(site.key), site.meta(site.value)
+        needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
         mask = graph.call_function(
             torch.ops.cpcompile.plan_mask.default,
-            (q_ref, site.attn_mask, site_id, group_name, cp_size, site.attn_mask is not None, -1),
+            (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, site.attn_mask is not None, -1),
         )
         new = graph.call_function(
             torch.nn.functional.scaled_dot_product_attention,
@@ -220,6 +225,7 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "") -> Sit
         dtype=str(q.dtype).removeprefix("torch.") if q is not None else "?",
         mask_form=site.mask_form,
         enable_gqa=bool(site.enable_gqa),
+        gathered_shapes=(_shape(k), _shape(v)) if action == "rewritten" else (),
         action=action,
         reason=reason,
     )
