@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "CPPlan", "document_ids", "build_plan"]
+__all__ = ["IGNORE_INDEX", "CPPlan", "VisibleBlocks", "document_ids", "build_plan", "visible_blocks"]
 
 #: The label value that transformers' cross entropy ignores.
 IGNORE_INDEX = -100
@@ -37,6 +37,71 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     first = position_ids[:, :1] - 1
     step = torch.diff(position_ids, prepend=first, dim=-1)
     return (step != 1).cumsum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisibleBlocks:
+    """Which (query block, key block) pairs of one rank's attention hold at least one visible pair.
+
+    Queries are this rank's ``c`` local tokens cut into blocks of ``block_q``; keys are the ``kv_len`` global
+    tokens cut into blocks of ``block_k``. For query block ``i`` of row ``b`` the visible keys form the token
+    interval ``[lo[b, i], hi[b, i])`` (the start of the block's earliest document, or of the window, up to the
+    block's last query), and every query of the block sees every key of ``[full_lo[b, i], full_hi[b, i])``
+    (empty when ``full_lo >= full_hi``). A key block is computed iff it intersects ``[lo, hi)``; it needs no
+    mask iff it lies inside ``[full_lo, full_hi)``. All four are ``[B, num_q_blocks]`` int64 tensors.
+    """
+
+    block_q: int
+    block_k: int
+    #: Number of local queries (the chunk length).
+    q_len: int
+    #: Number of keys (the padded global length).
+    kv_len: int
+    lo: torch.Tensor
+    hi: torch.Tensor
+    full_lo: torch.Tensor
+    full_hi: torch.Tensor
+
+    def key_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(first, end)``: the computed key blocks of query block ``i`` are ``range(first[b, i], end[b, i])``."""
+        return self.lo // self.block_k, -(-self.hi // self.block_k)
+
+    def computed_pairs(self) -> int:
+        """Number of (query, key) pairs a kernel computes when it visits exactly the computed block pairs."""
+        first, end = self.key_blocks()
+        keys = (end * self.block_k).clamp(max=self.kv_len) - first * self.block_k  # [B, nQ]
+        rows = torch.full((self.lo.shape[1],), self.block_q, dtype=torch.long)
+        rows[-1] = self.q_len - self.block_q * (self.lo.shape[1] - 1)
+        return int((keys * rows.to(keys.device)).sum())
+
+
+def visible_blocks(
+    kv_doc: torch.Tensor, q_offset: int, q_len: int, block_q: int, block_k: int, window: int | None = None
+) -> VisibleBlocks:
+    """Block visibility of queries ``[q_offset, q_offset + q_len)`` against all keys of ``[B, T]`` doc ids.
+
+    ``kv_doc`` must be non-decreasing along each row (documents are contiguous, as :func:`document_ids`
+    makes them); a constant ``kv_doc`` means no document condition. Semantics are those of
+    :meth:`CPPlan.mask`: key ``j`` visible to query ``i`` iff ``j <= i``, same document and ``j > i - window``.
+    """
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    B, T = kv_doc.shape
+    device = kv_doc.device
+    idx = torch.arange(T, device=device)
+    starts = torch.ones_like(kv_doc, dtype=torch.bool)
+    starts[:, 1:] = kv_doc[:, 1:] != kv_doc[:, :-1]
+    doc_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # [B, T]
+    first_q = torch.arange(0, q_len, block_q, device=device) + q_offset  # [nQ] global index of each block's first query
+    last_q = (first_q + block_q).clamp(max=q_offset + q_len) - 1
+    lo = doc_start[:, first_q]
+    full_lo = doc_start[:, last_q]
+    if window is not None:
+        lo = lo.clamp(min=first_q - window + 1)
+        full_lo = full_lo.clamp(min=last_q - window + 1)
+    hi = (last_q + 1).expand(B, -1)
+    full_hi = (first_q + 1).expand(B, -1)
+    return VisibleBlocks(block_q, block_k, q_len, T, lo, hi.contiguous(), full_lo, full_hi.contiguous())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,30 +163,49 @@ class CPPlan:
         return t.narrow(dim, 0, self.seq_len)
 
     # -- masks -----------------------------------------------------------------------------------------
-    def mask(self, *, documents: bool, window: int | None = None, rank: int | None = None) -> torch.Tensor:
+    def mask(
+        self, *, documents: bool, window: int | None = None, rank: int | None = None, keys: slice | None = None
+    ) -> torch.Tensor:
         """Boolean ``[B, 1, c, padded_len]`` mask of the local queries against all keys (True = attend).
 
         Query ``i`` of rank ``r`` sits at global index ``r*c + i``. ``documents`` adds the same-document
-        condition (transformers' packed-sequence mask); ``window`` a sliding window of that many tokens.
-        Masks of this rank are cached on the plan, so every layer of one step shares them.
+        condition (transformers' packed-document mask); ``window`` a sliding window of that many tokens.
+        ``keys`` restricts the mask to that global key range (e.g. ``chunk_slice()`` for the diagonal block).
+        Full masks of this rank are cached on the plan, so every layer of one step shares them; restricted
+        ones are not cached.
         """
         key = (documents, window, self.cp_rank if rank is None else rank)
-        cached = self._mask_cache.get(key)
+        cached = self._mask_cache.get(key) if keys is None else None
         if cached is not None:
             return cached
         device = self.position_ids.device
+        keys = slice(None) if keys is None else keys
+        cache = keys == slice(None)
         q_idx = torch.arange(self.padded_len, device=device)[self.chunk_slice(rank)]
-        kv_idx = torch.arange(self.padded_len, device=device)
-        m = kv_idx[None, :] <= q_idx[:, None]  # [c, T_pad]
+        kv_idx = torch.arange(self.padded_len, device=device)[keys]
+        m = kv_idx[None, :] <= q_idx[:, None]  # [c, K]
         if window is not None:
             m = m & (kv_idx[None, :] > q_idx[:, None] - window)
         m = m[None].expand(self.batch_size, -1, -1)
         if documents:
             doc_q = self.doc_ids[:, self.chunk_slice(rank)]
-            m = m & (doc_q[:, :, None] == self.doc_ids[:, None, :])
+            m = m & (doc_q[:, :, None] == self.doc_ids[:, None, keys])
         m = m[:, None].contiguous()
-        self._mask_cache[key] = m
+        if cache:
+            self._mask_cache[key] = m
         return m
+
+    def visible_blocks(
+        self, block_q: int, block_k: int, *, documents: bool = True, window: int | None = None, rank: int | None = None
+    ) -> VisibleBlocks:
+        """The (query block, key block) pairs of ``rank``'s attention that are not fully masked.
+
+        Same visibility as :meth:`mask` with the same ``documents``/``window``, at block granularity; no
+        ``[c, padded_len]`` mask is built.
+        """
+        r = self.cp_rank if rank is None else rank
+        kv_doc = self.doc_ids if documents else torch.zeros_like(self.doc_ids)
+        return visible_blocks(kv_doc, r * self.chunk_len, self.chunk_len, block_q, block_k, window)
 
     def labels_shifted(self, labels: torch.Tensor) -> torch.Tensor:
         """Shift ``[B, T]`` labels left by one over the whole row (transformers' convention), then pad.
