@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as _fc
 
 __all__ = [
+    "autograd_inside_custom_op",
+    "flex_attention_with_lse",
     "SDPA_TARGETS",
     "all_gather_into",
     "all_gather_seq",
@@ -88,3 +90,37 @@ def statically_true(expr: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(expr))
+
+
+def autograd_inside_custom_op():
+    """A context manager that re-enables autograd inside a ``torch.library.custom_op`` implementation.
+
+    A custom op's implementation runs with the autograd dispatch keys excluded (torch 2.11-2.13), so
+    ``torch.autograd.grad`` there fails with "does not require grad". Used by the CUDA attention path to
+    recompute flex_attention's forward under autograd in the op's backward. Checked on torch 2.13 (CPU).
+    """
+    import contextlib
+
+    keys = torch._C.DispatchKey
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False))
+    stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+def flex_attention_with_lse(q, k, v, block_mask, scale, enable_gqa):
+    """``flex_attention(..., return_lse=True)`` -> ``(out, lse)``, compiled once per process.
+
+    torch 2.11-2.13 accept ``return_lse=True`` (newer releases prefer ``return_aux=AuxRequest(lse=True)``).
+    flex_attention is only efficient (and on CUDA only supports backward) when compiled.
+    """
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+
+
+_compiled_flex = None
