@@ -264,6 +264,15 @@ def plan_mask(
     ``site`` checks that it equals the diagonal block of the plan's mask and raises
     :class:`MaskMismatchError` otherwise.
     """
+    plan = _site_plan(q, k, v, needs_grad, site, group_name, cp_size)
+    mask = plan.mask(documents=documents, window=None if window < 0 else window)
+    if model_mask is not None and site not in _VERIFIED_SITES:
+        _verify_site_mask(site, model_mask, mask[..., plan.chunk_slice()], documents, window)
+    return mask.clone()
+
+
+def _site_plan(q, k, v, needs_grad: bool, site: str, group_name: str, cp_size: int) -> CPPlan:
+    """The active plan, checked against the site's group and query shape; counts the site's K/V gathers."""
     active = _require_active(f"the CP attention at {site}")
     plan = active.plan
     if plan.group_name != group_name or plan.cp_size != cp_size:
@@ -278,17 +287,55 @@ def plan_mask(
             f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
             "with the `local` batch of the active cpcompile.shard context"
         )
-    active.comm.record_gather(k, cp_size, needs_grad)
-    active.comm.record_gather(v, cp_size, needs_grad)
-    mask = plan.mask(documents=documents, window=None if window < 0 else window)
-    if model_mask is not None and site not in _VERIFIED_SITES:
-        _verify_site_mask(site, model_mask, mask[..., plan.chunk_slice()], documents, window)
-    return mask.clone()
+    if cp_size > 1:
+        active.comm.record_gather(k, cp_size, needs_grad)
+        active.comm.record_gather(v, cp_size, needs_grad)
+    return plan
 
 
 @plan_mask.register_fake
 def _(q, k, v, needs_grad, model_mask, site, group_name, cp_size, documents, window):
     return q.new_empty((q.shape[0], 1, q.shape[2], q.shape[2] * cp_size), dtype=torch.bool)
+
+
+@torch.library.custom_op("cpcompile::plan_docs", mutates_args=())
+def plan_docs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    needs_grad: bool,
+    model_mask: torch.Tensor | None,
+    site: str,
+    group_name: str,
+    cp_size: int,
+    cp_rank: int,
+    documents: bool,
+    window: int,
+) -> torch.Tensor:
+    """The active plan's ``[B, c * cp_size]`` document ids for ``torch.ops.cpcompile.cp_attention``.
+
+    The block-kernel counterpart of :func:`plan_mask`, with the same checks: ``k``/``v`` (detached, local) are
+    counted in :func:`comm_stats`, and the first call of each ``site`` compares ``model_mask`` with the
+    diagonal block of the plan's mask (built alone, never the whole ``[c, c * cp_size]`` mask). Without
+    ``documents`` the ids are all zero (plain global causal attention). ``cp_rank`` is the rank the graph was
+    compiled for; it must be the plan's.
+    """
+    plan = _site_plan(q, k, v, needs_grad, site, group_name, cp_size)
+    if plan.cp_rank != cp_rank:
+        raise RuntimeError(
+            f"the CP attention at {site} was compiled for CP rank {cp_rank}, but the active shard context is "
+            f"rank {plan.cp_rank} of its group; compile the model in the process that runs it"
+        )
+    if model_mask is not None and site not in _VERIFIED_SITES:
+        w = None if window < 0 else window
+        diagonal = plan.mask(documents=documents, window=w, keys=plan.chunk_slice())
+        _verify_site_mask(site, model_mask, diagonal, documents, window)
+    return plan.doc_ids.clone() if documents else torch.zeros_like(plan.doc_ids)
+
+
+@plan_docs.register_fake
+def _(q, k, v, needs_grad, model_mask, site, group_name, cp_size, cp_rank, documents, window):
+    return q.new_empty((q.shape[0], q.shape[2] * cp_size), dtype=torch.long)
 
 
 def _verify_site_mask(site: str, model_mask: torch.Tensor, ours: torch.Tensor, documents: bool, window: int):
