@@ -16,6 +16,7 @@ from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 __all__ = ["BackendOptions", "CPBackend", "backend"]
 
 _INNER = ("inductor", "aot_eager", "eager")
+_ATTENTION = ("auto", "dense", "block")
 _backend_ids = itertools.count()
 
 
@@ -25,10 +26,23 @@ class BackendOptions:
 
     #: Compiler the rewritten graph is handed to: ``inductor`` (default), ``aot_eager`` or ``eager``.
     inner: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    #: Attention emitted for every SDPA site. ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the
+    #: reference). ``"block"``: ``cpcompile::cp_attention``, which computes only the not fully masked
+    #: (query block, key block) pairs and never builds more than a block of the mask; with a CP group of size 1
+    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors, where it is exact and
+    #: bounds memory, and ``"dense"`` elsewhere until the CUDA block path (flex_attention) has been validated
+    #: on a GPU.
+    attention: Literal["auto", "dense", "block"] = "auto"
+    #: Query and key block size of the block kernel (CPU).
+    block_size: int = 128
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
             raise ValueError(f"inner={self.inner!r} is not a known inner compiler; choose one of {_INNER}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is not a known attention path; choose one of {_ATTENTION}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
 
 
 class CPBackend:
@@ -51,6 +65,7 @@ class CPBackend:
             )
         self.cp_group = cp_group
         self.cp_size = dist.get_world_size(cp_group)
+        self.cp_rank = dist.get_rank(cp_group)
         self.group_name = _compat.group_name_of(cp_group)
         self.options = options
         self.reports: list[SiteReport] = []
@@ -65,13 +80,22 @@ class CPBackend:
             cp_size=self.cp_size,
             graph_id=graph_id,
             site_prefix=f"backend{self._id}/graph{graph_id}",
+            attention=self.options.attention,
+            cp_rank=self.cp_rank,
+            block_size=self.options.block_size,
         )
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
 
 
-def backend(cp_group: dist.ProcessGroup, *, inner: Literal["inductor", "aot_eager", "eager"] = "inductor") -> CPBackend:
+def backend(
+    cp_group: dist.ProcessGroup,
+    *,
+    inner: Literal["inductor", "aot_eager", "eager"] = "inductor",
+    attention: Literal["auto", "dense", "block"] = "auto",
+    block_size: int = 128,
+) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
@@ -80,8 +104,10 @@ def backend(cp_group: dist.ProcessGroup, *, inner: Literal["inductor", "aot_eage
     Args:
         cp_group: the context-parallel process group (the ranks that share one sequence).
         inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
+        attention: ``auto``, ``dense`` or ``block`` (see :class:`BackendOptions`).
+        block_size: block size of the block attention kernel.
     """
-    return CPBackend(cp_group, BackendOptions(inner=inner))
+    return CPBackend(cp_group, BackendOptions(inner=inner, attention=attention, block_size=block_size))
 
 
 _registry_backends: dict[str, CPBackend] = {}

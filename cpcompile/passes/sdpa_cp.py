@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 from collections import Counter
 
 import torch
 import torch.fx as fx
 
 from cpcompile import _compat
+from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
 
 __all__ = [
     "SDPASite",
@@ -95,6 +97,8 @@ class SiteReport:
     gathered_shapes: tuple
     action: str  # "rewritten" | "refused" | "untouched"
     reason: str = ""
+    #: Attention the rewrite emitted: ``"dense"`` (SDPA under the plan's mask) or ``"block"`` (cp_attention).
+    kernel: str = ""
 
 
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
@@ -168,14 +172,24 @@ def check_site(site: SDPASite) -> str | None:
     return None
 
 
-def rewrite_site(gm: fx.GraphModule, site: SDPASite, *, site_id: str, group_name: str, cp_size: int) -> fx.Node:
+def rewrite_site(
+    gm: fx.GraphModule,
+    site: SDPASite,
+    *,
+    site_id: str,
+    group_name: str,
+    cp_size: int,
+    kernel: str = "dense",
+    cp_rank: int = 0,
+    block_size: int = 128,
+) -> fx.Node:
     """Replace one SDPA call by all-gather-KV attention under the plan's mask.
 
     Before::
 
         out = sdpa(q, k, v, attn_mask=local_mask | None, is_causal=..., scale=s, enable_gqa=g)
 
-    After::
+    After, ``kernel="dense"``::
 
         k_all = all_gather_seq(k, 2, group)        # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
         v_all = all_gather_seq(v, 2, group)
@@ -183,37 +197,68 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, *, site_id: str, group_name
                                     local_mask | None, site_id, group, N, documents, window)
         out   = sdpa(q, k_all, v_all, attn_mask=mask, scale=s, enable_gqa=g)
 
+    After, ``kernel="block"`` (no gathers when ``N == 1``)::
+
+        k_all, v_all = all_gather_seq(k, 2, group), all_gather_seq(v, 2, group)
+        docs  = cpcompile.plan_docs(q, k, v (detached), needs_grad, local_mask | None, site_id, group, N,
+                                    rank, documents, window)        # [B, N*c] document ids
+        out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, g, block, block)[0]
+
     ``documents`` is True for the bool-mask form (transformers' packed-document mask; the op checks the
     model's mask against the plan's on first use) and False for ``is_causal=True`` (plain global causal).
     """
     graph = gm.graph
     node = site.node
     with graph.inserting_before(node):
-        k_all = graph.call_function(_compat.all_gather_seq, (site.key, 2, group_name))
-        v_all = graph.call_function(_compat.all_gather_seq, (site.value, 2, group_name))
+        if cp_size > 1 or kernel == "dense":
+            k_all = graph.call_function(_compat.all_gather_seq, (site.key, 2, group_name))
+            v_all = graph.call_function(_compat.all_gather_seq, (site.value, 2, group_name))
+        else:
+            k_all, v_all = site.key, site.value
         refs = [graph.call_method("detach", (n,)) for n in (site.query, site.key, site.value)]
         k_meta, v_meta = site.meta(site.key), site.meta(site.value)
         needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
-        mask = graph.call_function(
-            torch.ops.cpcompile.plan_mask.default,
-            (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, site.attn_mask is not None, -1),
-        )
-        new = graph.call_function(
-            torch.nn.functional.scaled_dot_product_attention,
-            (site.query, k_all, v_all),
-            {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": site.scale, "enable_gqa": site.enable_gqa},
-        )
+        documents = site.attn_mask is not None
+        if kernel == "block":
+            docs = graph.call_function(
+                torch.ops.cpcompile.plan_docs.default,
+                (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, cp_rank, documents, -1),
+            )
+            att = graph.call_function(
+                torch.ops.cpcompile.cp_attention.default,
+                (site.query, k_all, v_all, docs, cp_rank, -1, site.scale, site.enable_gqa, block_size, block_size),
+            )
+            new = graph.call_function(operator.getitem, (att, 0))
+        else:
+            mask = graph.call_function(
+                torch.ops.cpcompile.plan_mask.default,
+                (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, documents, -1),
+            )
+            new = graph.call_function(
+                torch.nn.functional.scaled_dot_product_attention,
+                (site.query, k_all, v_all),
+                {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": site.scale, "enable_gqa": site.enable_gqa},
+            )
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
 
 
+def _kernel_for(site: SDPASite, attention: str) -> str:
+    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA elsewhere (the CUDA block path has not
+    been validated on a GPU yet); ``"dense"``/``"block"`` are taken as given."""
+    if attention != "auto":
+        return attention
+    q = site.meta(site.query)
+    return "block" if q is not None and q.device.type == "cpu" else "dense"
+
+
 def _shape(t: torch.Tensor | None) -> tuple:
     return () if t is None else tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
 
 
-def _report(site: SDPASite, graph_id: int, action: str, reason: str = "") -> SiteReport:
+def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", kernel: str = "") -> SiteReport:
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
     return SiteReport(
         graph_id=graph_id,
@@ -228,17 +273,28 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "") -> Sit
         gathered_shapes=(_shape(k), _shape(v)) if action == "rewritten" else (),
         action=action,
         reason=reason,
+        kernel=kernel,
     )
 
 
 def cp_attention_pass(
-    gm: fx.GraphModule, *, group_name: str, cp_size: int, graph_id: int, site_prefix: str, refuse: str = "raise"
+    gm: fx.GraphModule,
+    *,
+    group_name: str,
+    cp_size: int,
+    graph_id: int,
+    site_prefix: str,
+    refuse: str = "raise",
+    attention: str = "dense",
+    cp_rank: int = 0,
+    block_size: int = 128,
 ) -> list[SiteReport]:
     """Rewrite every SDPA site of ``gm`` in place; return one report per site.
 
     ``refuse="raise"`` raises :class:`UnsupportedAttentionError` for the first site that cannot be rewritten
     exactly (nothing runs wrong silently); ``refuse="report"`` only records it (for inspection, never for
-    running). With ``cp_size == 1`` nothing is rewritten.
+    running). ``attention`` (``"dense"``, ``"block"`` or ``"auto"``, see :func:`_kernel_for`) selects the
+    attention emitted. With ``cp_size == 1`` nothing is rewritten, except with ``attention="block"``.
     """
     sites = find_sdpa_sites(gm)
     counters["graphs"] += 1
@@ -255,13 +311,22 @@ def cp_attention_pass(
                 raise UnsupportedAttentionError(f"cpcompile cannot run the attention at {site.where} across CP ranks: {reason}")
             reports.append(_report(site, graph_id, "refused", reason))
             continue
-        if cp_size == 1:
+        kernel = _kernel_for(site, attention)
+        if cp_size == 1 and attention != "block":
             reports.append(_report(site, graph_id, "untouched", "CP group of size 1"))
             continue
-        reports.append(_report(site, graph_id, "rewritten"))
+        report = _report(site, graph_id, "rewritten", kernel=kernel)
+        reports.append(report if cp_size > 1 else dataclasses.replace(report, gathered_shapes=()))
         try:
             rewrite_site(
-                gm, site, site_id=f"{site_prefix}:{site.where}", group_name=group_name, cp_size=cp_size
+                gm,
+                site,
+                site_id=f"{site_prefix}:{site.where}",
+                group_name=group_name,
+                cp_size=cp_size,
+                kernel=kernel,
+                cp_rank=cp_rank,
+                block_size=block_size,
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
