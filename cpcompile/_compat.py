@@ -12,6 +12,7 @@ import torch.distributed._functional_collectives as _fc
 __all__ = [
     "autograd_inside_custom_op",
     "flex_attention_with_lse",
+    "flex_block_mask",
     "SDPA_TARGETS",
     "all_gather_into",
     "all_gather_seq",
@@ -124,3 +125,11 @@ def flex_attention_with_lse(q, k, v, block_mask, scale, enable_gqa):
 
 
 _compiled_flex = None
+
+
+def flex_block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device):
+    """``create_block_mask`` without materialising the ``[q_len, kv_len]`` mask (``_compile=True``, a private
+    keyword of torch 2.11-2.13)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, batch_size, None, q_len, kv_len, device=device, _compile=True)
