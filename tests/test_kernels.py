@@ -202,3 +202,23 @@ def test_block_attention_end_to_end_cp2():
         assert got.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=E2E_ATOL, rtol=E2E_RTOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_fake_kernels_match_real_outputs():
+    """The fake (meta) kernels that torch.compile traces with agree with the real ops, strides included (inductor
+    checks them), with q/k/v laid out as transformers makes them ([B, T, H, D] transposed: not contiguous)."""
+    batch = packed_batch([[20, 13]])
+    plan = build_plan(batch, 2, 1)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
+    k, v = (torch.randn(1, 34, 2, 8, generator=g).transpose(1, 2) for _ in range(2))
+    args = (1, -1, None, True, 8, 8)
+    out, lse = torch.ops.cpcompile.cp_attention(q, k, v, plan.doc_ids, *args)
+    dout = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
+    only_fake = ("test_faketensor",)
+    torch.library.opcheck(torch.ops.cpcompile.cp_attention.default, (q, k, v, plan.doc_ids, *args), test_utils=only_fake)
+    torch.library.opcheck(
+        torch.ops.cpcompile.cp_attention_backward.default,
+        (dout, q, k, v, plan.doc_ids, out, lse, *args),
+        test_utils=only_fake,
+    )

@@ -216,8 +216,6 @@ def _cpu_backward(dout, q, k, v, kv_doc, out, lse, q_offset, window, scale, bloc
 
 # -- CUDA (not run yet: see the module docstring) -------------------------------------------------------
 def _flex_block_mask(kv_doc, q_offset, q_len, window):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask_mod(b, h, q_idx, kv_idx):
         qg = q_idx + q_offset
         m = (kv_idx <= qg) & (kv_doc[b, kv_idx] == kv_doc[b, qg])
@@ -225,7 +223,7 @@ def _flex_block_mask(kv_doc, q_offset, q_len, window):
             m = m & (kv_idx > qg - window)
         return m
 
-    return create_block_mask(mask_mod, kv_doc.shape[0], None, q_len, kv_doc.shape[1], device=kv_doc.device)
+    return _compat.flex_block_mask(mask_mod, kv_doc.shape[0], q_len, kv_doc.shape[1], kv_doc.device)
 
 
 def _flex_forward(q, k, v, kv_doc, q_offset, window, scale, enable_gqa):
@@ -298,7 +296,8 @@ def _cp_attention_backward_op(
 
 @_cp_attention_backward_op.register_fake
 def _(dout, q, k, v, kv_doc, out, lse, cp_rank, window, scale, enable_gqa, block_q, block_k):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, like the real outputs (inductor checks real strides against these)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
