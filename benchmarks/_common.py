@@ -1,0 +1,50 @@
+"""Shared helpers of the benchmark scripts: the machine line, the command line, tables, packed batches."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+
+import torch
+from tabulate import tabulate
+
+__all__ = ["machine", "command", "print_table", "packed_doc_lens"]
+
+
+def machine() -> str:
+    """One line naming the CPU, cores, load and torch version this run used."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cpu}, {os.cpu_count()} cores, load average {load:.1f} at start, torch {torch.__version__}"
+
+
+def command() -> str:
+    """The command that reproduces this run (from the repository root)."""
+    return "PYTHONPATH=. python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def print_table(title: str, rows: list[dict], floatfmt: str = ".3g") -> None:
+    print(f"\n### {title}\n")
+    print(f"machine: {machine()}")
+    print(f"command: `{command()}`\n")
+    print(tabulate(rows, headers="keys", tablefmt="github", floatfmt=floatfmt))
+
+
+def packed_doc_lens(total: int, rows: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """``rows`` rows of random document lengths in ``[lo, hi)`` that add up to ``total`` each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        lens: list[int] = []
+        while sum(lens) < total:
+            lens.append(int(torch.randint(lo, hi, (1,), generator=g)))
+        lens[-1] -= sum(lens) - total
+        out.append([n for n in lens if n > 0])
+    return out

@@ -1,0 +1,93 @@
+"""Forward+backward time per rank of the CP attention op, dense path vs block path, and computed/visible pairs.
+
+For CP size N, rank r runs the op on its c = T/N queries against all T keys; the time of a CP step is the
+slowest rank's. "whole" is the same op on the whole sequence in one process (N=1). One thread per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks._common import packed_doc_lens, print_table
+from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dense_cp_attention
+from cpcompile.plan import build_plan
+from cpcompile.testing import packed_batch
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seq", type=int, default=8192, help="global tokens per row")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--docs", default="256,4096", help="document length range lo,hi of the packed row")
+    ap.add_argument("--cp", default="1,2,4")
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    lo, hi = (int(x) for x in args.docs.split(","))
+    batch = packed_batch(packed_doc_lens(args.seq, 1, lo, hi))
+    g = torch.Generator().manual_seed(0)
+    D, H, Hkv = args.head_dim, args.heads, args.kv_heads
+    rows, whole = [], {}
+    for n in (int(x) for x in args.cp.split(",")):
+        plans = [build_plan(batch, n, r) for r in range(n)]
+        T = plans[0].padded_len
+        k = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
+        v = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
+        times = {"dense": [], "block": []}
+        computed = visible = 0
+        for plan in plans:
+            q = torch.randn(1, H, plan.chunk_len, D, generator=g, requires_grad=True)
+            dout = torch.randn(1, H, plan.chunk_len, D, generator=g)
+            kw = dict(cp_rank=plan.cp_rank, enable_gqa=True)
+
+            def dense(q=q, plan=plan, dout=dout, kw=kw):
+                torch.autograd.grad(dense_cp_attention(q, k, v, plan.doc_ids, **kw), (q, k, v), dout)
+
+            def block(q=q, plan=plan, dout=dout, kw=kw):
+                out = cp_attention(q, k, v, plan.doc_ids, block_q=args.block, block_k=args.block, **kw)
+                torch.autograd.grad(out, (q, k, v), dout)
+
+            times["dense"].append(_time(dense, args.repeats))
+            times["block"].append(_time(block, args.repeats))
+            c = plan.chunk_len
+            computed += computed_pairs(block_schedule(plan.doc_ids, plan.cp_rank * c, c, args.block, args.block), c, args.block)
+            visible += int(plan.mask(documents=True).sum())
+        for path in ("dense", "block"):
+            slowest = max(times[path])
+            whole.setdefault(path, slowest)
+            rows.append(
+                {
+                    "CP": n,
+                    "path": path,
+                    "slowest rank fwd+bwd (s)": slowest,
+                    "mean rank (s)": sum(times[path]) / n,
+                    "speedup vs whole": whole[path] / slowest,
+                    "speedup vs dense, same N": max(times["dense"]) / slowest,
+                    "computed/visible": (computed if path == "block" else n * plans[0].chunk_len * T) / visible,
+                }
+            )
+    print_table(
+        f"attention op fwd+bwd per rank: T={args.seq}, B=1, heads {H}/{Hkv} kv, head dim {D}, documents "
+        f"{lo}..{hi} tokens, block {args.block}, 1 thread",
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

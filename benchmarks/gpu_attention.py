@@ -1,0 +1,149 @@
+"""GPU (H200) check and benchmark of the CP attention op: fwd+bwd TFLOP/s of useful work at T_local 8k-32k.
+
+First checks the CUDA path (flex_attention with a BlockMask) against the dense reference (SDPA under the
+plan's mask) at a small size, forward and dQ/dK/dV, and stops if it differs. Then, for every T_local, times
+the last CP rank (the one with the most visible keys) on a packed global sequence of CP * T_local tokens, next
+to torch's own dense causal SDPA (``is_causal=True``) on one sequence with the same number of visible
+(query, key) pairs. Useful work counts visible pairs only: forward 4 * pairs * head_dim * heads FLOPs, backward
+2.5x forward (FlashAttention's convention), so fwd+bwd = 3.5x forward.
+
+``--dry-run`` runs the same logic on CPU at a tiny size (CPU kernel instead of flex, plus flex's forward
+alone, which compiles on CPU) to check the script without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from benchmarks._common import packed_doc_lens, print_table
+from cpcompile.kernels import cp_attention, dense_cp_attention
+from cpcompile.kernels import attention as _attention
+from cpcompile.plan import build_plan
+from cpcompile.testing import packed_batch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def check_parity(device, dtype) -> dict:
+    """cp_attention (flex on CUDA, block loop on CPU) vs dense SDPA under the plan mask; raises when off."""
+    batch = packed_batch([[300, 5, 400, 319], [1024]])
+    g = torch.Generator().manual_seed(0)
+    errors = {}
+    for rank in range(4):
+        plan = build_plan(batch, 4, rank)
+        T, c = plan.padded_len, plan.chunk_len
+        q, dout = (torch.randn(2, 8, c, 64, generator=g).to(device, dtype) for _ in range(2))
+        k, v = (torch.randn(2, 2, T, 64, generator=g).to(device, dtype) for _ in range(2))
+        docs = plan.doc_ids.to(device)
+        outs = []
+        for fn in (cp_attention, dense_cp_attention):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, docs, cp_rank=rank, enable_gqa=True)
+            outs.append((out, *torch.autograd.grad(out, leaves, dout)))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
+            errors[name] = max(errors.get(name, 0.0), (a.float() - b.float()).abs().max().item())
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    if max(errors.values()) > tol:
+        raise SystemExit(f"cp_attention differs from dense SDPA on {device} {dtype}: {errors} (tolerance {tol})")
+    return errors
+
+
+def check_flex_forward_on_cpu() -> float:
+    """Dry run only: flex's forward with the plan's BlockMask vs dense SDPA (CPU flex: inference, no lse)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch = packed_batch([[100, 3, 150], [253]])
+    plan = build_plan(batch, 2, 1)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, plan.chunk_len, 16, generator=g)
+    k, v = (torch.randn(2, 2, plan.padded_len, 16, generator=g) for _ in range(2))
+    block_mask = _attention._flex_block_mask(plan.doc_ids, plan.chunk_len, plan.chunk_len, -1)
+    with torch.no_grad():
+        out = torch.compile(flex_attention)(q, k, v, block_mask=block_mask, scale=0.25, enable_gqa=True)
+    ref = dense_cp_attention(q, k, v, plan.doc_ids, cp_rank=1, scale=0.25, enable_gqa=True)
+    return (out - ref).abs().max().item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--t-local", default="8192,16384,32768")
+    ap.add_argument("--cp", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--docs", default="1024,16384", help="document length range lo,hi of the packed row")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU, to check the script")
+    args = ap.parse_args()
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.t_local, args.heads, args.kv_heads, args.head_dim, args.docs = "256", 4, 2, 16, "64,512"
+        print(f"flex forward on CPU vs dense: max abs error {check_flex_forward_on_cpu():.2e}")
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU")
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    errors = check_parity(device, dtype)
+    print(f"parity vs dense SDPA ({device}, {dtype}): " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+
+    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    lo, hi = (int(x) for x in args.docs.split(","))
+    rows = []
+    for t_local in (int(x) for x in args.t_local.split(",")):
+        batch = packed_batch(packed_doc_lens(args.cp * t_local, 1, lo, hi))
+        plan = build_plan(batch, args.cp, args.cp - 1)
+        visible = int((plan.position_ids[:, plan.chunk_slice()] + 1).sum())  # keys 0..pos of its own document
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, H, t_local, D, generator=g).to(device, dtype).requires_grad_()
+        k, v = (torch.randn(1, Hkv, plan.padded_len, D, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
+        dout = torch.randn_like(q)
+        docs = plan.doc_ids.to(device)
+
+        def ours():
+            out = cp_attention(q, k, v, docs, cp_rank=plan.cp_rank, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        # one causal sequence with the same number of visible pairs: L (L + 1) / 2 = visible
+        L = int((math.isqrt(8 * visible + 1) - 1) // 2)
+        qs, ks, vs = (torch.randn(1, h, L, D, generator=g).to(device, dtype).requires_grad_() for h in (H, Hkv, Hkv))
+        douts = torch.randn_like(qs)
+
+        def sdpa():
+            out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, (qs, ks, vs), douts)
+
+        flops = 3.5 * 4 * H * D
+        t_ours, t_sdpa = _time(ours, device, args.repeats), _time(sdpa, device, args.repeats)
+        rows.append({"T_local": t_local, "global T": plan.padded_len, "visible pairs": visible,
+                     "cp_attention fwd+bwd (ms)": 1e3 * t_ours, "TFLOP/s": flops * visible / t_ours / 1e12,
+                     "causal SDPA length": L, "SDPA fwd+bwd (ms)": 1e3 * t_sdpa,
+                     "SDPA TFLOP/s": flops * L * (L + 1) / 2 / t_sdpa / 1e12,
+                     "TFLOP/s ours/SDPA": (visible / t_ours) / (L * (L + 1) / 2 / t_sdpa)})
+    print_table(
+        f"CP attention op, last of {args.cp} ranks, {device} {str(dtype).removeprefix('torch.')}, heads {H}/{Hkv} kv, "
+        f"head dim {D}, documents {lo}..{hi} tokens" + (" (DRY RUN: CPU, tiny)" if args.dry_run else ""),
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Tokens/s of a training step (forward+backward): cpcompile with inductor vs with aot_eager vs the unsharded
+eager model, CP=1/2/4, measured side by side in one run.
+
+Each rank is a CPU process (gloo, one thread); the step time is the slowest rank's median over the timed steps,
+after warm-up steps that compile. Tokens/s counts the global tokens of the batch (B * T).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks._common import packed_doc_lens, print_table
+
+
+def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: list, steps: int):
+    import torch
+    import torch.distributed as dist
+
+    import cpcompile
+    from cpcompile.testing import packed_batch, tiny_model
+
+    model = tiny_model("qwen3")
+    batch = packed_batch(doc_lens)
+    if inner == "unsharded eager":
+        def step():
+            model(**batch, use_cache=False).loss.backward()
+        barrier = lambda: None  # noqa: E731
+    else:
+        group = dist.new_group(list(range(world_size)))
+        compiled = torch.compile(model, backend=cpcompile.backend(group, inner=inner, attention=attention))
+
+        def step():
+            with cpcompile.shard(batch, group) as local:
+                compiled(**local).loss.backward()
+        barrier = lambda: dist.barrier(group)  # noqa: E731
+    t0 = time.perf_counter()
+    step()
+    step()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        barrier()
+        t0 = time.perf_counter()
+        step()
+        barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), compile_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--docs", default="64,1024", help="document length range lo,hi of the packed rows")
+    ap.add_argument("--cp", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--attention", default="auto")
+    args = ap.parse_args()
+    from tests._dist import run_distributed
+
+    lo, hi = (int(x) for x in args.docs.split(","))
+    doc_lens = packed_doc_lens(args.seq, args.batch, lo, hi)
+    tokens = args.seq * args.batch
+    rows = []
+    eager_s, _ = run_distributed(_worker, 1, "unsharded eager", args.attention, doc_lens, args.steps, timeout_s=900)[0]
+    rows.append({"CP": 1, "model": "unsharded eager", "step (ms)": 1e3 * eager_s, "tokens/s": tokens / eager_s,
+                 "vs unsharded eager": 1.0, "warm-up incl. compile (s)": 0.0})
+    for n in (int(x) for x in args.cp.split(",")):
+        for inner in ("inductor", "aot_eager"):
+            res = run_distributed(_worker, n, inner, args.attention, doc_lens, args.steps, timeout_s=900)
+            step_s = max(r[0] for r in res)
+            rows.append({"CP": n, "model": f"cpcompile inner={inner}", "step (ms)": 1e3 * step_s,
+                         "tokens/s": tokens / step_s, "vs unsharded eager": eager_s / step_s,
+                         "warm-up incl. compile (s)": max(r[1] for r in res)})
+    print_table(
+        f"training step throughput: tiny qwen3 (2 layers, hidden 64), B={args.batch}, T={args.seq}, documents "
+        f"{lo}..{hi} tokens, attention={args.attention}, 1 thread per rank",
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
