@@ -9,7 +9,7 @@ import torch
 
 import cpcompile
 from cpcompile import _compat
-from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dense_cp_attention
+from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dense_cp_attention, varlen_layout
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
 from tests._dist import run_distributed
@@ -125,6 +125,38 @@ def test_schedule_skips_masked_blocks():
             # query i sees its own document's keys 0..position_ids[i] (positions restart at every document)
             visible += int((plan.position_ids[:, plan.chunk_slice()] + 1).sum())
         assert visible <= computed <= 1.25 * visible, (n, computed / visible)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_varlen_layout_reproduces_plan_mask(window):
+    """The flash-attn varlen segments (CUDA path) with bottom-right causal alignment, emulated here with SDPA per
+    segment, give the plan-mask attention of every rank (flash-attn itself needs a GPU)."""
+    batch = packed_batch([[40, 3, 70, 44], [1, 100, 56]])
+    g = torch.Generator().manual_seed(1)
+    for r in range(4):
+        plan = build_plan(batch, 4, r)
+        B, c, T = 2, plan.chunk_len, plan.padded_len
+        q = torch.randn(B, 4, c, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(B, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        layout = varlen_layout(plan.doc_ids, r * c, c)
+        q_flat = q.transpose(1, 2).reshape(B * c, 4, 8)
+        out = torch.empty_like(q_flat)
+        for s, (b, ks, ke) in enumerate(layout.keys):
+            q0, q1 = layout.cu_q[s], layout.cu_q[s + 1]
+            assert layout.cu_k[s + 1] - layout.cu_k[s] == ke - ks
+            nq, nk = q1 - q0, ke - ks
+            qi = torch.arange(nq)[:, None] + (nk - nq)  # bottom-right aligned query positions among the keys
+            kj = torch.arange(nk)[None, :]
+            mask = (kj <= qi) & ((kj > qi - window) if window else True)
+            seg = torch.nn.functional.scaled_dot_product_attention(
+                q_flat[q0:q1].transpose(0, 1), k[b, :, ks:ke], v[b, :, ks:ke], attn_mask=mask, enable_gqa=True
+            )
+            out[q0:q1] = seg.transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=plan.mask(documents=True, window=window), enable_gqa=True
+        )
+        # fp64 on both sides, same softmax over the same keys: only summation order differs
+        torch.testing.assert_close(out.view(B, c, 4, 8).transpose(1, 2), ref, atol=1e-12, rtol=1e-12)
 
 
 def test_bad_inputs_are_rejected():

@@ -13,9 +13,12 @@ Implementations, chosen by the device of ``q``:
   :data:`SPAN_KEYS` keys), the others with a block-sized mask. Online softmax in fp32; the backward recomputes
   the scores per block from the saved logsumexp. GQA without expanding K/V: query head ``h`` uses KV head
   ``h // n_rep`` and the ``n_rep`` query heads of one KV head are stacked into one matmul.
-* CUDA: ``flex_attention`` (compiled) with a ``BlockMask`` built from the same doc ids and offset; its backward
-  recomputes flex's forward under autograd. This path has not been run yet (no GPU was available when it was
-  written); ``benchmarks/gpu_attention.py`` checks and times it.
+* CUDA: flash-attn's varlen kernel when ``flash_attn`` is installed and q is fp16/bf16 (one segment per run of
+  local queries of one document, keys from the document's start: :func:`varlen_layout`), else
+  ``flex_attention`` (compiled) with a ``BlockMask`` built from the same doc ids and offset. The backward
+  recomputes that forward under autograd. These paths have not been run yet (no GPU was available when they
+  were written; the varlen layout and flex's mask are checked on CPU); ``benchmarks/gpu_attention.py``
+  checks and times them.
 
 Fully masked query rows (not produced by plan masks, where every token sees itself) give 0 output and zero
 gradients, like CPU SDPA.
@@ -31,7 +34,16 @@ import torch
 from cpcompile import _compat
 from cpcompile.plan import visible_blocks
 
-__all__ = ["SPAN_KEYS", "BlockPiece", "block_schedule", "computed_pairs", "cp_attention", "dense_cp_attention"]
+__all__ = [
+    "SPAN_KEYS",
+    "BlockPiece",
+    "VarlenLayout",
+    "block_schedule",
+    "computed_pairs",
+    "cp_attention",
+    "dense_cp_attention",
+    "varlen_layout",
+]
 
 #: Longest run of unmasked keys multiplied in one matmul (bounds the score buffer to block_q x SPAN_KEYS).
 SPAN_KEYS = 1024
@@ -232,10 +244,77 @@ def _flex_forward(q, k, v, kv_doc, q_offset, window, scale, enable_gqa):
     return out.contiguous(), lse.float().contiguous()
 
 
-def _flex_backward(dout, q, k, v, kv_doc, q_offset, window, scale, enable_gqa):
+@dataclasses.dataclass(frozen=True)
+class VarlenLayout:
+    """flash-attn varlen segments of one rank: every run of local queries of one document, with its keys.
+
+    Queries stay in their ``[B, c]`` order, so segment ``s`` is rows ``cu_q[s]:cu_q[s+1]`` of the flattened
+    ``[B * c]`` queries; its keys are ``keys[s] = (b, start, end)``, from the start of the document up to the
+    segment's last query, so bottom-right causal alignment gives exactly the plan's mask.
+    """
+
+    cu_q: list[int]
+    cu_k: list[int]
+    keys: list[tuple[int, int, int]]
+    max_q: int
+    max_k: int
+
+
+def varlen_layout(kv_doc: torch.Tensor, q_offset: int, q_len: int) -> VarlenLayout:
+    """The :class:`VarlenLayout` of queries ``[q_offset, q_offset + q_len)`` of every row of ``kv_doc``."""
+    vb = visible_blocks(kv_doc, q_offset, q_len, 1, 1)  # one-token query blocks: lo = start of each query's document
+    doc_start = vb.lo.tolist()
+    cu_q, cu_k, keys = [0], [0], []
+    for b, starts in enumerate(doc_start):
+        i = 0
+        while i < q_len:
+            j = i
+            while j + 1 < q_len and starts[j + 1] == starts[i]:
+                j += 1
+            keys.append((b, starts[i], q_offset + j + 1))
+            cu_q.append(cu_q[-1] + j + 1 - i)
+            cu_k.append(cu_k[-1] + q_offset + j + 1 - starts[i])
+            i = j + 1
+    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    return VarlenLayout(cu_q, cu_k, keys, max_q, max_k)
+
+
+def _flash_varlen_forward(q, k, v, kv_doc, q_offset, window, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    B, H, c, _ = q.shape
+    layout = varlen_layout(kv_doc, q_offset, c)
+    q_cat = q.transpose(1, 2).reshape(B * c, H, q.shape[3])
+    k_cat = torch.cat([k[b, :, s:e].transpose(0, 1) for b, s, e in layout.keys])
+    v_cat = torch.cat([v[b, :, s:e].transpose(0, 1) for b, s, e in layout.keys])
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=q.device) for x in (layout.cu_q, layout.cu_k))
+    out, lse, _ = flash_attn_varlen_func(
+        q_cat, k_cat, v_cat, cu_q, cu_k, layout.max_q, layout.max_k, softmax_scale=scale, causal=True,
+        window_size=(window - 1, 0) if window > 0 else (-1, -1), return_attn_probs=True,
+    )
+    out = out.view(B, c, H, -1).transpose(1, 2).contiguous()
+    return out, lse.float().view(H, B, c).transpose(0, 1).contiguous()
+
+
+def _use_flash_varlen(q) -> bool:
+    """flash-attn's varlen kernel when it is installed and supports the dtype; flex_attention otherwise."""
+    import importlib.util
+
+    return q.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
+
+
+def _cuda_forward(q, k, v, kv_doc, q_offset, window, scale, enable_gqa):
+    if _use_flash_varlen(q):
+        return _flash_varlen_forward(q, k, v, kv_doc, q_offset, window, scale)
+    return _flex_forward(q, k, v, kv_doc, q_offset, window, scale, enable_gqa)
+
+
+def _cuda_backward(dout, q, k, v, kv_doc, q_offset, window, scale, enable_gqa):
+    """Recomputes the forward under autograd (flex/flash-attn's own backward kernels run inside)."""
     with _compat.autograd_inside_custom_op():
         q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-        out, _ = _flex_forward(q_, k_, v_, kv_doc, q_offset, window, scale, enable_gqa)
+        out, _ = _cuda_forward(q_, k_, v_, kv_doc, q_offset, window, scale, enable_gqa)
         grads = torch.autograd.grad(out, (q_, k_, v_), dout)
     return tuple(g.contiguous() for g in grads)
 
@@ -259,7 +338,7 @@ def _cp_attention_op(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q_offset = cp_rank * q.shape[2]
     if q.device.type == "cuda":
-        return _flex_forward(q, k, v, kv_doc, q_offset, window, scale, enable_gqa)
+        return _cuda_forward(q, k, v, kv_doc, q_offset, window, scale, enable_gqa)
     return _cpu_forward(q, k, v, kv_doc, q_offset, window, scale, block_q, block_k)
 
 
@@ -290,7 +369,7 @@ def _cp_attention_backward_op(
     q_offset = cp_rank * q.shape[2]
     dout = dout.contiguous()
     if q.device.type == "cuda":
-        return _flex_backward(dout, q, k, v, kv_doc, q_offset, window, scale, enable_gqa)
+        return _cuda_backward(dout, q, k, v, kv_doc, q_offset, window, scale, enable_gqa)
     return _cpu_backward(dout, q, k, v, kv_doc, out, lse, q_offset, window, scale, block_q, block_k)
 
 
