@@ -12,10 +12,13 @@ import torch.distributed._functional_collectives as _fc
 __all__ = [
     "SDPA_TARGETS",
     "all_gather_into",
+    "all_gather_start",
+    "all_gather_wait",
     "all_gather_seq",
     "group_name_of",
     "lookup_inner_backend",
     "node_module_path",
+    "must_recompute_meta",
     "statically_true",
 ]
 
@@ -35,6 +38,32 @@ def all_gather_seq(t: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     Dynamo/AOTAutograd (functional collectives).
     """
     return _all_gather_autograd(t.contiguous(), dim, group_name)
+
+
+def _tracing() -> bool:
+    # torch 2.11-2.13: private helper telling whether functional collectives are being traced.
+    return _fc._are_we_tracing()
+
+
+def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Tensor:
+    """Issue an all-gather of ``[B, H, c, D]`` ``t`` along the sequence dim; finish with :func:`all_gather_wait`.
+
+    Split in two so that a graph can issue the collective as soon as ``t`` exists and wait only where the
+    result is used, leaving the work in between to overlap with the transfer. Autograd: the backward of the
+    pair is a sum reduce-scatter (torch 2.11-2.13: ``_c10d_functional.all_gather_into_tensor`` carries
+    autograd; ``wait_tensor`` passes the gradient through).
+    """
+    seq_first = t.permute(2, 0, 1, 3).contiguous()  # [c, B, H, D]: chunks concatenate along dim 0
+    out = torch.ops._c10d_functional.all_gather_into_tensor(seq_first, cp_size, group_name)
+    # Traced (AOTAutograd), the wait is an explicit node; eagerly, an AsyncCollectiveTensor waits on first use.
+    return out if _tracing() else _fc._maybe_wrap_tensor(out)
+
+
+def all_gather_wait(started: torch.Tensor) -> torch.Tensor:
+    """Wait for :func:`all_gather_start` and return the gathered ``[B, H, N*c, D]`` tensor (a view)."""
+    if _tracing():
+        started = torch.ops._c10d_functional.wait_tensor(started)
+    return started.permute(1, 2, 0, 3)
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -81,6 +110,14 @@ def _clean_module_path(path: str) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.lstrip(".")
+
+
+def must_recompute_meta() -> dict:
+    """Node metadata that makes AOTAutograd's partitioner recompute a node in backward instead of saving its
+    output (torch 2.11-2.13: ``CheckpointPolicy`` tags, copied onto traced nodes via ``_COPY_META_FIELDS``)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return {"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0}
 
 
 def statically_true(expr: object) -> bool:

@@ -25,6 +25,11 @@ class BackendOptions:
 
     #: Compiler the rewritten graph is handed to: ``inductor`` (default), ``aot_eager`` or ``eager``.
     inner: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    #: Keep only the local K/V between forward and backward and all-gather them again in backward:
+    #: per attention call, (N-1)/N of the gathered K/V memory saved for one more all-gather of K and V.
+    #: Off by default (communication is usually the scarcer resource). Honoured by inner compilers that
+    #: partition with AOTAutograd (``inductor``, ``aot_eager``).
+    regather_kv_in_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
@@ -65,13 +70,19 @@ class CPBackend:
             cp_size=self.cp_size,
             graph_id=graph_id,
             site_prefix=f"backend{self._id}/graph{graph_id}",
+            regather_kv=self.options.regather_kv_in_backward,
         )
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
 
 
-def backend(cp_group: dist.ProcessGroup, *, inner: Literal["inductor", "aot_eager", "eager"] = "inductor") -> CPBackend:
+def backend(
+    cp_group: dist.ProcessGroup,
+    *,
+    inner: Literal["inductor", "aot_eager", "eager"] = "inductor",
+    regather_kv_in_backward: bool = False,
+) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
@@ -80,8 +91,9 @@ def backend(cp_group: dist.ProcessGroup, *, inner: Literal["inductor", "aot_eage
     Args:
         cp_group: the context-parallel process group (the ranks that share one sequence).
         inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
+        regather_kv_in_backward: see :attr:`BackendOptions.regather_kv_in_backward`.
     """
-    return CPBackend(cp_group, BackendOptions(inner=inner))
+    return CPBackend(cp_group, BackendOptions(inner=inner, regather_kv_in_backward=regather_kv_in_backward))
 
 
 _registry_backends: dict[str, CPBackend] = {}
