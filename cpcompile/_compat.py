@@ -62,7 +62,9 @@ def lookup_inner_backend(name: str):
 def node_module_path(node: torch.fx.Node) -> str:
     """The qualified module path of the module that made ``node`` (Dynamo's ``nn_module_stack`` metadata).
 
-    Dynamo names modules like ``L['self'].model.layers[0].self_attn``; this returns ``model.layers.0.self_attn``.
+    Dynamo names modules like ``L['self'].model.layers[0].self_attn`` (``torch.compile(fn)``) or
+    ``L['args'][0].model.layers[0].self_attn`` (``torch.compile(module)`` in torch 2.13, which traces the
+    module as the first argument of its call); both give ``model.layers.0.self_attn``.
     Returns ``""`` when the node carries no module stack.
     """
     stack = node.meta.get("nn_module_stack")
@@ -75,9 +77,9 @@ def node_module_path(node: torch.fx.Node) -> str:
 def _clean_module_path(path: str) -> str:
     import re
 
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"^L\['self'\]\.?|^L\['args'\]\[0\]\.?", "", path)
+    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.lstrip(".")
