@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import math
 import os
 import re
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ __all__ = [
     "Inspection",
     "RankTotals",
     "SiteRow",
+    "TracedGraph",
     "attention_pattern_image",
     "inspect_model",
     "load_model",
@@ -103,7 +103,9 @@ class RankTotals:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Graph:
+class TracedGraph:
+    """One graph Dynamo traced for one rank: its code before and after the pass and what the pass reported."""
+
     rank: int
     graph: int
     before: str
@@ -133,7 +135,7 @@ class Inspection:
     plan: CPPlan
     #: Whether the rewritten sites use the packed-document mask (bool-mask form) or plain causal order.
     documents: bool
-    graphs: tuple[_Graph, ...] = dataclasses.field(repr=False)
+    graphs: tuple[TracedGraph, ...] = dataclasses.field(repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -421,7 +423,9 @@ def inspect_model(
 
     The model is called in train mode the way :func:`cpcompile.shard` calls it in training (local chunk,
     global ``position_ids``, ``shift_labels``, ``use_cache=False``), under a fake process group, once per rank.
-    Raises ``ValueError`` for bad arguments, ``RuntimeError`` when tracing fails.
+    It needs a process without an initialized default process group, and clears torch.compile's caches
+    (``torch.compiler.reset()``) around every trace. Raises ``ValueError`` for bad arguments,
+    ``RuntimeError`` when tracing fails.
     """
     from cpcompile.testing import packed_batch
 
@@ -446,7 +450,7 @@ def inspect_model(
     param = next(iter(net.parameters()), None)
     model_dtype = str(param.dtype if param is not None else torch.get_default_dtype()).removeprefix("torch.")
 
-    graphs: list[_Graph] = []
+    graphs: list[TracedGraph] = []
     for rank in ranks:
         graphs += _trace_rank(net, batch, rank, cp_size, device, model)
     plan = build_plan(batch, cp_size, 0)
@@ -473,7 +477,7 @@ def inspect_model(
     )
 
 
-def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> list[_Graph]:
+def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> list[TracedGraph]:
     from cpcompile.runtime import shard
 
     with _compat.fake_process_group(rank, cp_size) as group:
@@ -490,12 +494,12 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> 
         finally:
             torch.compiler.reset()
     return [
-        _Graph(rank, n, g["before"], g["after"], g["reports"], g["grad_flags"], g["calls"])
+        TracedGraph(rank, n, g["before"], g["after"], g["reports"], g["grad_flags"], g["calls"])
         for n, g in enumerate(capture.graphs)
     ]
 
 
-def _rows(graphs: list[_Graph], cp_size: int):
+def _rows(graphs: list[TracedGraph], cp_size: int):
     for g in graphs:
         for rep in g.reports:
             rec = site_record(rep, cp_size, g.grad_flags.get(rep.node, (False, False)))

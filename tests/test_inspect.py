@@ -310,3 +310,15 @@ def test_pattern_picture_of_a_long_sequence_uses_blocks():
     assert cell(0, 50, 10) == masked  # row 0: query 150 is in document 2, keys 30..32 in document 1
     assert cell(0, 50, 40) == own  # keys 120..122: same document, earlier, on rank 1 like the query
     assert cell(0, 10, 5) != cell(1, 50, 40)  # rank 0's rows have rank 0's colour
+
+
+def test_meta_trace_matches_a_real_cpu_trace_in_bfloat16(configs):
+    kwargs = dict(cp_size=2, seq_len=16, doc_lens=[[5, 11]], ranks=[1], dtype="bfloat16")
+    meta = cpcompile.inspect_model(configs["llama"], **kwargs)
+    real = cpcompile.inspect_model(configs["llama"], device="cpu", **kwargs)
+    assert meta.rows == real.rows and len(meta.rows) == 2
+    # the same graph, up to the device of the tensors the model creates inside it (arange for the mask)
+    assert meta.graphs[0].after.replace("device(type='meta')", "device(type='cpu')") == real.graphs[0].after
+    for row in meta.rows:
+        assert row.dtype == "bfloat16"
+        assert row.all_gather_bytes_per_call == sum((2 - 1) * math.prod(s) * 2 for s in row.gathered_shapes)
