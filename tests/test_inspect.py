@@ -223,6 +223,7 @@ def test_model_without_sdpa_says_so_and_exits_zero(capsys, tmp_path):
         (["no_such_module_xyz:make", "--cp-size", "2", "--seq-len", "16"], "cannot import module 'no_such_module_xyz'"),
         (["cpcompile.testing:no_such_factory", "--cp-size", "2", "--seq-len", "16"], "has no attribute 'no_such_factory'"),
         (["cpcompile.testing:FAMILIES", "--cp-size", "2", "--seq-len", "16"], "is a dict, not a function"),
+        (["{emptyjson}", "--cp-size", "2", "--seq-len", "16"], "should have a `model_type` key"),
         (["{llama}", "--cp-size", "0", "--seq-len", "16"], "cp_size must be a positive int"),
         (["{llama}", "--cp-size", "32", "--seq-len", "16"], "CP size 32 does not fit a sequence of 16 tokens"),
         (["{llama}", "--cp-size", "2", "--seq-len", "16", "--docs", "4,4"], "sums to 8 tokens, but seq_len is 16"),
@@ -234,11 +235,12 @@ def test_model_without_sdpa_says_so_and_exits_zero(capsys, tmp_path):
 def test_bad_arguments_exit_2_with_a_message(argv, message, configs, tmp_path, capsys):
     (tmp_path / "nonempty").mkdir()
     (tmp_path / "nonempty" / "old.txt").write_text("x")
-    argv = [a.format(llama=configs["llama"], nonempty=tmp_path / "nonempty") for a in argv]
+    (tmp_path / "empty.json").write_text("{}")
+    argv = [a.format(llama=configs["llama"], nonempty=tmp_path / "nonempty", emptyjson=tmp_path / "empty.json") for a in argv]
     with pytest.raises(SystemExit) as exc:
         main(["inspect", *argv])
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message.lower() in capsys.readouterr().err.lower()
 
 
 def test_console_entry_point_exit_code_and_message():
