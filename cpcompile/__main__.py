@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -70,8 +71,6 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from cpcompile.inspect import inspect_model, write_dump
 
     if args.dump is not None:
-        import os
-
         if os.path.isdir(args.dump) and os.listdir(args.dump):
             parser.error(f"--dump {args.dump}: the folder is not empty; pass a new or empty folder")
     try:

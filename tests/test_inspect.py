@@ -324,3 +324,10 @@ def test_meta_trace_matches_a_real_cpu_trace_in_bfloat16(configs):
     for row in meta.rows:
         assert row.dtype == "bfloat16"
         assert row.all_gather_bytes_per_call == sum((2 - 1) * math.prod(s) * 2 for s in row.gathered_shapes)
+
+
+def test_a_model_that_cannot_be_called_like_a_causal_lm_exits_1(capsys):
+    # nn.Identity takes one positional input, not the causal-LM keyword batch
+    assert main(["inspect", "torch.nn:Identity", "--cp-size", "2", "--seq-len", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "tracing 'torch.nn:Identity' as rank 0 of 2 on meta failed" in err and "input_ids" in err
