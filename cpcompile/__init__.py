@@ -7,9 +7,12 @@ Main API::
         out = model(**local)
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
+
+What the backend does to a model, without a cluster: ``cpcompile inspect`` (:func:`inspect_model`).
 """
 
 from cpcompile.backend import BackendOptions, CPBackend, backend
+from cpcompile.inspect import Inspection, SiteRow, inspect_model, write_dump
 from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
 from cpcompile.plan import CPPlan, build_plan
 from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
@@ -19,8 +22,10 @@ __all__ = [
     "CPBackend",
     "CPPlan",
     "CommStats",
+    "Inspection",
     "MaskMismatchError",
     "SiteReport",
+    "SiteRow",
     "UnsupportedAttentionError",
     "backend",
     "build_plan",
@@ -28,6 +33,8 @@ __all__ = [
     "counters",
     "current_plan",
     "gather",
+    "inspect_model",
     "shard",
     "sync_grads",
+    "write_dump",
 ]

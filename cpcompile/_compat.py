@@ -5,6 +5,9 @@ Each helper names the torch releases it was checked against.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fc
@@ -15,6 +18,7 @@ __all__ = [
     "all_gather_start",
     "all_gather_wait",
     "all_gather_seq",
+    "fake_process_group",
     "group_name_of",
     "lookup_inner_backend",
     "node_module_path",
@@ -91,7 +95,9 @@ def lookup_inner_backend(name: str):
 def node_module_path(node: torch.fx.Node) -> str:
     """The qualified module path of the module that made ``node`` (Dynamo's ``nn_module_stack`` metadata).
 
-    Dynamo names modules like ``L['self'].model.layers[0].self_attn``; this returns ``model.layers.0.self_attn``.
+    Dynamo names modules like ``L['self'].model.layers[0].self_attn`` (``torch.compile(fn)``) or
+    ``L['args'][0].model.layers[0].self_attn`` (``torch.compile(module)`` in torch 2.13, which traces the
+    module as the first argument of its call); both give ``model.layers.0.self_attn``.
     Returns ``""`` when the node carries no module stack.
     """
     stack = node.meta.get("nn_module_stack")
@@ -104,9 +110,9 @@ def node_module_path(node: torch.fx.Node) -> str:
 def _clean_module_path(path: str) -> str:
     import re
 
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"^L\['self'\]\.?|^L\['args'\]\[0\]\.?", "", path)
+    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.lstrip(".")
@@ -125,3 +131,26 @@ def statically_true(expr: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(expr))
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[dist.ProcessGroup]:
+    """A default process group of ``world_size`` in which this one process is ``rank``; no communication.
+
+    Collectives on it return without moving data, so one process can trace what rank ``rank`` of a CP
+    group would compile. Uses the ``"fake"`` backend and ``FakeStore`` from
+    ``torch.testing._internal.distributed.fake_pg`` (private; torch 2.11-2.13). The group is destroyed on exit.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a default torch.distributed process group is already initialized in this process; cpcompile "
+            "inspect traces every rank in one process with its own fake group, so run it in a separate "
+            "process (the `cpcompile inspect` command), or use the backend's dump_dir option inside training"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat
+from cpcompile import _compat, dump
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 
 __all__ = ["BackendOptions", "CPBackend", "backend"]
 
 _INNER = ("inductor", "aot_eager", "eager")
+#: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
+DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
+
+
+def _env_dump_dir() -> str | None:
+    return os.environ.get(DUMP_DIR_ENV) or None
 _backend_ids = itertools.count()
 
 
@@ -30,10 +37,17 @@ class BackendOptions:
     #: Off by default (communication is usually the scarcer resource). Honoured by inner compilers that
     #: partition with AOTAutograd (``inductor``, ``aot_eager``).
     regather_kv_in_backward: bool = False
+    #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
+    #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
+    dump_dir: str | None = dataclasses.field(default_factory=_env_dump_dir)
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
             raise ValueError(f"inner={self.inner!r} is not a known inner compiler; choose one of {_INNER}")
+        if self.dump_dir is not None:
+            if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
+                raise ValueError(f"dump_dir={self.dump_dir!r} must be a folder path (str or os.PathLike), or None")
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 
 
 class CPBackend:
@@ -61,10 +75,14 @@ class CPBackend:
         self.reports: list[SiteReport] = []
         self._id = next(_backend_ids)
         self._graphs = itertools.count()
+        self._dump = None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
-        self.reports += cp_attention_pass(
+        if self._dump is not None:
+            title = f"rank {self._dump.rank}, backend {self._id}, graph {graph_id}"
+            before, grad_flags = dump.graph_source(gm, f"{title}: as Dynamo traced it"), dump.site_grad_flags(gm)
+        reports = cp_attention_pass(
             gm,
             group_name=self.group_name,
             cp_size=self.cp_size,
@@ -72,6 +90,10 @@ class CPBackend:
             site_prefix=f"backend{self._id}/graph{graph_id}",
             regather_kv=self.options.regather_kv_in_backward,
         )
+        self.reports += reports
+        if self._dump is not None:
+            after = dump.graph_source(gm, f"{title}: after the cpcompile cp_attention pass")
+            self._dump.add_graph(before, after, reports, grad_flags)
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
@@ -82,6 +104,7 @@ def backend(
     *,
     inner: Literal["inductor", "aot_eager", "eager"] = "inductor",
     regather_kv_in_backward: bool = False,
+    dump_dir: str | os.PathLike | None = None,
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
@@ -92,8 +115,14 @@ def backend(
         cp_group: the context-parallel process group (the ranks that share one sequence).
         inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
         regather_kv_in_backward: see :attr:`BackendOptions.regather_kv_in_backward`.
+        dump_dir: write every graph before and after the pass, and a summary of its SDPA sites, to
+            ``dump_dir/rank{r}/`` (``graph{n}_before.py``, ``graph{n}_after.py``, ``summary.json``) as it
+            compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
     """
-    return CPBackend(cp_group, BackendOptions(inner=inner, regather_kv_in_backward=regather_kv_in_backward))
+    options: dict = {"inner": inner, "regather_kv_in_backward": regather_kv_in_backward}
+    if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
+        options["dump_dir"] = dump_dir
+    return CPBackend(cp_group, BackendOptions(**options))
 
 
 _registry_backends: dict[str, CPBackend] = {}
