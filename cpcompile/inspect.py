@@ -59,7 +59,7 @@ class SiteRow:
     k_shape: tuple
     v_shape: tuple
     dtype: str
-    #: Heads of the query and of the key as the SDPA call sees them (``q_shape[1]``, ``k_shape[1]``).
+    #: Query heads (``q_shape[1]``) and the model's key/value heads (before any ``repeat_kv`` expansion).
     q_heads: int
     kv_heads: int
     #: ``bool-mask`` (mask built in the graph), ``float-mask``, ``is_causal`` or ``none``.
@@ -515,7 +515,7 @@ def _rows(graphs: list[TracedGraph], cp_size: int):
                 v_shape=rep.v_shape,
                 dtype=rep.dtype,
                 q_heads=rep.q_shape[1] if len(rep.q_shape) == 4 else 0,
-                kv_heads=rep.k_shape[1] if len(rep.k_shape) == 4 else 0,
+                kv_heads=rep.kv_heads,
                 mask_form=rep.mask_form,
                 enable_gqa=rep.enable_gqa,
                 action=rep.action,

@@ -102,13 +102,12 @@ def test_cli_table_and_summary_rows_llama(cli_llama):
         assert s["action"] == "rewritten" and s["mask_form"] == "bool-mask" and not s["enable_gqa"]
         assert s["q_shape"] == [1, config.num_attention_heads, c, config.head_dim]
         assert s["q_heads"] == config.num_attention_heads
-        # K/V reach SDPA after repeat_kv (query heads) or before it (KV heads): both are honest readings.
-        assert s["kv_heads"] in (config.num_key_value_heads, config.num_attention_heads)
+        assert s["kv_heads"] == config.num_key_value_heads
         assert len(s["gathered_shapes"]) == 2
         expected = 0
         for shape in s["gathered_shapes"]:
             assert shape[0] == 1 and shape[2] == c and shape[3] == config.head_dim
-            assert shape[1] in (config.num_key_value_heads, config.num_attention_heads)
+            assert shape[1] == config.num_key_value_heads  # gathered before repeat_kv: KV heads only
             expected += _gather_bytes(shape, 2, "float32")
         assert s["all_gather_bytes_per_call"] == expected
         assert s["calls_per_forward"] == 1
@@ -154,8 +153,9 @@ def test_cli_dump_files_png_and_graph_code(cli_llama):
     for rank in (0, 1):
         before = open(os.path.join(dump, f"rank{rank}", "graph0_before.py")).read()
         after = open(os.path.join(dump, f"rank{rank}", "graph0_after.py")).read()
-        assert "cpcompile__compat_all_gather_seq(" not in before and "plan_mask.default(" not in before
-        assert after.count("= cpcompile__compat_all_gather_seq(") == 4  # K and V of 2 layers
+        assert "cpcompile__compat_all_gather_start(" not in before and "plan_mask.default(" not in before
+        assert after.count("= cpcompile__compat_all_gather_start(") == 4  # K and V of 2 layers
+        assert after.count("= cpcompile__compat_all_gather_wait(") == 4
         assert after.count("torch.ops.cpcompile.plan_mask.default(") == 2
         for code in (before, after):
             namespace = {}
@@ -283,7 +283,7 @@ def test_training_dump_matches_inspect_prediction(qwen3_inspection, tmp_path):
             summary = json.load(f)
         sites = summary["graphs"][0]["sites"]
         assert summary["rank"] == rank and [s["action"] for s in sites] == ["rewritten", "rewritten"]
-        assert "cpcompile__compat_all_gather_seq(" in (tmp_path / f"rank{rank}" / "graph0_after.py").read_text()
+        assert "cpcompile__compat_all_gather_start(" in (tmp_path / f"rank{rank}" / "graph0_after.py").read_text()
         predicted = [r for r in qwen3_inspection.rows if r.rank == rank]
         totals = qwen3_inspection.totals[rank]
         # what inspect predicted from one fake-group trace == what the runtime counted in the real step

@@ -92,6 +92,8 @@ class SiteReport:
     dtype: str
     mask_form: str
     enable_gqa: bool
+    #: The model's key/value heads: of the ``repeat_kv`` source when SDPA got expanded K/V, else of K.
+    kv_heads: int
     #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless rewritten.
     gathered_shapes: tuple
     action: str  # "rewritten" | "refused" | "untouched"
@@ -343,6 +345,7 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "") -> Sit
         dtype=str(q.dtype).removeprefix("torch.") if q is not None else "?",
         mask_form=site.mask_form,
         enable_gqa=bool(site.enable_gqa),
+        kv_heads=int(gk.shape[1]) if gk is not None and gk.dim() == 4 else 0,
         gathered_shapes=(_shape(gk), _shape(gv)) if action == "rewritten" else (),
         action=action,
         reason=reason,
