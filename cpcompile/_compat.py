@@ -17,7 +17,6 @@ __all__ = [
     "all_gather_into",
     "all_gather_start",
     "all_gather_wait",
-    "all_gather_seq",
     "fake_process_group",
     "group_name_of",
     "lookup_inner_backend",
@@ -28,21 +27,6 @@ __all__ = [
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
-
-# torch 2.13: `all_gather_single_autograd` (an alias of `all_gather_single`, whose op carries autograd).
-# torch 2.11-2.12: `all_gather_tensor_autograd`. Both backprop as a sum reduce-scatter.
-_all_gather_autograd = getattr(_fc, "all_gather_single_autograd", None) or _fc.all_gather_tensor_autograd
-
-
-def all_gather_seq(t: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """All-gather ``t`` along ``dim`` over the group called ``group_name``, with autograd.
-
-    Forward: concatenation of every rank's ``t`` in rank order. Backward: sum reduce-scatter of the gradient,
-    so each rank receives the sum over ranks of the gradient of its own slice. Works eagerly and traced by
-    Dynamo/AOTAutograd (functional collectives).
-    """
-    return _all_gather_autograd(t.contiguous(), dim, group_name)
-
 
 def _tracing() -> bool:
     # torch 2.11-2.13: private helper telling whether functional collectives are being traced.
