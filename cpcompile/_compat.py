@@ -13,6 +13,7 @@ __all__ = [
     "SDPA_TARGETS",
     "all_gather_into",
     "all_gather_seq",
+    "flatten_mesh",
     "group_name_of",
     "lookup_inner_backend",
     "node_module_path",
@@ -88,3 +89,12 @@ def statically_true(expr: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(expr))
+
+
+def flatten_mesh(mesh, name: str):
+    """The 1-D mesh over all ranks of the (sub)mesh ``mesh``, registered on its root mesh as ``name``.
+
+    torch 2.11-2.13: ``DeviceMesh._flatten`` (private; creates the flattened process group once, later calls
+    return the cached mesh, and ``root_mesh[name]`` finds it).
+    """
+    return mesh._flatten(name)
