@@ -4,9 +4,10 @@ One spawned run of 4 gloo processes (module fixture ``runs``) trains the same 3 
 (dp, cp) = (1, 2) [inductor] and (2, 1) side by side on ranks {0, 1} and {2, 3}, then (1, 1) on rank 3, then
 (2, 2) on all four, plus two wrong setups that must fail: the seed's (FSDP over the dp mesh only, the CP
 ranks' partial gradients never summed) and FSDP's default averaging over dp x cp. The same run checks
-gathered log-probs / entropy / per-sample means with CP=4 and ``clip_grad_norm_`` on DTensor gradients.
-Every expected value comes from the unsharded eager model (or ``torch.nn.utils.clip_grad_norm_``) in the
-pytest process.
+gathered log-probs / entropy / per-sample means with CP=4, ``clip_grad_norm_`` on DTensor gradients and
+examples/train_fsdp_cp.py's training function (dp=2, cp=2) with its own single-process check. Every
+expected value comes from the unsharded eager model (or ``torch.nn.utils.clip_grad_norm_``) in the pytest
+process.
 """
 
 from __future__ import annotations
@@ -251,7 +252,24 @@ def _worker(rank: int, world: int):
     res["averaged_dp2_cp2"], _ = _train(m22, inner="aot_eager", mode="averaged", be=be)
     res["logprobs"] = _logprobs(world)
     res["clip"] = _clip(rank, world)
+    res["example"] = _example()
     return res
+
+
+def _example():
+    """examples/train_fsdp_cp.py's training function with dp=2, cp=2 and --check (its own comparison)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_fsdp_cp.py"
+    spec = importlib.util.spec_from_file_location("train_fsdp_cp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(
+        "--dp 2 --cp 2 --steps 2 --seq-len 61 --layers 1 --hidden 32 --compile-inner eager --check".split()
+    )
+    torch._dynamo.reset()  # see _train
+    return example.train(args, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +320,9 @@ def assert_matches_reference(rec: dict, ref: dict) -> dict[str, float]:
     """Assert every step's loss, grad norm, gradients and parameters; return the largest differences."""
     worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(STEPS):
-        torch.testing.assert_close(rec["loss"][step], ref["loss"][step], **LOSS_TOL, msg=lambda m: f"step {step} loss: {m}")
-        torch.testing.assert_close(rec["norm"][step], ref["norm"][step], **NORM_TOL, msg=lambda m: f"step {step} norm: {m}")
+        for kind, tol in (("loss", LOSS_TOL), ("norm", NORM_TOL)):
+            msg = f"step {step} {kind}"
+            torch.testing.assert_close(rec[kind][step], ref[kind][step], **tol, msg=lambda m: f"{msg}: {m}")
         for kind, tol in (("grads", GRAD_TOL), ("params", PARAM_TOL)):
             for name, want in ref[kind][step].items():
                 got = rec[kind][step][name]
@@ -346,7 +365,7 @@ def test_wrong_cp_gradient_combination_is_caught(runs, reference, case):
     grad_err = max((rec["grads"][0][n] - g).abs().max().item() for n, g in reference["grads"][0].items())
     assert grad_err > 1000 * GRAD_TOL["atol"], f"{case}: step-0 gradients only {grad_err:.1e} off"
     param_err = max((rec["params"][-1][n] - p).abs().max().item() for n, p in reference["params"][-1].items())
-    print(f"{case}: step-0 norm off by {rel:.2f} (relative), gradients by {grad_err:.1e}, final params by {param_err:.1e}")
+    print(f"{case}: step-0 norm off by {rel:.2f} (relative), gradients by {grad_err:.1e}, params by {param_err:.1e}")
 
 
 def test_gathered_logprobs_and_per_sample_means(runs):
@@ -395,6 +414,21 @@ def test_clip_grad_norm_dtensor(runs, mesh_name, norm_type, nonfinite):
             expected = [*sharded, plain]  # left unscaled; the non-finite norm is returned
         for g, e in zip(got["grads"], expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"rank {rank}: {m}")
+
+
+def test_example_matches_one_process(runs):
+    """The example's own --check: losses, grad norms and first-step gradients equal one process's."""
+    checked = [r["example"]["check"] for r in runs if r["example"]["check"] is not None]
+    assert len(checked) == 1, "rank 0 runs the single-process check"
+    diffs = checked[0]
+    print("example --check", {k: f"{v:.1e}" for k, v in diffs.items()})
+    # the loss (~7) and norm (~0.6) are fp32 values added up in another order: a few ulps of ~5e-7 each
+    example_tol = 5e-6
+    assert diffs["loss"] < example_tol, diffs
+    assert diffs["grad_norm"] < example_tol, diffs
+    assert diffs["grad"] < GRAD_TOL["atol"], diffs
+    for r in runs:  # every rank reports the same global loss
+        assert r["example"]["losses"] == runs[0]["example"]["losses"]
 
 
 def test_clip_grad_norm_plain_single_process():
