@@ -86,7 +86,7 @@ def _train(mesh, *, inner: str, mode: str = "cpcompile", be=None):
         # A new backend adds cache entries for every compiled frame; transformers' deprecation wrapper shares
         # one code object between the model's and the layers' forward, so a few configurations in one process
         # would pass Dynamo's recompile limit (and that frame would then run uncompiled, without CP attention).
-        torch._dynamo.reset()
+        torch.compiler.reset()
         be = cpcompile.backend(cp_group, inner=inner)
     compiled = torch.compile(model, backend=be)
     opt = make_optimizer(model.parameters())
@@ -130,7 +130,7 @@ def _logprobs(world: int):
 
     group = dist.new_group(list(range(world)))
     model = tiny_model("qwen3", seed=3)
-    torch._dynamo.reset()  # see _train
+    torch.compiler.reset()  # see _train
     # inner="eager": the rewritten graph runs as traced (no AOTAutograd); the training cases cover the compilers
     compiled = torch.compile(model, backend=cpcompile.backend(group, inner="eager"))
     params = list(model.parameters())
@@ -172,6 +172,33 @@ CLIP_CASES = [
     ("2d", 2.0, None),
     ("2d", math.inf, None),
 ]
+PSM_ROWS = [[5, 30, 11], [46], [20, 20, 6], [9, 9, 9, 19]]  # 4 rows of 46 tokens: dp=2 x cp=2
+
+
+def psm_values() -> torch.Tensor:
+    return torch.randn(len(PSM_ROWS), 46, generator=torch.Generator().manual_seed(9))
+
+
+def _per_sample_mean_dp(mesh):
+    """per_sample_mean with dp_group on a (2, 2) mesh: shares and gradients must add up over all 4 ranks."""
+    import torch.distributed as dist
+
+    import cpcompile
+
+    dp_rank = mesh.get_local_rank("dp")
+    values = psm_values().requires_grad_(True)
+    batch = packed_batch(PSM_ROWS, seed=10)
+    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+    mine = {**{k: v[rows] for k, v in batch.items()}, "values": values[rows]}
+    with cpcompile.shard(mine, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local:
+        loss = cpcompile.per_sample_mean(local["values"], local["shift_labels"] != -100, dp_group=mesh.get_group("dp"))
+    loss.backward()
+    loss, grad = loss.detach().clone(), values.grad.clone()
+    dist.all_reduce(loss)  # the world is the (2, 2) mesh: every rank's share
+    dist.all_reduce(grad)
+    return {"loss": loss, "grad": grad}
+
+
 CLIP_SHAPES = [(7, 3), (3, 5), (16,)]  # uneven shards over 4 ranks; (3, 5) leaves rank 3 an empty shard
 
 
@@ -251,6 +278,7 @@ def _worker(rank: int, world: int):
     res["seed_dp2_cp2"], _ = _train(m22, inner="aot_eager", mode="seed", be=be)
     res["averaged_dp2_cp2"], _ = _train(m22, inner="aot_eager", mode="averaged", be=be)
     res["logprobs"] = _logprobs(world)
+    res["per_sample_dp"] = _per_sample_mean_dp(m22)
     res["clip"] = _clip(rank, world)
     res["example"] = _example()
     return res
@@ -268,7 +296,7 @@ def _example():
     args = example.parse_args(
         "--dp 2 --cp 2 --steps 2 --seq-len 61 --layers 1 --hidden 32 --compile-inner eager --check".split()
     )
-    torch._dynamo.reset()  # see _train
+    torch.compiler.reset()  # see _train
     return example.train(args, torch.device("cpu"))
 
 
@@ -396,6 +424,17 @@ def test_gathered_logprobs_and_per_sample_means(runs):
             torch.testing.assert_close(g, want, **GRAD_TOL)
 
 
+def test_per_sample_mean_with_data_parallelism(runs):
+    values = psm_values().requires_grad_(True)
+    batch = packed_batch(PSM_ROWS, seed=10)
+    mask = _shifted(batch["labels"]) != -100
+    want = reference_per_sample_mean(values, mask, _doc_ids(batch["position_ids"]))
+    want.backward()
+    for r in runs:
+        torch.testing.assert_close(r["per_sample_dp"]["loss"], want.detach(), **LOSS_TOL)
+        torch.testing.assert_close(r["per_sample_dp"]["grad"], values.grad, **GRAD_TOL)
+
+
 @pytest.mark.parametrize(("mesh_name", "norm_type", "nonfinite"), CLIP_CASES)
 def test_clip_grad_norm_dtensor(runs, mesh_name, norm_type, nonfinite):
     sharded, plain = clip_tensors(nonfinite)
@@ -453,3 +492,21 @@ def test_clip_grad_norm_plain_single_process():
         cpcompile.clip_grad_norm_(params, 1.0, -1)
     with pytest.raises(ValueError, match="max_norm"):
         cpcompile.clip_grad_norm_(params, float("nan"))
+
+
+def test_bad_input_is_refused_with_the_fix():
+    import cpcompile
+
+    with pytest.raises(ValueError, match="cp must be a positive int"):
+        cpcompile.init_dp_cp_mesh(2, 0)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        cpcompile.dp_cp_mesh("not a mesh")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        cpcompile.fully_shard_dp_cp(object(), None)
+    logits = torch.zeros(2, 5, 7)
+    with pytest.raises(ValueError, match="shift_labels"):
+        cpcompile.token_logprobs(logits, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        cpcompile.token_entropy(logits, temperature=0.0)
+    with pytest.raises(RuntimeError, match="no cpcompile.shard context is active"):
+        cpcompile.per_sample_mean(torch.zeros(2, 5), torch.ones(2, 5, dtype=torch.bool))
