@@ -37,8 +37,9 @@ def clip_grad_norm_(
     - Plain gradients are taken to be identical on every rank (replicated: DDP, or after
       :func:`cpcompile.sync_grads`) and are counted once, without communication.
 
-    The sum is accumulated on the device: one collective per distinct set of sharding groups (one for an FSDP2
-    model), no host synchronisation. Parameters without a gradient are skipped.
+    The sum is accumulated on the device and reduced once per group the gradients are sharded over (one
+    all-reduce for an FSDP2 model; an all-gather of one scalar for the inf norm), with no host synchronisation.
+    Parameters without a gradient are skipped.
 
     Non-finite norms are reported, not hidden: the returned norm is ``inf``/``nan`` and the gradients are left
     unscaled (skip the optimizer step when ``not torch.isfinite(norm)``); with ``error_if_nonfinite=True`` a

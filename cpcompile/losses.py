@@ -75,8 +75,8 @@ def per_sample_mean(
     with a non-zero mask, summed over ``dp_group`` when given (each DP rank holds different rows), so that the
     results of all DP and CP ranks add up to the mean over the global batch's samples.
 
-    Padding tokens added by ``shard`` are never counted. Two small all-reduces (the per-sample token counts over
-    the CP group, the sample count over ``dp_group``); differentiable with respect to ``values``.
+    Padding tokens added by ``shard`` are never counted. At most two small all-reduces (the per-sample token
+    counts over the CP group, the sample count over ``dp_group``); differentiable with respect to ``values``.
 
     Args:
         values: ``[B, c]`` per-token values on this rank's chunk (e.g. ``-logp * advantages``).
