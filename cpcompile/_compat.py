@@ -18,6 +18,7 @@ __all__ = [
     "all_gather_start",
     "all_gather_wait",
     "fake_process_group",
+    "flatten_mesh",
     "group_name_of",
     "lookup_inner_backend",
     "node_module_path",
@@ -138,3 +139,12 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[dist.ProcessGroup
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def flatten_mesh(mesh, name: str):
+    """The 1-D mesh over all ranks of the (sub)mesh ``mesh``, registered on its root mesh as ``name``.
+
+    torch 2.11-2.13: ``DeviceMesh._flatten`` (private; creates the flattened process group once, later calls
+    return the cached mesh, and ``root_mesh[name]`` finds it).
+    """
+    return mesh._flatten(name)
