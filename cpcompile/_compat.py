@@ -19,6 +19,7 @@ __all__ = [
     "all_gather_wait",
     "fake_process_group",
     "flatten_mesh",
+    "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
     "lookup_inner_backend",
     "node_module_path",
@@ -109,6 +110,15 @@ def must_recompute_meta() -> dict:
     from torch.utils.checkpoint import CheckpointPolicy
 
     return {"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0}
+
+
+def forbid_eager_fallback_on_recompile_limit() -> None:
+    """Make Dynamo raise instead of running a frame uncompiled once its recompile limit is hit.
+
+    An uncompiled frame would run attention on the local chunk only: silently wrong under CP (or a hang when
+    only some ranks fall back). torch 2.11-2.13: ``torch._dynamo.config.fail_on_recompile_limit_hit``.
+    """
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def statically_true(expr: object) -> bool:

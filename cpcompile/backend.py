@@ -70,6 +70,8 @@ class CPBackend:
             )
         self.cp_group = cp_group
         self.cp_size = dist.get_world_size(cp_group)
+        if self.cp_size > 1:
+            _compat.forbid_eager_fallback_on_recompile_limit()
         self.group_name = _compat.group_name_of(cp_group)
         self.options = options
         self.reports: list[SiteReport] = []
@@ -110,6 +112,9 @@ def backend(
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
     ``with cpcompile.shard(batch, cp_group) as local: model(**local)``.
+
+    With a CP group of more than one rank this also sets Dynamo's ``fail_on_recompile_limit_hit``: a frame
+    that exceeds the recompile limit raises instead of silently running uncompiled (local-only attention).
 
     Args:
         cp_group: the context-parallel process group (the ranks that share one sequence).
