@@ -7,9 +7,22 @@ Main API::
         out = model(**local)
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
+
+What the backend does to a model, without a cluster: ``cpcompile inspect`` (:func:`inspect_model`).
+
+With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
+
+    mesh = cpcompile.init_dp_cp_mesh(dp, cp)
+    cpcompile.fully_shard_dp_cp(model, mesh)
+    with cpcompile.shard(rows, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local: ...
+    norm = cpcompile.clip_grad_norm_(model.parameters(), 1.0)
 """
 
 from cpcompile.backend import BackendOptions, CPBackend, backend
+from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
+from cpcompile.grad import clip_grad_norm_
+from cpcompile.inspect import Inspection, SiteRow, inspect_model, write_dump
+from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
 from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
 from cpcompile.plan import CPPlan, build_plan
 from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
@@ -19,15 +32,26 @@ __all__ = [
     "CPBackend",
     "CPPlan",
     "CommStats",
+    "Inspection",
     "MaskMismatchError",
     "SiteReport",
+    "SiteRow",
     "UnsupportedAttentionError",
     "backend",
     "build_plan",
+    "clip_grad_norm_",
     "comm_stats",
     "counters",
     "current_plan",
+    "dp_cp_mesh",
+    "fully_shard_dp_cp",
     "gather",
+    "init_dp_cp_mesh",
+    "inspect_model",
+    "per_sample_mean",
     "shard",
     "sync_grads",
+    "token_entropy",
+    "token_logprobs",
+    "write_dump",
 ]

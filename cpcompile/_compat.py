@@ -5,6 +5,9 @@ Each helper names the torch releases it was checked against.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fc
@@ -15,29 +18,45 @@ __all__ = [
     "flex_block_mask",
     "SDPA_TARGETS",
     "all_gather_into",
-    "all_gather_seq",
+    "all_gather_start",
+    "all_gather_wait",
+    "fake_process_group",
+    "flatten_mesh",
+    "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
     "lookup_inner_backend",
     "node_module_path",
+    "must_recompute_meta",
     "statically_true",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
 
-# torch 2.13: `all_gather_single_autograd` (an alias of `all_gather_single`, whose op carries autograd).
-# torch 2.11-2.12: `all_gather_tensor_autograd`. Both backprop as a sum reduce-scatter.
-_all_gather_autograd = getattr(_fc, "all_gather_single_autograd", None) or _fc.all_gather_tensor_autograd
+def _tracing() -> bool:
+    # torch 2.11-2.13: private helper telling whether functional collectives are being traced.
+    return _fc._are_we_tracing()
 
 
-def all_gather_seq(t: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """All-gather ``t`` along ``dim`` over the group called ``group_name``, with autograd.
+def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Tensor:
+    """Issue an all-gather of ``[B, H, c, D]`` ``t`` along the sequence dim; finish with :func:`all_gather_wait`.
 
-    Forward: concatenation of every rank's ``t`` in rank order. Backward: sum reduce-scatter of the gradient,
-    so each rank receives the sum over ranks of the gradient of its own slice. Works eagerly and traced by
-    Dynamo/AOTAutograd (functional collectives).
+    Split in two so that a graph can issue the collective as soon as ``t`` exists and wait only where the
+    result is used, leaving the work in between to overlap with the transfer. Autograd: the backward of the
+    pair is a sum reduce-scatter (torch 2.11-2.13: ``_c10d_functional_autograd.all_gather_into_tensor``;
+    ``wait_tensor`` passes the gradient through).
     """
-    return _all_gather_autograd(t.contiguous(), dim, group_name)
+    seq_first = t.permute(2, 0, 1, 3).contiguous()  # [c, B, H, D]: chunks concatenate along dim 0
+    out = torch.ops._c10d_functional_autograd.all_gather_into_tensor(seq_first, cp_size, group_name)
+    # Traced (AOTAutograd), the wait is an explicit node; eagerly, an AsyncCollectiveTensor waits on first use.
+    return out if _tracing() else _fc._maybe_wrap_tensor(out)
+
+
+def all_gather_wait(started: torch.Tensor) -> torch.Tensor:
+    """Wait for :func:`all_gather_start` and return the gathered ``[B, H, N*c, D]`` tensor (a view)."""
+    if _tracing():
+        started = torch.ops._c10d_functional.wait_tensor(started)
+    return started.permute(1, 2, 0, 3)
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -65,7 +84,9 @@ def lookup_inner_backend(name: str):
 def node_module_path(node: torch.fx.Node) -> str:
     """The qualified module path of the module that made ``node`` (Dynamo's ``nn_module_stack`` metadata).
 
-    Dynamo names modules like ``L['self'].model.layers[0].self_attn``; this returns ``model.layers.0.self_attn``.
+    Dynamo names modules like ``L['self'].model.layers[0].self_attn`` (``torch.compile(fn)``) or
+    ``L['args'][0].model.layers[0].self_attn`` (``torch.compile(module)`` in torch 2.13, which traces the
+    module as the first argument of its call); both give ``model.layers.0.self_attn``.
     Returns ``""`` when the node carries no module stack.
     """
     stack = node.meta.get("nn_module_stack")
@@ -78,12 +99,29 @@ def node_module_path(node: torch.fx.Node) -> str:
 def _clean_module_path(path: str) -> str:
     import re
 
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"^L\['self'\]\.?|^L\['args'\]\[0\]\.?", "", path)
+    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.lstrip(".")
+
+
+def must_recompute_meta() -> dict:
+    """Node metadata that makes AOTAutograd's partitioner recompute a node in backward instead of saving its
+    output (torch 2.11-2.13: ``CheckpointPolicy`` tags, copied onto traced nodes via ``_COPY_META_FIELDS``)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return {"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0}
+
+
+def forbid_eager_fallback_on_recompile_limit() -> None:
+    """Make Dynamo raise instead of running a frame uncompiled once its recompile limit is hit.
+
+    An uncompiled frame would run attention on the local chunk only: silently wrong under CP (or a hang when
+    only some ranks fall back). torch 2.11-2.13: ``torch._dynamo.config.fail_on_recompile_limit_hit``.
+    """
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def statically_true(expr: object) -> bool:
@@ -91,6 +129,38 @@ def statically_true(expr: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(expr))
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[dist.ProcessGroup]:
+    """A default process group of ``world_size`` in which this one process is ``rank``; no communication.
+
+    Collectives on it return without moving data, so one process can trace what rank ``rank`` of a CP
+    group would compile. Uses the ``"fake"`` backend and ``FakeStore`` from
+    ``torch.testing._internal.distributed.fake_pg`` (private; torch 2.11-2.13). The group is destroyed on exit.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a default torch.distributed process group is already initialized in this process; cpcompile "
+            "inspect traces every rank in one process with its own fake group, so run it in a separate "
+            "process (the `cpcompile inspect` command), or use the backend's dump_dir option inside training"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def flatten_mesh(mesh, name: str):
+    """The 1-D mesh over all ranks of the (sub)mesh ``mesh``, registered on its root mesh as ``name``.
+
+    torch 2.11-2.13: ``DeviceMesh._flatten`` (private; creates the flattened process group once, later calls
+    return the cached mesh, and ``root_mesh[name]`` finds it).
+    """
+    return mesh._flatten(name)
 
 
 def autograd_inside_custom_op():

@@ -54,17 +54,18 @@ def current_plan() -> CPPlan | None:
     return None if active is None else active.plan
 
 
-def _check_group(cp_group: object) -> tuple[int, int, str]:
+def _check_group(cp_group: object, what: str = "cp_group") -> tuple[int, int, str]:
+    dim = "dp" if what == "dp_group" else "cp"
     if not isinstance(cp_group, dist.ProcessGroup):
         raise TypeError(
-            f"cp_group must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one with "
-            "torch.distributed.new_group(ranks) or DeviceMesh.get_group('cp')"
+            f"{what} must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one with "
+            f"torch.distributed.new_group(ranks) or DeviceMesh.get_group('{dim}')"
         )
     rank = dist.get_rank(cp_group)
     if rank < 0:
         raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of cp_group "
-            f"(ranks {dist.get_process_group_ranks(cp_group)}); pass the CP group that contains this rank"
+            f"this process (global rank {dist.get_rank()}) is not a member of {what} "
+            f"(ranks {dist.get_process_group_ranks(cp_group)}); pass the {dim.upper()} group that contains this rank"
         )
     return dist.get_world_size(cp_group), rank, _compat.group_name_of(cp_group)
 
@@ -75,6 +76,7 @@ def shard(
     cp_group: dist.ProcessGroup,
     *,
     num_items_in_batch: int | torch.Tensor | None = None,
+    dp_group: dist.ProcessGroup | None = None,
     pad_token_id: int = 0,
     hf_kwargs: bool = True,
 ) -> Iterator[dict[str, object]]:
@@ -87,8 +89,12 @@ def shard(
             the same way and anything that is not a tensor is passed through.
         cp_group: the context-parallel process group. A group of size 1 slices nothing.
         num_items_in_batch: loss denominator. Default: the number of supervised tokens of this batch
-            (labels ``!= -100`` after the shift). Pass the global count when data parallelism splits the
-            global batch further.
+            (labels ``!= -100`` after the shift), summed over ``dp_group`` when one is given. Pass a
+            precomputed count to use it as is (then ``dp_group`` must be ``None``).
+        dp_group: the data-parallel process group when data parallelism splits the global batch further
+            (each DP rank passes its own rows). The supervised-token count is all-reduced (summed) over it,
+            so the loss denominator is the count of the whole global batch and the per-rank losses of all
+            DP and CP ranks add up to the global mean. One small all-reduce per batch.
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
@@ -99,13 +105,20 @@ def shard(
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
     """
     cp_size, cp_rank, group_name = _check_group(cp_group)
+    if dp_group is not None:
+        _check_group(dp_group, "dp_group")
+        if num_items_in_batch is not None:
+            raise ValueError(
+                f"cpcompile.shard got both num_items_in_batch={num_items_in_batch!r} and dp_group: pass either a "
+                "precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
+            )
     if _STATE.active is not None:
         raise RuntimeError(
             "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
     plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
-    local = _local_batch(batch, plan, num_items_in_batch, pad_token_id, hf_kwargs)
+    local = _local_batch(batch, plan, num_items_in_batch, dp_group, pad_token_id, hf_kwargs)
     active = _Active(plan, cp_group)
     _STATE.active = active
     try:
@@ -119,6 +132,7 @@ def _local_batch(
     batch: Mapping[str, object],
     plan: CPPlan,
     num_items_in_batch: int | torch.Tensor | None,
+    dp_group: dist.ProcessGroup | None,
     pad_token_id: int,
     hf_kwargs: bool,
 ) -> dict[str, object]:
@@ -148,6 +162,8 @@ def _local_batch(
         local["shift_labels"] = plan.local(shifted)
         if num_items_in_batch is None:
             num_items_in_batch = (shifted != IGNORE_INDEX).sum()
+            if dp_group is not None:
+                dist.all_reduce(num_items_in_batch, group=dp_group)
         local["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=labels.device)
     if hf_kwargs:
         local["use_cache"] = False

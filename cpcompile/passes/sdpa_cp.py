@@ -93,6 +93,8 @@ class SiteReport:
     dtype: str
     mask_form: str
     enable_gqa: bool
+    #: The model's key/value heads: of the ``repeat_kv`` source when SDPA got expanded K/V, else of K.
+    kv_heads: int
     #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless rewritten.
     gathered_shapes: tuple
     action: str  # "rewritten" | "refused" | "untouched"
@@ -172,6 +174,76 @@ def check_site(site: SDPASite) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _KVSource:
+    """What a site all-gathers: the K/V nodes, and whether they are the un-expanded KV heads."""
+
+    key: fx.Node
+    value: fx.Node
+    #: True when ``key``/``value`` are the sources of transformers' ``repeat_kv`` (so attention uses GQA).
+    unexpanded: bool
+
+
+def _repeat_kv_source(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(src, n_rep)`` when ``node`` is transformers' ``repeat_kv(src, n_rep)`` as Dynamo records it.
+
+    Pattern (``modeling_llama.repeat_kv``)::
+
+        e = src[:, :, None, :, :]                     # [B, Hkv, 1, T, D]
+        e = e.expand(B, Hkv, n_rep, T, D)
+        node = e.reshape(B, Hkv * n_rep, T, D)
+
+    Matched on the recorded shapes, so index spelling does not matter.
+    """
+    if node.op != "call_method" or node.target not in ("reshape", "view") or not node.args:
+        return None
+    exp = node.args[0]
+    if not isinstance(exp, fx.Node) or exp.op != "call_method" or exp.target != "expand" or not exp.args:
+        return None
+    unsq = exp.args[0]
+    if not isinstance(unsq, fx.Node) or unsq.op != "call_function" or unsq.target is not operator.getitem:
+        return None
+    src = unsq.args[0]
+    if not isinstance(src, fx.Node):
+        return None
+    vals = [n.meta.get("example_value") for n in (src, unsq, exp, node)]
+    if any(not isinstance(t, torch.Tensor) for t in vals):
+        return None
+    s, u, e, r = (tuple(t.shape) for t in vals)
+    if len(s) != 4 or len(u) != 5 or len(e) != 5 or len(r) != 4:
+        return None
+    same = _compat.statically_true
+    B, Hkv, T, D = s
+    if not (u[2] == 1 and all(same(a == b) for a, b in zip(u[:2] + u[3:], s))):
+        return None
+    n_rep = e[2]
+    if not (isinstance(n_rep, int) and all(same(a == b) for a, b in zip(e[:2] + e[3:], s))):
+        return None
+    if not all(same(a == b) for a, b in zip(r, (B, Hkv * n_rep, T, D))):
+        return None
+    return src, n_rep
+
+
+def kv_source(site: SDPASite) -> _KVSource:
+    """The tensors a site should all-gather: the KV-head sources of ``repeat_kv`` when both K and V come from
+    it with the same factor (the gather then moves KV-head bytes, not query-head bytes), else K and V."""
+    k, v = _repeat_kv_source(site.key), _repeat_kv_source(site.value)
+    if site.enable_gqa is False and k is not None and v is not None and k[1] == v[1]:
+        return _KVSource(k[0], v[0], unexpanded=True)
+    return _KVSource(site.key, site.value, unexpanded=False)
+
+
+def _start_point(graph: fx.Graph, src: fx.Node) -> fx.Node:
+    """The node after which a collective on ``src`` can be issued (after all placeholders)."""
+    if src.op != "placeholder":
+        return src
+    last = src
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            last = n
+    return last
+
+
 def rewrite_site(
     gm: fx.GraphModule,
     site: SDPASite,
@@ -179,70 +251,117 @@ def rewrite_site(
     site_id: str,
     group_name: str,
     cp_size: int,
+    regather_kv: bool = False,
     kernel: str = "dense",
     cp_rank: int = 0,
     block_size: int = 128,
 ) -> fx.Node:
     """Replace one SDPA call by all-gather-KV attention under the plan's mask.
 
-    Before::
+    Before (transformers: K/V expanded by ``repeat_kv`` to the query heads)::
 
-        out = sdpa(q, k, v, attn_mask=local_mask | None, is_causal=..., scale=s, enable_gqa=g)
+        k = repeat_kv(k_src, n_rep); v = repeat_kv(v_src, n_rep)
+        out = sdpa(q, k, v, attn_mask=local_mask | None, is_causal=..., scale=s)
 
-    After, ``kernel="dense"``::
+    After::
 
-        k_all = all_gather_seq(k, 2, group)        # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
-        v_all = all_gather_seq(v, 2, group)
-        mask  = cpcompile.plan_mask(q, k, v (detached; sizes for comm_stats), needs_grad,
-                                    local_mask | None, site_id, group, N, documents, window)
-        out   = sdpa(q, k_all, v_all, attn_mask=mask, scale=s, enable_gqa=g)
+        k_h = all_gather_start(k_src)          # right after k_src exists: overlaps with the work until attention
+        v_h = all_gather_start(v_src)          # right after v_src exists
+        ...                                    # q/k projections, norms, RoPE
+        mask = cpcompile.plan_mask(q, k_src, v_src (detached; sizes for comm_stats), needs_grad,
+                                   local_mask | None, site_id, group, N, documents, window)
+        k_all = all_gather_wait(k_h)           # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
+        v_all = all_gather_wait(v_h)
+        out = sdpa(q, k_all, v_all, attn_mask=mask, scale=s, enable_gqa=True)
 
-    After, ``kernel="block"`` (no gathers when ``N == 1``)::
+    K/V are gathered with their KV heads (``enable_gqa=True`` replaces ``repeat_kv``) when both come from
+    ``repeat_kv``; otherwise the tensors SDPA received are gathered. ``documents`` is True for the bool-mask
+    form (transformers' packed-document mask; the op checks the model's mask against the plan's on first use)
+    and False for ``is_causal=True`` (plain global causal). ``regather_kv`` tags the gathers for recomputation
+    in backward, so only the local K/V are kept between forward and backward (one more all-gather per
+    tensor in backward, N times less K/V memory).
 
-        k_all, v_all = all_gather_seq(k, 2, group), all_gather_seq(v, 2, group)
-        docs  = cpcompile.plan_docs(q, k, v (detached), needs_grad, local_mask | None, site_id, group, N,
-                                    rank, documents, window)        # [B, N*c] document ids
-        out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, g, block, block)[0]
-
-    ``documents`` is True for the bool-mask form (transformers' packed-document mask; the op checks the
-    model's mask against the plan's on first use) and False for ``is_causal=True`` (plain global causal).
+    ``kernel="block"`` replaces the mask and SDPA by ``cpcompile.plan_docs`` (document ids) and
+    ``cpcompile.cp_attention`` (see :func:`_emit_block_attention`); with ``cp_size == 1`` it runs without
+    gathers. ``cp_rank`` is this process's rank in the CP group (the kernel's query offset).
     """
     graph = gm.graph
     node = site.node
+    src = kv_source(site)
+    gather = cp_size > 1 or kernel == "dense"
+    started = {}
+    for name, t in (("key", src.key), ("value", src.value)):
+        if gather:
+            with graph.inserting_after(_start_point(graph, t)):
+                started[name] = graph.call_function(_compat.all_gather_start, (t, cp_size, group_name))
     with graph.inserting_before(node):
-        if cp_size > 1 or kernel == "dense":
-            k_all = graph.call_function(_compat.all_gather_seq, (site.key, 2, group_name))
-            v_all = graph.call_function(_compat.all_gather_seq, (site.value, 2, group_name))
-        else:
-            k_all, v_all = site.key, site.value
-        refs = [graph.call_method("detach", (n,)) for n in (site.query, site.key, site.value)]
-        k_meta, v_meta = site.meta(site.key), site.meta(site.value)
+        refs = [graph.call_method("detach", (n,)) for n in (site.query, src.key, src.value)]
+        k_meta, v_meta = site.meta(src.key), site.meta(src.value)
         needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
         documents = site.attn_mask is not None
-        if kernel == "block":
-            docs = graph.call_function(
-                torch.ops.cpcompile.plan_docs.default,
-                (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, cp_rank, documents, -1),
-            )
-            att = graph.call_function(
-                torch.ops.cpcompile.cp_attention.default,
-                (site.query, k_all, v_all, docs, cp_rank, -1, site.scale, site.enable_gqa, block_size, block_size),
-            )
-            new = graph.call_function(operator.getitem, (att, 0))
-        else:
+        enable_gqa = bool(site.enable_gqa) or src.unexpanded
+    if kernel == "block":
+        new, k_all, v_all = _emit_block_attention(
+            graph, node, site, src, started, refs, needs_grad, documents, enable_gqa,
+            site_id=site_id, group_name=group_name, cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
+        )
+    else:
+        with graph.inserting_before(node):
             mask = graph.call_function(
                 torch.ops.cpcompile.plan_mask.default,
                 (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, documents, -1),
             )
+            k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
+            v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
             new = graph.call_function(
                 torch.nn.functional.scaled_dot_product_attention,
                 (site.query, k_all, v_all),
-                {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": site.scale, "enable_gqa": site.enable_gqa},
+                {
+                    "attn_mask": mask,
+                    "dropout_p": 0.0,
+                    "is_causal": False,
+                    "scale": site.scale,
+                    "enable_gqa": enable_gqa,
+                },
             )
+    if regather_kv and started:
+        for n in (*started.values(), k_all, v_all):
+            n.meta.update(_compat.must_recompute_meta())
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
+    if src.unexpanded:
+        for expanded in (site.key, site.value):
+            _erase_unused_chain(graph, expanded)
     return new
+
+
+def _emit_block_attention(
+    graph, node, site, src, started, refs, needs_grad, documents, enable_gqa, *, site_id, group_name, cp_size,
+    cp_rank, block_size,
+) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """The ``kernel="block"`` tail of :func:`rewrite_site`; returns the output node and the K/V it attends to::
+
+        docs  = cpcompile.plan_docs(q, k_src, v_src (detached), needs_grad, local_mask | None, site_id, group,
+                                    N, rank, documents, window)      # [B, N*c] document ids
+        k_all, v_all = all_gather_wait(k_h), all_gather_wait(v_h)   # k_src/v_src themselves when N == 1
+        out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, enable_gqa, block, block)[0]
+    """
+    with graph.inserting_before(node):
+        docs = graph.call_function(
+            torch.ops.cpcompile.plan_docs.default,
+            (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, cp_rank, documents, -1),
+        )
+        if started:
+            k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
+            v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
+        else:
+            k_all, v_all = src.key, src.value
+        att = graph.call_function(
+            torch.ops.cpcompile.cp_attention.default,
+            (site.query, k_all, v_all, docs, cp_rank, -1, site.scale, enable_gqa, block_size, block_size),
+        )
+        return graph.call_function(operator.getitem, (att, 0)), k_all, v_all
 
 
 def _kernel_for(site: SDPASite, attention: str) -> str:
@@ -254,12 +373,26 @@ def _kernel_for(site: SDPASite, attention: str) -> str:
     return "block" if q is not None and q.device.type == "cpu" else "dense"
 
 
+def _erase_unused_chain(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and its now unused ``repeat_kv`` producers (reshape <- expand <- getitem)."""
+    for _ in range(3):
+        if node.users or node.op == "placeholder":
+            return
+        parent = node.args[0]
+        graph.erase_node(node)
+        if not isinstance(parent, fx.Node):
+            return
+        node = parent
+
+
 def _shape(t: torch.Tensor | None) -> tuple:
     return () if t is None else tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
 
 
 def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", kernel: str = "") -> SiteReport:
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
+    src = kv_source(site)
+    gk, gv = site.meta(src.key), site.meta(src.value)
     return SiteReport(
         graph_id=graph_id,
         node=site.node.name,
@@ -270,7 +403,8 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", kernel
         dtype=str(q.dtype).removeprefix("torch.") if q is not None else "?",
         mask_form=site.mask_form,
         enable_gqa=bool(site.enable_gqa),
-        gathered_shapes=(_shape(k), _shape(v)) if action == "rewritten" else (),
+        kv_heads=int(gk.shape[1]) if gk is not None and gk.dim() == 4 else 0,
+        gathered_shapes=(_shape(gk), _shape(gv)) if action == "rewritten" else (),
         action=action,
         reason=reason,
         kernel=kernel,
@@ -285,6 +419,7 @@ def cp_attention_pass(
     graph_id: int,
     site_prefix: str,
     refuse: str = "raise",
+    regather_kv: bool = False,
     attention: str = "dense",
     cp_rank: int = 0,
     block_size: int = 128,
@@ -324,6 +459,7 @@ def cp_attention_pass(
                 site_id=f"{site_prefix}:{site.where}",
                 group_name=group_name,
                 cp_size=cp_size,
+                regather_kv=regather_kv,
                 kernel=kernel,
                 cp_rank=cp_rank,
                 block_size=block_size,

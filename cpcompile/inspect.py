@@ -1,0 +1,695 @@
+"""``cpcompile inspect``: what the backend does to a model, traced in one process without a cluster.
+
+Main API: :func:`inspect_model` (trace the model as every CP rank, run the pass in report mode, collect one
+:class:`SiteRow` per SDPA site) and :func:`write_dump` (graphs before/after, ``summary.json`` and a PNG of each
+rank's attention pattern). The command line is ``cpcompile inspect`` (:mod:`cpcompile.__main__`).
+
+Each rank is traced in this process under a fake process group (no communication) of the CP size, with the
+model and the local batch on the ``meta`` device by default: no weights are allocated and no attention is
+computed; Dynamo traces the model on the shapes alone. The traced graph is copied and the copy rewritten by
+:func:`cpcompile.passes.cp_attention_pass` with ``refuse="report"``, so refused sites are listed instead of
+raised; the untouched graph is what runs (on meta), so no collective is ever issued.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import os
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.dump import RankDumpWriter, graph_source, site_grad_flags, site_record, write_json
+from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
+from cpcompile.plan import CPPlan, build_plan
+
+__all__ = [
+    "Inspection",
+    "RankTotals",
+    "SiteRow",
+    "TracedGraph",
+    "attention_pattern_image",
+    "inspect_model",
+    "load_model",
+    "PatternGeometry",
+    "pattern_geometry",
+    "write_dump",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+# -- results -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SiteRow:
+    """One SDPA site as traced on one rank, with the bytes it moves (see :func:`cpcompile.dump.site_record`)."""
+
+    rank: int
+    graph: int
+    node: str
+    #: Qualified module name from the node's module stack (``model.layers.0.self_attn``).
+    layer: str
+    q_shape: tuple
+    k_shape: tuple
+    v_shape: tuple
+    dtype: str
+    #: Query heads (``q_shape[1]``) and the model's key/value heads (before any ``repeat_kv`` expansion).
+    q_heads: int
+    kv_heads: int
+    #: ``bool-mask`` (mask built in the graph), ``float-mask``, ``is_causal`` or ``none``.
+    mask_form: str
+    enable_gqa: bool
+    #: ``rewritten``, ``refused`` or ``untouched`` (CP size 1).
+    action: str
+    reason: str
+    #: Local K and V shapes all-gathered per call (empty unless rewritten).
+    gathered_shapes: tuple
+    #: How many times the site's graph ran in one forward.
+    calls_per_forward: int
+    #: Bytes this rank receives per call: ``(N - 1) * numel * itemsize`` summed over ``gathered_shapes``.
+    all_gather_bytes_per_call: int
+    #: ``all_gather_bytes_per_call * calls_per_forward``.
+    all_gather_bytes_per_step: int
+    #: Backward reduce-scatters of one step: one per gathered tensor that requires grad, per call.
+    reduce_scatters_per_step: int
+    #: Bytes this rank sends in those reduce-scatters (like a reduce-scatter on NCCL; gloo all-reduces instead).
+    reduce_scatter_bytes_per_step: int
+
+    @property
+    def mask_found(self) -> str:
+        """The mask form with ``enable_gqa`` appended when set (``is_causal, enable_gqa``)."""
+        return self.mask_form + (", enable_gqa" if self.enable_gqa else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTotals:
+    """What one rank gathers and computes in one training step (forward + backward)."""
+
+    rank: int
+    rewritten: int
+    refused: int
+    all_gathers: int
+    all_gather_bytes: int
+    reduce_scatters: int
+    reduce_scatter_bytes: int
+    #: Query/key pairs of this rank's rows that the plan's mask lets attend, summed over the batch.
+    visible_pairs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedGraph:
+    """One graph Dynamo traced for one rank: its code before and after the pass and what the pass reported."""
+
+    rank: int
+    graph: int
+    before: str
+    after: str
+    reports: tuple[SiteReport, ...]
+    grad_flags: dict
+    calls_per_forward: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+    """The result of :func:`inspect_model`: the settings, one row per site per traced rank, the graphs."""
+
+    model: str
+    model_class: str
+    cp_size: int
+    ranks: tuple[int, ...]
+    doc_lens: tuple[tuple[int, ...], ...]
+    seq_len: int
+    padded_len: int
+    chunk_len: int
+    dtype: str
+    device: str
+    rows: tuple[SiteRow, ...]
+    totals: tuple[RankTotals, ...]
+    #: The plan of the global batch (rank 0's view; ``plan.mask(..., rank=r)`` gives any rank's rows).
+    plan: CPPlan
+    #: Whether the rewritten sites use the packed-document mask (bool-mask form) or plain causal order.
+    documents: bool
+    graphs: tuple[TracedGraph, ...] = dataclasses.field(repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.doc_lens)
+
+    def site_table(self) -> str:
+        """The per-site table (one row per site; a site that differs between ranks gets one row per rank)."""
+        from tabulate import tabulate
+
+        headers = [
+            "ranks", "graph", "layer", "q", "k, v", "dtype", "heads q/kv", "mask found", "action", "gathered K, V",
+            "AG/call", "AG/step", "RS/step (bwd)",
+        ]
+        body = []
+        for ranks, row in self._merged_rows():
+            action = row.action + (f": {row.reason}" if row.reason and row.action != "rewritten" else "")
+            body.append([
+                ranks, row.graph, row.layer or "<top level>", _fmt_shape(row.q_shape),
+                _fmt_shapes((row.k_shape, row.v_shape)), row.dtype, f"{row.q_heads}/{row.kv_heads}", row.mask_found,
+                action, _fmt_shapes(row.gathered_shapes), _fmt_bytes(row.all_gather_bytes_per_call),
+                _fmt_bytes(row.all_gather_bytes_per_step), _fmt_bytes(row.reduce_scatter_bytes_per_step),
+            ])
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
+    def rank_table(self) -> str:
+        """The per-rank totals of one training step."""
+        from tabulate import tabulate
+
+        headers = ["rank", "rewritten", "refused", "all-gathers", "AG/step", "reduce-scatters (bwd)", "RS/step",
+                   "visible (q,k) pairs"]
+        body = [
+            [t.rank, t.rewritten, t.refused, t.all_gathers, _fmt_bytes(t.all_gather_bytes), t.reduce_scatters,
+             _fmt_bytes(t.reduce_scatter_bytes), t.visible_pairs]
+            for t in self.totals
+        ]
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
+    def headline(self) -> str:
+        docs = "; ".join(",".join(map(str, row)) for row in self.doc_lens)
+        pad = f", padded to {self.padded_len}" if self.padded_len != self.seq_len else ""
+        return (
+            f"{self.model} ({self.model_class}): CP size {self.cp_size}, batch {self.batch_size} x {self.seq_len} "
+            f"tokens{pad} (documents {docs}), {self.chunk_len} tokens per rank, {self.dtype}, traced on "
+            f"{self.device}; {len({(r.graph, r.node) for r in self.rows})} SDPA site(s) in "
+            f"{len({g.graph for g in self.graphs})} graph(s)"
+        )
+
+    def report(self) -> str:
+        """The text ``cpcompile inspect`` prints."""
+        lines = [self.headline(), ""]
+        if not self.rows:
+            lines.append(
+                "no scaled_dot_product_attention call found in the traced graphs: the backend passes them "
+                "through unchanged and context parallelism does not split attention (does the model use "
+                "attn_implementation='sdpa'?)"
+            )
+        else:
+            lines += [self.site_table(), "", "per rank, one step (forward all-gathers, backward reduce-scatters):",
+                      self.rank_table()]
+        return "\n".join(lines) + "\n"
+
+    def _merged_rows(self) -> list[tuple[str, SiteRow]]:
+        by_site: dict[tuple[int, str], list[SiteRow]] = {}
+        for row in self.rows:
+            by_site.setdefault((row.graph, row.node), []).append(row)
+        out = []
+        for rows in by_site.values():
+            same = all(dataclasses.replace(r, rank=rows[0].rank) == rows[0] for r in rows)
+            if same:
+                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), rows[0]))
+            else:
+                out += [(str(r.rank), r) for r in rows]
+        return out
+
+    def to_json(self) -> dict:
+        """The table's data as plain JSON types (what ``summary.json`` holds, without the file list)."""
+        rows = []
+        for row in self.rows:
+            d = dataclasses.asdict(row)
+            for key in ("q_shape", "k_shape", "v_shape"):
+                d[key] = list(d[key])
+            d["gathered_shapes"] = [list(s) for s in row.gathered_shapes]
+            rows.append(d)
+        return {
+            "model": self.model,
+            "model_class": self.model_class,
+            "cp_size": self.cp_size,
+            "ranks": list(self.ranks),
+            "doc_lens": [list(r) for r in self.doc_lens],
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "padded_len": self.padded_len,
+            "chunk_len": self.chunk_len,
+            "dtype": self.dtype,
+            "device": self.device,
+            "documents": self.documents,
+            "sites": rows,
+            "rank_totals": [dataclasses.asdict(t) for t in self.totals],
+        }
+
+
+def _fmt_shape(shape: Sequence) -> str:
+    return "[" + ",".join(str(s) for s in shape) + "]"
+
+
+def _fmt_shapes(shapes: Sequence[Sequence]) -> str:
+    if not shapes:
+        return "-"
+    if all(tuple(s) == tuple(shapes[0]) for s in shapes):
+        return f"{len(shapes)} x {_fmt_shape(shapes[0])}" if len(shapes) > 1 else _fmt_shape(shapes[0])
+    return " ".join(_fmt_shape(s) for s in shapes)
+
+
+def _fmt_bytes(n: int) -> str:
+    """Binary units with one decimal (exact byte counts are in summary.json and the rows)."""
+    if n == 0:
+        return "0"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_ranks(ranks: list[int], cp_size: int) -> str:
+    if ranks == list(range(cp_size)):
+        return "all"
+    return ",".join(map(str, ranks))
+
+
+# -- loading the model ---------------------------------------------------------------------------------------
+def load_model(spec: str, *, device: str = "meta", dtype: str | None = None, attn_implementation: str = "sdpa"):
+    """Build the model named by ``spec`` on ``device``, in train mode.
+
+    ``spec`` is a transformers config (a ``config.json`` file or a folder holding one; built with
+    ``AutoModelForCausalLM.from_config`` and ``attn_implementation``, random weights) or ``module:factory``,
+    a function called with no arguments that returns an ``nn.Module`` (or a transformers config). Raises
+    ``ValueError`` for a spec that names nothing loadable.
+    """
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+    if os.path.exists(spec):
+        model = _from_config(_load_config(spec), device, attn_implementation)
+    elif _FACTORY.match(spec):
+        made = _call_factory(spec)
+        if isinstance(made, torch.nn.Module):
+            model = made.to(device=device)
+        elif _is_config(made):
+            model = _from_config(made, device, attn_implementation)
+        else:
+            raise ValueError(
+                f"model factory {spec!r} returned a {type(made).__name__}; it must return a torch.nn.Module "
+                "(or a transformers config)"
+            )
+    else:
+        raise ValueError(
+            f"unknown model spec {spec!r}: not an existing config file or folder, and not of the form "
+            "'module:factory'; pass a transformers config.json (or the folder holding it) or "
+            "'package.module:function' returning the model"
+        )
+    if dtype is not None:
+        model = model.to(dtype=_DTYPES[dtype])
+    return model.train()
+
+
+def _is_config(obj: object) -> bool:
+    return type(obj).__name__.endswith("Config") and hasattr(obj, "to_dict")
+
+
+def _load_config(path: str):
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"model spec {path!r} is a config file, which needs transformers: pip install transformers") from e
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"cannot read a transformers config from {path!r} ({type(e).__name__}: {e}); pass a config.json "
+            "with a 'model_type' field, or the folder that holds it"
+        ) from e
+
+
+def _from_config(config, device: str, attn_implementation: str):
+    import transformers
+
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def _call_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model spec {spec!r}: cannot import module {module_name!r} ({e}); is it on PYTHONPATH?") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model spec {spec!r}: {attr!r} is a {type(obj).__name__}, not a function returning a model")
+    return obj()
+
+
+# -- tracing -------------------------------------------------------------------------------------------------
+class _Capture:
+    """A Dynamo backend that records every graph, rewrites a copy in report mode and runs the original."""
+
+    def __init__(self, rank: int, cp_size: int, group_name: str) -> None:
+        self.rank, self.cp_size, self.group_name = rank, cp_size, group_name
+        self.graphs: list[dict] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        n = len(self.graphs)
+        title = f"rank {self.rank} of {self.cp_size}, graph {n}"
+        entry = {
+            "before": graph_source(gm, f"{title}: as Dynamo traced it"),
+            "grad_flags": site_grad_flags(gm),
+            "calls": 0,
+        }
+        rewritten = copy.deepcopy(gm)
+        entry["reports"] = tuple(
+            cp_attention_pass(
+                rewritten, group_name=self.group_name, cp_size=self.cp_size, graph_id=n,
+                site_prefix=f"inspect/graph{n}", refuse="report",
+            )
+        )
+        entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile cp_attention pass")
+        self.graphs.append(entry)
+
+        def run(*args):
+            entry["calls"] += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def _doc_lens(seq_len: int, doc_lens: Sequence[Sequence[int]] | None, batch_size: int) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if doc_lens is None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return ((seq_len,),) * batch_size
+    rows = tuple(tuple(row) for row in doc_lens)
+    if not rows:
+        raise ValueError("doc_lens is empty; give one list of document lengths per batch row, or None")
+    for b, row in enumerate(rows):
+        if not row or any(not isinstance(n, int) or n < 1 for n in row):
+            raise ValueError(f"doc_lens row {b} = {list(row)}: document lengths must be positive ints")
+        if sum(row) != seq_len:
+            raise ValueError(
+                f"doc_lens row {b} = {list(row)} sums to {sum(row)} tokens, but seq_len is {seq_len}; the "
+                "documents of every row must fill the sequence exactly"
+            )
+    return rows
+
+
+def inspect_model(
+    model: str,
+    *,
+    cp_size: int,
+    seq_len: int,
+    doc_lens: Sequence[Sequence[int]] | None = None,
+    batch_size: int = 1,
+    ranks: Sequence[int] | None = None,
+    dtype: str | None = None,
+    device: str = "meta",
+    attn_implementation: str = "sdpa",
+) -> Inspection:
+    """Trace ``model`` as each CP rank of a group of ``cp_size`` and report what the backend does with it.
+
+    Args:
+        model: a transformers ``config.json`` (or its folder) or ``module:factory`` (see :func:`load_model`).
+        cp_size: the CP group size ``N``.
+        seq_len: global sequence length ``T`` of the batch (padded to a multiple of ``N`` like in training).
+        doc_lens: packed document lengths, one list per batch row, each summing to ``seq_len``
+            (default: one document per row, ``batch_size`` rows).
+        ranks: which ranks to trace (default all); each rank is one Dynamo trace.
+        dtype: ``float32``, ``bfloat16`` or ``float16`` to cast the model to (default: as built).
+        device: ``meta`` (default: shapes only, nothing allocated) or ``cpu`` (real tensors, for models whose
+            Python code reads tensor values).
+        attn_implementation: for config specs, the transformers attention implementation (``sdpa``).
+
+    The model is called in train mode the way :func:`cpcompile.shard` calls it in training (local chunk,
+    global ``position_ids``, ``shift_labels``, ``use_cache=False``), under a fake process group, once per rank.
+    It needs a process without an initialized default process group, and clears torch.compile's caches
+    (``torch.compiler.reset()``) around every trace. Raises ``ValueError`` for bad arguments,
+    ``RuntimeError`` when tracing fails.
+    """
+    from cpcompile.testing import packed_batch
+
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int (the CP group size), got {cp_size!r}")
+    rows_docs = _doc_lens(seq_len, doc_lens, batch_size)
+    if seq_len < cp_size:
+        raise ValueError(
+            f"CP size {cp_size} does not fit a sequence of {seq_len} tokens: every rank needs at least one token; "
+            f"use --cp-size <= {seq_len} or a longer sequence"
+        )
+    ranks = tuple(range(cp_size)) if ranks is None else tuple(ranks)
+    bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < cp_size]
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks={list(ranks)}: expected distinct ranks in [0, {cp_size}) (CP size {cp_size})")
+    if device not in ("meta", "cpu"):
+        raise ValueError(f"device={device!r}: inspect traces on 'meta' (default) or 'cpu'")
+
+    net = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
+    vocab = int(getattr(getattr(net, "config", None), "vocab_size", 2) or 2)
+    batch = packed_batch([list(r) for r in rows_docs], vocab_size=vocab, seed=0)
+    param = next(iter(net.parameters()), None)
+    model_dtype = str(param.dtype if param is not None else torch.get_default_dtype()).removeprefix("torch.")
+
+    graphs: list[TracedGraph] = []
+    for rank in ranks:
+        graphs += _trace_rank(net, batch, rank, cp_size, device, model)
+    plan = build_plan(batch, cp_size, 0)
+    rows = tuple(_rows(graphs, cp_size))
+    rewritten_forms = [r.mask_form for r in rows if r.action == "rewritten"]
+    documents = not rewritten_forms or rewritten_forms[0] == "bool-mask"
+    totals = tuple(_totals(rank, rows, plan, documents) for rank in ranks)
+    return Inspection(
+        model=model,
+        model_class=type(net).__name__,
+        cp_size=cp_size,
+        ranks=ranks,
+        doc_lens=rows_docs,
+        seq_len=seq_len,
+        padded_len=plan.padded_len,
+        chunk_len=plan.chunk_len,
+        dtype=model_dtype,
+        device=device,
+        rows=rows,
+        totals=totals,
+        plan=plan,
+        documents=documents,
+        graphs=tuple(graphs),
+    )
+
+
+def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> list[TracedGraph]:
+    from cpcompile.runtime import shard
+
+    with _compat.fake_process_group(rank, cp_size) as group:
+        capture = _Capture(rank, cp_size, _compat.group_name_of(group))
+        torch.compiler.reset()
+        try:
+            compiled = torch.compile(net, backend=capture)
+            with shard(batch, group) as local:
+                local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+                compiled(**local)
+        except Exception as e:  # noqa: BLE001 - re-raised with what was being traced
+            hint = " (retry with --device cpu if the model's Python code reads tensor values)" if device == "meta" else ""
+            raise RuntimeError(f"cpcompile inspect: tracing {spec!r} as rank {rank} of {cp_size} on {device} failed{hint}: {e}") from e
+        finally:
+            torch.compiler.reset()
+    return [
+        TracedGraph(rank, n, g["before"], g["after"], g["reports"], g["grad_flags"], g["calls"])
+        for n, g in enumerate(capture.graphs)
+    ]
+
+
+def _rows(graphs: list[TracedGraph], cp_size: int):
+    for g in graphs:
+        for rep in g.reports:
+            rec = site_record(rep, cp_size, g.grad_flags.get(rep.node, (False, False)))
+            ag, rs = rec["all_gather_bytes_per_call"] or 0, rec["reduce_scatter_bytes_per_call"] or 0
+            flags = g.grad_flags.get(rep.node, (False, False)) if rep.gathered_shapes else ()
+            yield SiteRow(
+                rank=g.rank,
+                graph=g.graph,
+                node=rep.node,
+                layer=rep.layer,
+                q_shape=rep.q_shape,
+                k_shape=rep.k_shape,
+                v_shape=rep.v_shape,
+                dtype=rep.dtype,
+                q_heads=rep.q_shape[1] if len(rep.q_shape) == 4 else 0,
+                kv_heads=rep.kv_heads,
+                mask_form=rep.mask_form,
+                enable_gqa=rep.enable_gqa,
+                action=rep.action,
+                reason=rep.reason,
+                gathered_shapes=rep.gathered_shapes,
+                calls_per_forward=g.calls_per_forward,
+                all_gather_bytes_per_call=ag,
+                all_gather_bytes_per_step=ag * g.calls_per_forward,
+                reduce_scatters_per_step=sum(flags) * g.calls_per_forward,
+                reduce_scatter_bytes_per_step=rs * g.calls_per_forward,
+            )
+
+
+def _totals(rank: int, rows: tuple[SiteRow, ...], plan: CPPlan, documents: bool) -> RankTotals:
+    mine = [r for r in rows if r.rank == rank]
+    done = [r for r in mine if r.action == "rewritten"]
+    return RankTotals(
+        rank=rank,
+        rewritten=len(done),
+        refused=sum(r.action == "refused" for r in mine),
+        all_gathers=sum(len(r.gathered_shapes) * r.calls_per_forward for r in done),
+        all_gather_bytes=sum(r.all_gather_bytes_per_step for r in done),
+        reduce_scatters=sum(r.reduce_scatters_per_step for r in done),
+        reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
+        visible_pairs=int(plan.mask(documents=documents, rank=rank).sum()),
+    )
+
+
+# -- the attention-pattern picture ---------------------------------------------------------------------------
+#: At most this many cells per side of a panel; longer sequences put several tokens in one cell.
+MAX_CELLS = 128
+#: A panel is about this many pixels wide (``pixels_per_cell = max(2, PANEL_PX // cells)``).
+PANEL_PX = 512
+#: Left gutter (rank labels), title band above the panels, legend band below, margin, in pixels.
+GUTTER_PX, TITLE_PX, LEGEND_PX, MARGIN_PX = 56, 24, 24, 16
+
+_PALETTE = [
+    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
+]
+_MASKED = (236, 236, 236)
+_BACKGROUND = (255, 255, 255)
+_TEXT = (20, 20, 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternGeometry:
+    """Sizes of the attention-pattern PNG (see :func:`pattern_geometry`)."""
+
+    tokens_per_cell: int
+    cells: int
+    pixels_per_cell: int
+    panel: int
+    width: int
+    height: int
+
+
+def pattern_geometry(padded_len: int, batch_size: int) -> PatternGeometry:
+    """The PNG's layout for ``batch_size`` rows of ``padded_len`` tokens.
+
+    ``tokens_per_cell = ceil(T_pad / MAX_CELLS)``, ``cells = ceil(T_pad / tokens_per_cell)``,
+    ``pixels_per_cell = max(2, PANEL_PX // cells)``, ``panel = cells * pixels_per_cell``;
+    ``width = GUTTER_PX + B * (panel + MARGIN_PX)``, ``height = TITLE_PX + panel + LEGEND_PX``.
+    """
+    k = -(-padded_len // MAX_CELLS)
+    cells = -(-padded_len // k)
+    px = max(2, PANEL_PX // cells)
+    panel = cells * px
+    return PatternGeometry(k, cells, px, panel, GUTTER_PX + batch_size * (panel + MARGIN_PX), TITLE_PX + panel + LEGEND_PX)
+
+
+def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int | None = None):
+    """A PIL image of which (query, key) pairs every rank computes under ``plan`` (Pillow required).
+
+    One panel per batch row: rows are global query positions, columns keys, both in token order. A cell is
+    coloured with the colour of the rank that holds its queries (labelled in the left gutter): bright where
+    every pair of the cell attends and the keys are the rank's own (the block on the diagonal), dark where
+    they are keys gathered from other ranks, pale when only some pairs of the cell attend (a cell covers
+    several tokens when ``T_pad > MAX_CELLS``), light gray when none does. Lines mark the ranks' chunks.
+    Sizes: :func:`pattern_geometry`.
+    """
+    try:
+        from PIL import Image, ImageDraw, ImageFont
+    except ImportError as e:
+        raise ImportError("the attention-pattern picture needs Pillow: pip install 'cpcompile[inspect]'") from e
+
+    T, B, N, c = plan.padded_len, plan.batch_size, plan.cp_size, plan.chunk_len
+    geo = pattern_geometry(T, B)
+    k, n, px = geo.tokens_per_cell, geo.cells, geo.pixels_per_cell
+    full = torch.cat([plan.mask(documents=documents, window=window, rank=r)[:, 0] for r in range(N)], dim=1)
+    padded = torch.zeros(B, n * k, n * k, dtype=torch.int32)
+    padded[:, :T, :T] = full.to(torch.int32)
+    valid = torch.zeros(n * k, n * k, dtype=torch.int32)
+    valid[:T, :T] = 1
+    visible = padded.view(B, n, k, n, k).sum(dim=(2, 4))
+    total = valid.view(n, k, n, k).sum(dim=(1, 3))
+    owner = [min(i * k // c, N - 1) for i in range(n)]
+    shades = [_shades(_PALETTE[r % len(_PALETTE)]) for r in range(N)]
+
+    image = Image.new("RGB", (geo.width, geo.height), _BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default()
+    for b in range(B):
+        pixels = bytearray()
+        for i in range(n):
+            own, gathered, pale = shades[owner[i]]
+            for j in range(n):
+                v = int(visible[b, i, j])
+                if v == 0:
+                    pixels += bytes(_MASKED)
+                elif v < int(total[i, j]):
+                    pixels += bytes(pale)
+                else:
+                    pixels += bytes(own if owner[j] == owner[i] else gathered)
+        panel = Image.frombytes("RGB", (n, n), bytes(pixels)).resize((geo.panel, geo.panel), Image.NEAREST)
+        x0, y0 = GUTTER_PX + b * (geo.panel + MARGIN_PX), TITLE_PX
+        image.paste(panel, (x0, y0))
+        for r in range(1, N):
+            edge = round(r * c / k * px)
+            draw.line([(x0, y0 + edge), (x0 + geo.panel - 1, y0 + edge)], fill=(60, 60, 60))
+            draw.line([(x0 + edge, y0), (x0 + edge, y0 + geo.panel - 1)], fill=(170, 170, 170))
+        draw.rectangle([x0 - 1, y0 - 1, x0 + geo.panel, y0 + geo.panel], outline=(60, 60, 60))
+        draw.text((x0, 6), f"row {b}: queries (down) x keys (across)", fill=_TEXT, font=font)
+    draw.text(
+        (GUTTER_PX, TITLE_PX + geo.panel + 6),
+        "bright = own keys | dark = keys gathered from other ranks | pale = cell partly visible | gray = masked",
+        fill=_TEXT, font=font,
+    )
+    band = c / k * px
+    for r in range(N):
+        y = TITLE_PX + r * band + band / 2 - 6
+        if band >= 12:
+            draw.text((6, y), f"rank {r}", fill=_PALETTE[r % len(_PALETTE)], font=font)
+    return image
+
+
+def _shades(color: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(own keys, gathered keys, partly visible) shades of a rank's colour."""
+    return color, tuple(ch * 3 // 5 for ch in color), tuple((ch + 255) // 2 for ch in color)
+
+
+# -- the dump ------------------------------------------------------------------------------------------------
+def write_dump(inspection: Inspection, directory: str) -> list[str]:
+    """Write the inspection under ``directory`` (created; must be empty) and return the paths written.
+
+    Files, the same bytes for the same model and arguments::
+
+        summary.json              settings, every site row of every traced rank, per-rank totals, file list
+        attention_pattern.png     every rank's (query, key) pattern under the plan (attention_pattern_image)
+        rank{r}/graph{n}_before.py  graph n as Dynamo traced it for rank r (runnable print_readable code)
+        rank{r}/graph{n}_after.py   the same graph after the cp_attention pass (refused sites left as they were)
+        rank{r}/summary.json      what the pass did in rank r's graphs (the schema the backend's dump_dir writes)
+
+    for every traced rank ``r`` and graph ``n``.
+    """
+    directory = os.fspath(directory)
+    if os.path.isdir(directory) and os.listdir(directory):
+        raise ValueError(
+            f"dump folder {directory!r} is not empty; pass a new folder (files are never mixed with an older dump)"
+        )
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for rank in inspection.ranks:
+        writer = RankDumpWriter(directory, rank, inspection.cp_size)
+        for g in (g for g in inspection.graphs if g.rank == rank):
+            written += writer.add_graph(g.before, g.after, list(g.reports), g.grad_flags, calls_per_forward=g.calls_per_forward)
+    written = list(dict.fromkeys(written))
+    png = os.path.join(directory, "attention_pattern.png")
+    attention_pattern_image(inspection.plan, documents=inspection.documents).save(png, format="PNG")
+    written.append(png)
+    summary = os.path.join(directory, "summary.json")
+    written.append(summary)
+    data = inspection.to_json()
+    data["attention_pattern"] = dataclasses.asdict(pattern_geometry(inspection.padded_len, inspection.batch_size))
+    data["files"] = sorted(os.path.relpath(p, directory).replace(os.sep, "/") for p in written)
+    write_json(summary, data)
+    return written
