@@ -35,16 +35,25 @@ def _tracing() -> bool:
     return _fc._are_we_tracing()
 
 
+def _all_gather_op():
+    # torch 2.13: `_c10d_functional.all_gather_into_tensor` carries autograd (backward: sum reduce-scatter),
+    # and inductor lowers it as a collective. torch 2.11-2.12: only `_c10d_functional_autograd` has autograd.
+    # Prefer the first: inductor on torch 2.13 miscompiles the second (wrong results on CPU).
+    name = "_c10d_functional::all_gather_into_tensor"
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"):
+        return torch.ops._c10d_functional.all_gather_into_tensor
+    return torch.ops._c10d_functional_autograd.all_gather_into_tensor
+
+
 def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Tensor:
     """Issue an all-gather of ``[B, H, c, D]`` ``t`` along the sequence dim; finish with :func:`all_gather_wait`.
 
     Split in two so that a graph can issue the collective as soon as ``t`` exists and wait only where the
     result is used, leaving the work in between to overlap with the transfer. Autograd: the backward of the
-    pair is a sum reduce-scatter (torch 2.11-2.13: ``_c10d_functional_autograd.all_gather_into_tensor``;
-    ``wait_tensor`` passes the gradient through).
+    pair is a sum reduce-scatter (``wait_tensor`` passes the gradient through).
     """
     seq_first = t.permute(2, 0, 1, 3).contiguous()  # [c, B, H, D]: chunks concatenate along dim 0
-    out = torch.ops._c10d_functional_autograd.all_gather_into_tensor(seq_first, cp_size, group_name)
+    out = _all_gather_op()(seq_first, cp_size, group_name)
     # Traced (AOTAutograd), the wait is an explicit node; eagerly, an AsyncCollectiveTensor waits on first use.
     return out if _tracing() else _fc._maybe_wrap_tensor(out)
 
