@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fc
+from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "SDPA_TARGETS",
+    "PassThroughCompileError",
     "all_gather_into",
     "all_gather_seq",
     "group_name_of",
@@ -25,6 +27,19 @@ SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.fu
 # torch 2.13: `all_gather_single_autograd` (an alias of `all_gather_single`, whose op carries autograd).
 # torch 2.11-2.12: `all_gather_tensor_autograd`. Both backprop as a sum reduce-scatter.
 _all_gather_autograd = getattr(_fc, "all_gather_single_autograd", None) or _fc.all_gather_tensor_autograd
+
+
+class PassThroughCompileError(_ShortenTraceback):
+    """Base of errors a backend raises at compile time that must reach the user unchanged.
+
+    Dynamo wraps any other exception a backend raises in ``torch._dynamo.exc.BackendCompilerFailed``, so
+    ``except cpcompile.UnsupportedAttentionError`` would never match. Subclasses of ``ShortenTraceback`` are
+    re-raised as they are (torch 2.13 ``OutputGraph.call_user_compiler``; inductor's ``TritonMissing`` relies on
+    the same rule). Still a ``RuntimeError``.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args, first_useful_frame=None)
 
 
 def all_gather_seq(t: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
