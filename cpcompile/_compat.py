@@ -16,6 +16,7 @@ __all__ = [
     "all_gather_into",
     "all_gather_seq",
     "group_name_of",
+    "init_fake_process_group",
     "lookup_inner_backend",
     "node_module_path",
     "statically_true",
@@ -65,6 +66,18 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Initialise a default process group of the "fake" backend: one process acts as ``rank`` of ``world_size``.
+
+    No collective moves data (outputs are left as they are), so it only suits tests that compile graphs or
+    check errors raised before any result is used. The backend is registered by a private testing module
+    (torch 2.11-2.13: ``torch.testing._internal.distributed.fake_pg``).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def lookup_inner_backend(name: str):
