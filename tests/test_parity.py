@@ -4,7 +4,8 @@ Every case uses packed rows (B >= 2) whose documents cross chunk boundaries and 
 of the CP size, and compares the gathered logits, the summed loss and every parameter's gradient summed over CP
 ranks with ``torch.testing.assert_close`` (tolerances in :mod:`tests.parity`). Each case also asserts that every
 attention layer's SDPA was rewritten and that K and V were all-gathered once per layer. Negative controls show
-the check fails on a wrong label shift and on a mask that merges documents.
+the check fails on a wrong label shift and on a mask that merges documents. The CP=2 run also checks
+``cpcompile.gather`` and its backward.
 """
 
 from __future__ import annotations
@@ -33,12 +34,35 @@ CP4_CASES = (
 CONTROLS = ("label_shift", "merge_documents")
 
 
-def _worker(rank, world_size, cases, controls):
+def _worker(rank, world_size, cases, controls, gather_check=False):
     import torch.distributed as dist
 
     group = dist.group.WORLD
+    if gather_check:
+        _check_gather_autograd(rank, world_size, group)
     # negative controls on the first case only: its compiled model is reused, so they cost one step each
     return [check_case(case, group, controls=controls if i == 0 else ()) for i, case in enumerate(cases)]
+
+
+def _check_gather_autograd(rank, world_size, group):
+    """gather = concatenation of every rank's chunk without padding; its backward (run after the shard
+    context ended, as in a training loop) gives this rank's slice of the gradient, zero on padding."""
+    import torch
+
+    import cpcompile
+    from cpcompile.testing import packed_batch
+
+    T = sum(DOCS[0])
+    c = -(-T // world_size)
+    chunks = [torch.randn(2, c, 3, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    x = chunks[rank].clone().requires_grad_()
+    w = torch.randn(2, T, 3, generator=torch.Generator().manual_seed(99))
+    with cpcompile.shard(packed_batch([list(r) for r in DOCS]), group):
+        y = cpcompile.gather(x)
+    torch.testing.assert_close(y, torch.cat(chunks, 1)[:, :T], atol=0, rtol=0)  # a copy: exact
+    (y * w).sum().backward()
+    w_padded = torch.cat([w, torch.zeros(2, world_size * c - T, 3)], 1)
+    torch.testing.assert_close(x.grad, w_padded[:, rank * c : (rank + 1) * c], atol=0, rtol=0)
 
 
 def _report(summaries):
@@ -59,7 +83,7 @@ def _check_controls(summaries):
 
 
 def test_parity_cp2_aot_eager():
-    results = run_distributed(_worker, 2, CP2_CASES, CONTROLS)
+    results = run_distributed(_worker, 2, CP2_CASES, CONTROLS, True)
     _report(results[0])
     _check_controls(results[0])
     assert [len(r) for r in results] == [len(CP2_CASES)] * 2

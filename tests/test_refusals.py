@@ -73,10 +73,12 @@ def test_refused_at_compile_time(world, make, layer, words):
 
 # -- errors at run time ----------------------------------------------------------------------------------
 def test_compiled_model_outside_shard_raises(world):
-    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=cpcompile.backend(world, inner="aot_eager"))
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=backend)
     ids = torch.randint(0, 128, (2, 19))
     with pytest.raises(RuntimeError, match=r"no cpcompile\.shard context is active.*with cpcompile\.shard"):
         compiled(input_ids=ids)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]  # refused at run time, not compile
 
 
 def test_chunk_length_not_matching_the_plan_raises(world):
@@ -99,12 +101,14 @@ def test_shard_with_another_group_raises(world):
 @pytest.mark.parametrize("form", ["bidirectional", "window"])
 def test_model_mask_differing_from_the_plan_raises(world, form):
     """A model whose own bool mask is not causal+same-document: MaskMismatchError naming the layer, every call."""
-    compiled = torch.compile(_models.attention_lm(form), backend=cpcompile.backend(world, inner="aot_eager"))
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm(form), backend=backend)
     with cpcompile.shard(packed_batch(DOCS), world) as local:
         for _ in range(2):  # not only on the first call: a refused site is never marked verified
             with pytest.raises(cpcompile.MaskMismatchError, match=r"layers\.0\.attn") as info:
                 compiled(**local)
     assert "differs from the global causal same-document mask" in str(info.value)
+    assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
 
 
 # -- nothing to rewrite ----------------------------------------------------------------------------------
