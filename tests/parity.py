@@ -18,8 +18,11 @@ Models: any family of :data:`cpcompile.testing.FAMILIES` (HF models built from t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import time
+from collections.abc import Callable
 from typing import Literal
 from unittest import mock
 
@@ -34,7 +37,7 @@ from tests import _models
 
 # fp32 tolerances. The CP side computes the same attention over the same keys; only the order of float
 # reductions changes (softmax/matmul blocking over a shorter query chunk, the loss and every gradient summed over
-# ranks instead of over one row). Measured differences are <= ~3e-7 (see the test module docstrings); 1e-5 leaves
+# ranks instead of over one row). Measured differences are <= 5e-7 (table in tests/test_parity.py); 1e-5 leaves
 # room for other kernels and inner compilers, and is far below what one wrong mask entry, a wrong label at a chunk
 # boundary or a missing rank's gradient causes (>= 1e-3, measured by the negative controls).
 LOGITS_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -50,7 +53,9 @@ Corruption = Literal["label_shift", "merge_documents"]
 class ParityCase:
     """One parity configuration (picklable: sent to spawned ranks)."""
 
-    #: A family of ``cpcompile.testing.FAMILIES`` or ``"attn:<form>"`` (a ``tests._models.TinyAttentionLM``).
+    #: A family of ``cpcompile.testing.FAMILIES``, ``"attn:<form>"`` (a ``tests._models.TinyAttentionLM``) or
+    #: ``"package.module:factory"`` (called as ``factory(seed=seed, **overrides)``; must return a model in train
+    #: mode taking a transformers causal LM's keyword arguments and returning ``.loss``/``.logits``).
     model: str
     #: Packed documents per row (every row the same total length); B = len(doc_lens).
     doc_lens: tuple[tuple[int, ...], ...]
@@ -65,6 +70,8 @@ class ParityCase:
     expected_sites: int | None = None
     #: How every site must call SDPA, as reported by the pass: (mask form, enable_gqa); None: not checked.
     expected_form: tuple[str, bool] | None = None
+    #: Extra keyword arguments of ``cpcompile.backend`` (options added by later features).
+    backend_kwargs: tuple[tuple[str, object], ...] = ()
 
     @property
     def name(self) -> str:
@@ -75,8 +82,13 @@ class ParityCase:
         kwargs = dict(self.overrides)
         if self.model.startswith("attn:"):
             return _models.attention_lm(self.model.removeprefix("attn:"), seed=self.seed, **kwargs)
+        if ":" in self.model:
+            module, _, factory = self.model.partition(":")
+            return getattr(importlib.import_module(module), factory)(seed=self.seed, **kwargs)
         if self.model not in FAMILIES:
-            raise ValueError(f"unknown model {self.model!r}; use one of {sorted(FAMILIES)} or 'attn:<form>'")
+            raise ValueError(
+                f"unknown model {self.model!r}; use one of {sorted(FAMILIES)}, 'attn:<form>' or 'module:factory'"
+            )
         return tiny_model(self.model, seed=self.seed, **kwargs)
 
     def batch(self) -> dict[str, torch.Tensor]:
@@ -163,11 +175,28 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return t
 
 
-class ParityRunner:
-    """Builds the reference (eager, whole batch) once and the compiled CP model once; ``run`` does one CP step."""
+def sum_grads_over_cp(model: torch.nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient summed over the CP group (each rank holds the partial sum of its tokens)."""
+    return {n: _all_reduce_sum(p.grad, group) for n, p in model.named_parameters() if p.grad is not None}
 
-    def __init__(self, case: ParityCase, group: dist.ProcessGroup) -> None:
-        self.case, self.group = case, group
+
+class ParityRunner:
+    """Builds the reference (eager, whole batch) once and the compiled CP model once; ``run`` does one CP step.
+
+    Extension points for other setups: ``wrap`` turns the CP copy into what gets compiled (e.g. applies
+    ``fully_shard``; default: the model itself) and ``full_grads`` returns the whole-sequence gradient of every
+    parameter by name on this rank (default: :func:`sum_grads_over_cp`).
+    """
+
+    def __init__(
+        self,
+        case: ParityCase,
+        group: dist.ProcessGroup,
+        *,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        full_grads: Callable[[torch.nn.Module, dist.ProcessGroup], dict[str, torch.Tensor]] = sum_grads_over_cp,
+    ) -> None:
+        self.case, self.group, self.full_grads = case, group, full_grads
         self.cp_size = dist.get_world_size(group)
         case.check_layout(self.cp_size)
         self.batch = case.batch()
@@ -178,7 +207,9 @@ class ParityRunner:
         self.ref_loss = out.loss.detach()
         self.ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
         self.model = case.build_model()
-        self.backend = cpcompile.backend(group, inner=case.inner)
+        if wrap is not None:
+            self.model = wrap(self.model)
+        self.backend = cpcompile.backend(group, inner=case.inner, **dict(case.backend_kwargs))
         self.compiled = torch.compile(self.model, backend=self.backend)
 
     def run(self, corrupt: Corruption | None = None) -> ParityOutcome:
@@ -199,9 +230,7 @@ class ParityRunner:
                 out.loss.backward()
                 logits = cpcompile.gather(out.logits.detach())
             comm = cpcompile.comm_stats()
-        grads = {
-            n: _all_reduce_sum(p.grad, self.group) for n, p in self.model.named_parameters() if p.grad is not None
-        }
+        grads = self.full_grads(self.model, self.group)
         return ParityOutcome(
             case=self.case,
             cp_size=self.cp_size,
@@ -219,38 +248,32 @@ class ParityRunner:
         )
 
 
-class _corruption:
-    """Patch cpcompile for one negative-control run (no-op for ``None``)."""
+@contextlib.contextmanager
+def _corruption(corrupt: Corruption | None):
+    """Patch cpcompile for one negative-control run (nothing for ``None`` and ``label_shift``)."""
+    if corrupt != "merge_documents":
+        yield
+        return
+    original = CPPlan.mask
 
-    def __init__(self, corrupt: Corruption | None) -> None:
-        self.patches = []
-        if corrupt == "merge_documents":
-            original = CPPlan.mask
+    def merged(plan, *, documents, window=None, rank=None):
+        return original(plan, documents=False, window=window, rank=rank)
 
-            def merged(plan, *, documents, window=None, rank=None):
-                return original(plan, documents=False, window=window, rank=rank)
-
-            self.patches = [
-                mock.patch.object(CPPlan, "mask", merged),
-                mock.patch.object(runtime, "_verify_site_mask", lambda *a, **k: None),
-            ]
-
-    def __enter__(self):
-        for p in self.patches:
-            p.start()
-
-    def __exit__(self, *exc):
-        for p in reversed(self.patches):
-            p.stop()
+    with mock.patch.object(CPPlan, "mask", merged), mock.patch.object(runtime, "_verify_site_mask", lambda *a: None):
+        yield
 
 
-def check_case(case: ParityCase, group: dist.ProcessGroup, *, controls: tuple[Corruption, ...] = ()) -> dict:
-    """Run ``case`` on this rank, assert parity and rewrites, then each negative control must FAIL the check.
+def check_case(
+    case: ParityCase, group: dist.ProcessGroup, *, controls: tuple[Corruption, ...] = (), **runner_kwargs
+) -> dict:
+    """Run ``case`` on this rank, assert parity and rewrites, then run each negative control.
 
-    Returns a summary (max errors, seconds, and for each control the error it caused) for the parent test.
+    Returns a summary (max errors, seconds, and for each control whether the parity check caught it and the
+    error it caused) for the parent test, which must assert that every control was caught.
+    ``runner_kwargs`` go to :class:`ParityRunner`.
     """
     t0 = time.perf_counter()
-    runner = ParityRunner(case, group)
+    runner = ParityRunner(case, group, **runner_kwargs)
     outcome = runner.run()
     expected = case.expected_sites if case.expected_sites is not None else _layer_count(runner.model)
     assert_rewrites(outcome, expected)
