@@ -82,20 +82,24 @@ def test_compiled_model_outside_shard_raises(world):
 
 
 def test_chunk_length_not_matching_the_plan_raises(world):
-    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=cpcompile.backend(world, inner="aot_eager"))
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=backend)
     batch = packed_batch(DOCS)
     with cpcompile.shard(batch, world):
         # the whole batch (37 tokens) instead of this rank's chunk (19)
         with pytest.raises(RuntimeError, match=r"length 37.*chunk length 19"):
             compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
 
 
 def test_shard_with_another_group_raises(world):
     single = dist.new_group([0])
-    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=cpcompile.backend(world, inner="aot_eager"))
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=backend)
     with cpcompile.shard(packed_batch(DOCS), single) as local:
         with pytest.raises(RuntimeError, match=r"compiled for group .* of size 2.*size 1"):
             compiled(**local)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
 
 
 @pytest.mark.parametrize("form", ["bidirectional", "window"])
