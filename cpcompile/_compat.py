@@ -11,9 +11,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fc
+from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "SDPA_TARGETS",
+    "PassThroughCompileError",
     "all_gather_into",
     "all_gather_start",
     "all_gather_wait",
@@ -21,6 +23,7 @@ __all__ = [
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
+    "init_fake_process_group",
     "lookup_inner_backend",
     "node_module_path",
     "must_recompute_meta",
@@ -43,6 +46,21 @@ def _all_gather_op():
     if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"):
         return torch.ops._c10d_functional.all_gather_into_tensor
     return torch.ops._c10d_functional_autograd.all_gather_into_tensor
+
+
+class PassThroughCompileError(_ShortenTraceback):
+    """Base of errors a backend raises at compile time that must reach the user unchanged.
+
+    Dynamo wraps any other exception a backend raises in ``torch._dynamo.exc.BackendCompilerFailed``, so
+    ``except cpcompile.UnsupportedAttentionError`` would never match. Subclasses of ``ShortenTraceback`` are
+    re-raised as they are (torch 2.13 ``OutputGraph.call_user_compiler``; inductor's ``TritonMissing`` relies on
+    the same rule). Still a ``RuntimeError``.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args, first_useful_frame=None)
+
+
 
 
 def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Tensor:
@@ -78,6 +96,18 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Initialise a default process group of the "fake" backend: one process acts as ``rank`` of ``world_size``.
+
+    No collective moves data (outputs are left as they are), so it only suits tests that compile graphs or
+    check errors raised before any result is used. The backend is registered by a private testing module
+    (torch 2.11-2.13: ``torch.testing._internal.distributed.fake_pg``).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def lookup_inner_backend(name: str):
@@ -145,15 +175,13 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[dist.ProcessGroup
     group would compile. Uses the ``"fake"`` backend and ``FakeStore`` from
     ``torch.testing._internal.distributed.fake_pg`` (private; torch 2.11-2.13). The group is destroyed on exit.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError(
             "a default torch.distributed process group is already initialized in this process; cpcompile "
             "inspect traces every rank in one process with its own fake group, so run it in a separate "
             "process (the `cpcompile inspect` command), or use the backend's dump_dir option inside training"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    init_fake_process_group(rank, world_size)
     try:
         yield dist.group.WORLD
     finally:

@@ -39,8 +39,11 @@ _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-class UnsupportedAttentionError(RuntimeError):
-    """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics."""
+class UnsupportedAttentionError(_compat.PassThroughCompileError):
+    """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics.
+
+    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
+    """
 
 
 @dataclasses.dataclass(frozen=True)
