@@ -11,16 +11,37 @@ import torch.distributed._functional_collectives as _fc
 
 __all__ = [
     "SDPA_TARGETS",
+    "FLEX_ATTENTION_TARGETS",
     "all_gather_into",
     "all_gather_seq",
     "group_name_of",
     "lookup_inner_backend",
+    "mark_seq_dynamic",
     "node_module_path",
     "statically_true",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
+
+
+
+def _flex_targets() -> frozenset:
+    targets = set()
+    hop = getattr(getattr(torch.ops, "higher_order", None), "flex_attention", None)
+    if hop is not None:
+        targets.add(hop)
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        targets.add(flex_attention)
+    except ImportError:  # pragma: no cover - torch without flex attention
+        pass
+    return frozenset(targets)
+
+
+#: Callables under which ``flex_attention`` appears in Dynamo graphs (torch 2.11-2.13: the higher-order op).
+FLEX_ATTENTION_TARGETS = _flex_targets()
 
 # torch 2.13: `all_gather_single_autograd` (an alias of `all_gather_single`, whose op carries autograd).
 # torch 2.11-2.12: `all_gather_tensor_autograd`. Both backprop as a sum reduce-scatter.
@@ -88,3 +109,12 @@ def statically_true(expr: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(expr))
+
+
+def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
+    """Ask Dynamo to compile ``t``'s ``dim`` as a symbolic size from the first compile on.
+
+    torch 2.11-2.13: ``torch._dynamo.maybe_mark_dynamic`` (a hint, not a constraint: no error if the graph
+    specialises the size).
+    """
+    torch._dynamo.maybe_mark_dynamic(t, dim)
