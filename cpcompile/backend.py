@@ -25,10 +25,19 @@ class BackendOptions:
 
     #: Compiler the rewritten graph is handed to: ``inductor`` (default), ``aot_eager`` or ``eager``.
     inner: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
+    #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
+    #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
+    config: object | None = None
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
             raise ValueError(f"inner={self.inner!r} is not a known inner compiler; choose one of {_INNER}")
+        if self.config is not None and not hasattr(self.config, "to_dict"):
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig (model.config) or None, got "
+                f"{type(self.config).__name__}"
+            )
 
 
 class CPBackend:
@@ -65,13 +74,19 @@ class CPBackend:
             cp_size=self.cp_size,
             graph_id=graph_id,
             site_prefix=f"backend{self._id}/graph{graph_id}",
+            config=self.options.config,
         )
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
 
 
-def backend(cp_group: dist.ProcessGroup, *, inner: Literal["inductor", "aot_eager", "eager"] = "inductor") -> CPBackend:
+def backend(
+    cp_group: dist.ProcessGroup,
+    *,
+    inner: Literal["inductor", "aot_eager", "eager"] = "inductor",
+    config: object | None = None,
+) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
@@ -80,8 +95,12 @@ def backend(cp_group: dist.ProcessGroup, *, inner: Literal["inductor", "aot_eage
     Args:
         cp_group: the context-parallel process group (the ranks that share one sequence).
         inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
+        config: the model's transformers config (``model.config``), optional: the per-layer sliding windows
+            (needed when the mask is built outside the compiled graph, e.g. one graph per layer under FSDP2;
+            otherwise read from the graph and checked against the config) and an early refusal of a
+            non-SDPA attention implementation.
     """
-    return CPBackend(cp_group, BackendOptions(inner=inner))
+    return CPBackend(cp_group, BackendOptions(inner=inner, config=config))
 
 
 _registry_backends: dict[str, CPBackend] = {}
