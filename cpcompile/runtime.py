@@ -77,6 +77,7 @@ def shard(
     num_items_in_batch: int | torch.Tensor | None = None,
     pad_token_id: int = 0,
     hf_kwargs: bool = True,
+    check_batch: bool = False,
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -92,6 +93,11 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
+        check_batch: verify that every rank of ``cp_group`` passed the same global batch (one all-gather of a
+            few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
+
+    The sequence dim of every local per-token tensor is marked dynamic, so packed batches of changing length
+    compile once with a symbolic length instead of once per length.
 
     Yields:
         ``local``: this rank's contiguous chunk of every per-token tensor, global ``position_ids``, and with
@@ -105,6 +111,8 @@ def shard(
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
     plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
+    if check_batch and cp_size > 1:
+        _check_same_batch(batch, cp_group, cp_rank)
     local = _local_batch(batch, plan, num_items_in_batch, pad_token_id, hf_kwargs)
     active = _Active(plan, cp_group)
     _STATE.active = active
@@ -151,7 +159,52 @@ def _local_batch(
         local["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=labels.device)
     if hf_kwargs:
         local["use_cache"] = False
+    for value in local.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == plan.chunk_len:
+            _compat.mark_seq_dynamic(value, 1)
     return local
+
+
+#: Fingerprint slots of :func:`_check_same_batch`: the batch's structure, then the contents of these keys,
+#: then everything else.
+_FINGERPRINT_KEYS = ("input_ids", "position_ids", "labels")
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An int64 fingerprint of a tensor's bytes (position-weighted sum, so permutations differ)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) * 2654435761 % 4294967291
+    return (b * w).sum()
+
+
+def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int) -> None:
+    import hashlib
+
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
+    device = tensors["input_ids"].device
+    slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
+    slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
+    others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
+    slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
+    mine = torch.tensor(slots, dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    allv = mine.new_empty((size, mine.numel()))
+    _compat.all_gather_into(allv, mine, group)
+    allv = allv.cpu()
+    names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
+    for slot, name in enumerate(names):
+        col = allv[:, slot]
+        if bool((col != col[0]).any()):
+            groups: dict[int, list[int]] = {}
+            for r, v in enumerate(col.tolist()):
+                groups.setdefault(v, []).append(r)
+            raise ValueError(
+                f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
+                f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
+                "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
+                "replica the same data (same sampler seed and DP rank)"
+            )
 
 
 def _require_active(what: str) -> _Active:
