@@ -407,16 +407,6 @@ def cp_attention_pass(
     counters["sdpa_found"] += len(sites)
     reports: list[SiteReport] = []
     if cp_size > 1:
-        for node, layer, what in find_non_sdpa_attention(gm):
-            counters["non_sdpa_attention"] += 1
-            reason = (
-                f"it is {what}, not a scaled_dot_product_attention call, and would only see this rank's chunk "
-                "of the sequence; set attn_implementation='sdpa'"
-            )
-            where = f"{layer or '<top level>'} (node {node.name})"
-            if refuse == "raise":
-                raise _refusal(where, reason)
-            reports.append(SiteReport(graph_id, node.name, layer, (), (), (), "?", "none", False, (), "refused", reason))
         impl = _attn_implementation(config) if config is not None else None
         config_reason = None
         if impl is not None and impl != "sdpa":
@@ -431,6 +421,16 @@ def cp_attention_pass(
             if refuse == "raise":
                 raise _refusal(where, config_reason)
             reports.append(SiteReport(graph_id, "", "", (), (), (), "?", "none", False, (), "refused", config_reason))
+        for node, layer, what in find_non_sdpa_attention(gm):
+            counters["non_sdpa_attention"] += 1
+            reason = (
+                f"it is {what}, not a scaled_dot_product_attention call, and would only see this rank's chunk "
+                "of the sequence; set attn_implementation='sdpa'"
+            )
+            where = f"{layer or '<top level>'} (node {node.name})"
+            if refuse == "raise":
+                raise _refusal(where, reason)
+            reports.append(SiteReport(graph_id, node.name, layer, (), (), (), "?", "none", False, (), "refused", reason))
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports
