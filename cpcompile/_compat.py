@@ -15,6 +15,7 @@ __all__ = [
     "all_gather_into",
     "all_gather_seq",
     "group_name_of",
+    "is_non_member_group",
     "lookup_inner_backend",
     "mark_seq_dynamic",
     "node_module_path",
@@ -71,6 +72,13 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def is_non_member_group(group: object) -> bool:
+    """True for the value ``new_group`` returns on ranks outside the group (torch 2.11-2.13: the int ``-100``
+    ``GroupMember.NON_GROUP_MEMBER``)."""
+    sentinel = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    return sentinel is not None and type(group) is type(sentinel) and group == sentinel
 
 
 def lookup_inner_backend(name: str):

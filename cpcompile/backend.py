@@ -48,6 +48,12 @@ class CPBackend:
     """
 
     def __init__(self, cp_group: dist.ProcessGroup, options: BackendOptions) -> None:
+        if _compat.is_non_member_group(cp_group):
+            raise ValueError(
+                f"cp_group is the placeholder torch.distributed.new_group returns to ranks outside the group, so this "
+                f"process (global rank {dist.get_rank()}) is not a member of it; pass the CP group that contains this "
+                "rank (every rank calls new_group for every group and keeps the one it belongs to)"
+            )
         if not isinstance(cp_group, dist.ProcessGroup):
             raise TypeError(
                 f"cp_group must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one "

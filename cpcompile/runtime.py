@@ -55,6 +55,12 @@ def current_plan() -> CPPlan | None:
 
 
 def _check_group(cp_group: object) -> tuple[int, int, str]:
+    if _compat.is_non_member_group(cp_group):
+        raise ValueError(
+            f"cp_group is the placeholder torch.distributed.new_group returns to ranks outside the group, so this "
+            f"process (global rank {dist.get_rank()}) is not a member of it; pass the CP group that contains this "
+            "rank (every rank calls new_group for every group and keeps the one it belongs to)"
+        )
     if not isinstance(cp_group, dist.ProcessGroup):
         raise TypeError(
             f"cp_group must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one with "
@@ -189,9 +195,9 @@ def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_
     slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
     mine = torch.tensor(slots, dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
-    allv = mine.new_empty((size, mine.numel()))
-    _compat.all_gather_into(allv, mine, group)
-    allv = allv.cpu()
+    flat = mine.new_empty(size * mine.numel())
+    _compat.all_gather_into(flat, mine, group)
+    allv = flat.view(size, -1).cpu()
     names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
     for slot, name in enumerate(names):
         col = allv[:, slot]
