@@ -88,7 +88,8 @@ def compile_behaviour_worker(rank: int, world_size: int, steps: int) -> dict:
     be = cpcompile.backend(group, inner="aot_eager", config=model.config)
 
     def counting(gm, example_inputs):
-        compiles.append(len(list(gm.graph.nodes)))
+        # one entry per compilation: whether the graph got a symbolic (dynamic) size among its inputs
+        compiles.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
         return be(gm, example_inputs)
 
     cm = torch.compile(model, backend=counting)
@@ -107,6 +108,7 @@ def compile_behaviour_worker(rank: int, world_size: int, steps: int) -> dict:
             ref_loss = ref(**batch, use_cache=False).loss
         loss_err = max(loss_err, float((total - ref_loss).abs()))
     out["compiles"], out["lengths"], out["loss_err"] = len(compiles), lengths, loss_err
+    out["first_dynamic"] = compiles[0]
 
     # 2. torch.compile of a function that calls the (uncompiled) model, fullgraph
     torch._dynamo.reset()

@@ -112,3 +112,18 @@ def test_config_window_rules():
     chunked = copy.deepcopy(gemma)
     chunked.layer_types = ["chunked_attention", "full_attention"]
     assert "chunked_attention" in config_window(chunked, "model.layers.0.self_attn")[1]
+
+
+def test_sdpa_inside_activation_checkpointing_is_found():
+    # checkpointed decoder layers are traced as nested graphs of a higher-order op; their SDPA calls must
+    # be rewritten there, not left to run on the local chunk
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable()
+    (gm,) = capture(model, **packed_batch(BATCH_DOCS), use_cache=False)
+    sites = sdpa_cp.find_sdpa_sites(gm)
+    assert len(sites) == 2 and all(s.node.graph is not gm.graph for s in sites)
+    reports = run_pass(gm)
+    assert [r.action for r in reports] == ["rewritten", "rewritten"]
+    nested = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule) and m is not gm]
+    ops = [n for m in nested for n in m.graph.nodes if n.target is torch.ops.cpcompile.plan_mask.default]
+    assert len(ops) == 2

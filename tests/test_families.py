@@ -13,10 +13,11 @@ from cpcompile.testing import FAMILIES
 from tests._dist import run_distributed
 from tests._workers import families_worker
 
-#: Every family at CP=2; at CP=4 the families whose masks are hardest (windows smaller and larger than a
-#: chunk, interleaved layer types, biases), to keep the suite's time budget.
+#: Every family at CP=2; at CP=4 the families whose masks depend on where chunk boundaries fall beyond
+#: causality and documents (a window smaller than a chunk; a window larger than a chunk next to global
+#: layers), to keep the suite's time budget.
 CP2_FAMILIES = sorted(FAMILIES)
-CP4_FAMILIES = ["gemma3", "mistral", "qwen2"]
+CP4_FAMILIES = ["gemma3", "mistral"]
 
 # Tolerances: CP attention computes the same softmax over the same keys in a different blocking, and the
 # gradients are sums of per-rank partial sums, so results differ from the unsharded model only by float32
