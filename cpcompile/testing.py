@@ -34,14 +34,17 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
          "layer_types": ["sliding_attention", "full_attention"]},
     ),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),
-    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "granite": ("GraniteConfig", {}),
 }
 
 
 def tiny_config(family: str, **overrides):
-    """A small config of ``family`` (see :data:`FAMILIES`): 2 layers, hidden 64, 4 query / 2 KV heads, SDPA."""
+    """A small config of ``family`` (see :data:`FAMILIES`): 2 layers, hidden 64, 4 query / 2 KV heads, SDPA.
+
+    ``overrides`` replace config fields; ``attn_implementation="eager"`` builds the non-SDPA variant.
+    """
     import transformers
 
     if family not in FAMILIES:
