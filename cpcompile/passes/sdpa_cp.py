@@ -377,6 +377,10 @@ def _attn_implementation(config: object) -> str | None:
     return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
 
 
+def _refused_report(graph_id: int, node: str, layer: str, reason: str) -> SiteReport:
+    return SiteReport(graph_id, node, layer, (), (), (), "?", "none", False, (), "refused", reason)
+
+
 def _refusal(where: str, reason: str) -> UnsupportedAttentionError:
     return UnsupportedAttentionError(f"cpcompile cannot run the attention at {where} across CP ranks: {reason}")
 
@@ -420,7 +424,7 @@ def cp_attention_pass(
             where = sites[0].where if sites else f"graph {graph_id}"
             if refuse == "raise":
                 raise _refusal(where, config_reason)
-            reports.append(SiteReport(graph_id, "", "", (), (), (), "?", "none", False, (), "refused", config_reason))
+            reports.append(_refused_report(graph_id, "", "", config_reason))
         for node, layer, what in find_non_sdpa_attention(gm):
             counters["non_sdpa_attention"] += 1
             reason = (
@@ -430,7 +434,7 @@ def cp_attention_pass(
             where = f"{layer or '<top level>'} (node {node.name})"
             if refuse == "raise":
                 raise _refusal(where, reason)
-            reports.append(SiteReport(graph_id, node.name, layer, (), (), (), "?", "none", False, (), "refused", reason))
+            reports.append(_refused_report(graph_id, node.name, layer, reason))
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports
