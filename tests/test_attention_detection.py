@@ -38,7 +38,9 @@ def capture_family(family, **overrides):
 
 
 def run_pass(gm, config=None, refuse="raise"):
-    return cp_attention_pass(gm, group_name="unused", cp_size=2, graph_id=0, site_prefix="t", refuse=refuse, config=config)
+    return cp_attention_pass(
+        gm, group_name="unused", cp_size=2, graph_id=0, site_prefix="t", refuse=refuse, config=config
+    )
 
 
 def test_eager_attention_is_refused_naming_layer_and_fix():
