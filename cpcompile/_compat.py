@@ -15,6 +15,7 @@ from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "SDPA_TARGETS",
+    "FLEX_ATTENTION_TARGETS",
     "PassThroughCompileError",
     "all_gather_into",
     "all_gather_start",
@@ -24,7 +25,9 @@ __all__ = [
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
     "init_fake_process_group",
+    "is_non_member_group",
     "lookup_inner_backend",
+    "mark_seq_dynamic",
     "node_module_path",
     "must_recompute_meta",
     "statically_true",
@@ -32,6 +35,24 @@ __all__ = [
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
+
+def _flex_targets() -> frozenset:
+    targets = set()
+    hop = getattr(getattr(torch.ops, "higher_order", None), "flex_attention", None)
+    if hop is not None:
+        targets.add(hop)
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        targets.add(flex_attention)
+    except ImportError:  # pragma: no cover - torch without flex attention
+        pass
+    return frozenset(targets)
+
+
+#: Callables under which ``flex_attention`` appears in Dynamo graphs (torch 2.11-2.13: the higher-order op).
+FLEX_ATTENTION_TARGETS = _flex_targets()
+
 
 def _tracing() -> bool:
     # torch 2.11-2.13: private helper telling whether functional collectives are being traced.
@@ -108,6 +129,13 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def is_non_member_group(group: object) -> bool:
+    """True for the value ``new_group`` returns on ranks outside the group (torch 2.11-2.13: the int ``-100``
+    ``GroupMember.NON_GROUP_MEMBER``)."""
+    sentinel = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    return sentinel is not None and type(group) is type(sentinel) and group == sentinel
 
 
 def lookup_inner_backend(name: str):
@@ -195,3 +223,12 @@ def flatten_mesh(mesh, name: str):
     return the cached mesh, and ``root_mesh[name]`` finds it).
     """
     return mesh._flatten(name)
+
+
+def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
+    """Ask Dynamo to compile ``t``'s ``dim`` as a symbolic size from the first compile on.
+
+    torch 2.11-2.13: ``torch._dynamo.maybe_mark_dynamic`` (a hint, not a constraint: no error if the graph
+    specialises the size).
+    """
+    torch._dynamo.maybe_mark_dynamic(t, dim)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from cpcompile import _compat, dump
+from cpcompile.runtime import check_group
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 
 __all__ = ["BackendOptions", "CPBackend", "backend"]
@@ -40,6 +41,10 @@ class BackendOptions:
     #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
     #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
     dump_dir: str | None = dataclasses.field(default_factory=_env_dump_dir)
+    #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
+    #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
+    #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
+    config: object | None = None
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
@@ -48,6 +53,11 @@ class BackendOptions:
             if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
                 raise ValueError(f"dump_dir={self.dump_dir!r} must be a folder path (str or os.PathLike), or None")
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
+        if self.config is not None and not hasattr(self.config, "to_dict"):
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig (model.config) or None, got "
+                f"{type(self.config).__name__}"
+            )
 
 
 class CPBackend:
@@ -58,21 +68,10 @@ class CPBackend:
     """
 
     def __init__(self, cp_group: dist.ProcessGroup, options: BackendOptions) -> None:
-        if not isinstance(cp_group, dist.ProcessGroup):
-            raise TypeError(
-                f"cp_group must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one "
-                "with torch.distributed.new_group(ranks) or DeviceMesh.get_group('cp')"
-            )
-        if dist.get_rank(cp_group) < 0:
-            raise ValueError(
-                f"this process (global rank {dist.get_rank()}) is not a member of cp_group "
-                f"(ranks {dist.get_process_group_ranks(cp_group)}); pass the CP group that contains this rank"
-            )
+        self.cp_size, _, self.group_name = check_group(cp_group)
         self.cp_group = cp_group
-        self.cp_size = dist.get_world_size(cp_group)
         if self.cp_size > 1:
             _compat.forbid_eager_fallback_on_recompile_limit()
-        self.group_name = _compat.group_name_of(cp_group)
         self.options = options
         self.reports: list[SiteReport] = []
         self._id = next(_backend_ids)
@@ -91,6 +90,7 @@ class CPBackend:
             graph_id=graph_id,
             site_prefix=f"backend{self._id}/graph{graph_id}",
             regather_kv=self.options.regather_kv_in_backward,
+            config=self.options.config,
         )
         self.reports += reports
         if self._dump is not None:
@@ -107,6 +107,7 @@ def backend(
     inner: Literal["inductor", "aot_eager", "eager"] = "inductor",
     regather_kv_in_backward: bool = False,
     dump_dir: str | os.PathLike | None = None,
+    config: object | None = None,
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
@@ -120,11 +121,15 @@ def backend(
         cp_group: the context-parallel process group (the ranks that share one sequence).
         inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
         regather_kv_in_backward: see :attr:`BackendOptions.regather_kv_in_backward`.
+        config: the model's transformers config (``model.config``), optional: the per-layer sliding windows
+            (needed when the mask is built outside the compiled graph, e.g. one graph per layer under FSDP2;
+            otherwise read from the graph and checked against the config) and an early refusal of a
+            non-SDPA attention implementation.
         dump_dir: write every graph before and after the pass, and a summary of its SDPA sites, to
             ``dump_dir/rank{r}/`` (``graph{n}_before.py``, ``graph{n}_after.py``, ``summary.json``) as it
             compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
     """
-    options: dict = {"inner": inner, "regather_kv_in_backward": regather_kv_in_backward}
+    options: dict = {"inner": inner, "regather_kv_in_backward": regather_kv_in_backward, "config": config}
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir
     return CPBackend(cp_group, BackendOptions(**options))
