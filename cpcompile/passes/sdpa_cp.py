@@ -396,11 +396,11 @@ def rewrite_site(
 
     After::
 
-        mask = cpcompile.plan_mask(k_src, v_src (detached; sizes), needs_grad,   # as soon as K/V exist;
-                                   local_mask | None, site_id, group, N, documents, window)  # checks the plan
-        k_h = all_gather_start(k_src)          # right after: overlaps with the work until attention
-        v_h = all_gather_start(v_src)
-        ...                                    # e.g. the query's RoPE
+        k_h = all_gather_start(k_src)          # right after k_src exists: overlaps with the work until attention
+        v_h = all_gather_start(v_src)          # right after v_src exists
+        ...                                    # e.g. q/k norms and RoPE
+        mask = cpcompile.plan_mask(k_src, v_src (detached; sizes for comm_stats), needs_grad,
+                                   local_mask | None, site_id, group, N, documents, window)
         k_all = all_gather_wait(k_h)           # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
         v_all = all_gather_wait(v_h)
         out = sdpa(q, k_all, v_all, attn_mask=mask, scale=s, enable_gqa=True)
@@ -409,31 +409,27 @@ def rewrite_site(
     ``repeat_kv``; otherwise the tensors SDPA received are gathered. ``documents`` is True for the bool-mask
     form (transformers' packed-document mask; the op checks the model's mask against the plan's on first use)
     and False for ``is_causal=True`` (plain global causal); ``window`` is the site's sliding window in tokens
-    (``None``: none). The mask op runs before the collectives are issued, so a call outside a shard context
-    fails before any collective can wait for another rank. ``regather_kv`` tags the gathers for recomputation
-    in backward, so only the local K/V are kept between forward and backward (one more all-gather per
-    tensor in backward, N times less K/V memory).
+    (``None``: none). The collectives are issued before the mask op checks the active plan: a call outside
+    a shard context on every rank still fails on every rank (the gathers complete, the op raises).
+    ``regather_kv`` tags the gathers for recomputation in backward, so only the local K/V are kept between
+    forward and backward (one more all-gather per tensor in backward, N times less K/V memory).
     """
     node = site.node
     graph = node.graph
     src = kv_source(site)
-    inputs = [src.key, src.value] + ([site.attn_mask] if site.attn_mask is not None else [])
-    with graph.inserting_after(_latest(graph, inputs)):
-        refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
+    started = {}
+    for name, t in (("key", src.key), ("value", src.value)):
+        with graph.inserting_after(_latest(graph, [t])):
+            started[name] = graph.call_function(_compat.all_gather_start, (t, cp_size, group_name))
     k_meta, v_meta = site.meta(src.key), site.meta(src.value)
     needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
-    with graph.inserting_after(refs[-1]):
+    with graph.inserting_before(node):
+        refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
         mask = graph.call_function(
             torch.ops.cpcompile.plan_mask.default,
             (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, site.attn_mask is not None,
              -1 if window is None else window),
         )
-    started = {}
-    anchor = mask
-    for name, t in (("key", src.key), ("value", src.value)):
-        with graph.inserting_after(anchor):
-            started[name] = anchor = graph.call_function(_compat.all_gather_start, (t, cp_size, group_name))
-    with graph.inserting_before(node):
         k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
         v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
         new = graph.call_function(
