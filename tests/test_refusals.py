@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
+from cpcompile.passes import cp_attention_pass
 from cpcompile import _compat
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _models
@@ -102,17 +103,42 @@ def test_shard_with_another_group_raises(world):
     assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
 
 
-@pytest.mark.parametrize("form", ["bidirectional", "window"])
-def test_model_mask_differing_from_the_plan_raises(world, form):
+def test_model_mask_differing_from_the_plan_raises(world):
     """A model whose own bool mask is not causal+same-document: MaskMismatchError naming the layer, every call."""
     backend = cpcompile.backend(world, inner="aot_eager")
-    compiled = torch.compile(_models.attention_lm(form), backend=backend)
+    compiled = torch.compile(_models.attention_lm("bidirectional"), backend=backend)
     with cpcompile.shard(packed_batch(DOCS), world) as local:
         for _ in range(2):  # not only on the first call: a refused site is never marked verified
             with pytest.raises(cpcompile.MaskMismatchError, match=r"layers\.0\.attn") as info:
                 compiled(**local)
     assert "differs from the global causal same-document mask" in str(info.value)
     assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+
+
+def test_window_mask_built_in_the_graph_is_reproduced(world):
+    """A causal same-document mask with a 4-token window: the pass reads the window from the graph, so the
+    plan's mask matches the model's (no MaskMismatchError) and every site's mask op carries window 4."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("window"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        compiled(**local)
+    assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+    gm = _captured_rewritten(_models.attention_lm("window"))
+    windows = [n.args[-1] for n in gm.graph.nodes if n.target is torch.ops.cpcompile.plan_mask.default]
+    assert windows == [_models.WINDOW] * 2
+
+
+def _captured_rewritten(model) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(**packed_batch(DOCS), use_cache=False)
+    cp_attention_pass(graphs[0], group_name="g", cp_size=2, graph_id=0, site_prefix="t")
+    return graphs[0]
 
 
 # -- nothing to rewrite ----------------------------------------------------------------------------------
