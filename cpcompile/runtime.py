@@ -86,6 +86,7 @@ def shard(
     pad_token_id: int = 0,
     hf_kwargs: bool = True,
     check_batch: bool = False,
+    dynamic: bool = True,
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -107,9 +108,11 @@ def shard(
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
         check_batch: verify that every rank of ``cp_group`` passed the same global batch (one all-gather of a
             few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
+        dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
+            on the chunk length (one compile per length, concrete sizes in the graph).
 
-    The sequence dim of every local per-token tensor is marked dynamic, so packed batches of changing length
-    compile once with a symbolic length instead of once per length.
+    With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
+    packed batches of changing length compile once with a symbolic length instead of once per length.
 
     Yields:
         ``local``: this rank's contiguous chunk of every per-token tensor, global ``position_ids``, and with
@@ -132,7 +135,14 @@ def shard(
     plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
     if check_batch and cp_size > 1:
         _check_same_batch(batch, cp_group, cp_rank)
-    local = _local_batch(batch, plan, num_items_in_batch, dp_group, pad_token_id, hf_kwargs)
+    local = _local_batch(
+        batch, plan, num_items_in_batch=num_items_in_batch, dp_group=dp_group, pad_token_id=pad_token_id,
+        hf_kwargs=hf_kwargs,
+    )
+    if dynamic:
+        for value in local.values():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == plan.chunk_len:
+                _compat.mark_seq_dynamic(value, 1)
     active = _Active(plan, cp_group)
     _STATE.active = active
     try:
@@ -145,6 +155,7 @@ def shard(
 def _local_batch(
     batch: Mapping[str, object],
     plan: CPPlan,
+    *,
     num_items_in_batch: int | torch.Tensor | None,
     dp_group: dist.ProcessGroup | None,
     pad_token_id: int,
@@ -181,9 +192,6 @@ def _local_batch(
         local["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=labels.device)
     if hf_kwargs:
         local["use_cache"] = False
-    for value in local.values():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == plan.chunk_len:
-            _compat.mark_seq_dynamic(value, 1)
     return local
 
 

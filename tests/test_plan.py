@@ -24,6 +24,9 @@ CP_SIZES = [1, 2, 3, 4]
 
 
 # -- brute-force references from the plan docstring ------------------------------------------------------
+#: cpcompile.shard's defaults, for calling its slicing step without a process group.
+LOCAL_DEFAULTS = dict(num_items_in_batch=None, dp_group=None, pad_token_id=0, hf_kwargs=True)
+
 def ref_padded_len(T: int, n: int) -> int:
     return next(p for p in range(T, T + n) if p % n == 0)
 
@@ -102,7 +105,7 @@ def test_local_batch_and_label_shift(docs, n):
     batch["token_weight"] = torch.rand(B, T)
     batch["note"] = "passed through"
     Tp = ref_padded_len(T, n)
-    locals_ = [_local_batch(batch, build_plan(batch, n, r), None, 0, True) for r in range(n)]
+    locals_ = [_local_batch(batch, build_plan(batch, n, r), **LOCAL_DEFAULTS) for r in range(n)]
 
     def cat(key):
         return torch.cat([loc[key] for loc in locals_], dim=1).tolist()
@@ -125,7 +128,7 @@ def test_label_shift_at_chunk_boundary():
     """The token before a chunk boundary is trained on the first token of the next chunk (not ignored)."""
     batch = packed_batch([[12]], seed=0, mask_first_label=False)
     plan = build_plan(batch, 2, 0)
-    local0 = _local_batch(batch, plan, None, 0, True)
+    local0 = _local_batch(batch, plan, **LOCAL_DEFAULTS)
     assert local0["shift_labels"][0, -1].item() == batch["labels"][0, 6].item()
 
 
