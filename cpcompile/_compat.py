@@ -11,12 +11,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fc
+from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "autograd_inside_custom_op",
     "flex_attention_with_lse",
     "flex_block_mask",
     "SDPA_TARGETS",
+    "FLEX_ATTENTION_TARGETS",
+    "PassThroughCompileError",
     "all_gather_into",
     "all_gather_start",
     "all_gather_wait",
@@ -24,7 +27,10 @@ __all__ = [
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
+    "init_fake_process_group",
+    "is_non_member_group",
     "lookup_inner_backend",
+    "mark_seq_dynamic",
     "node_module_path",
     "must_recompute_meta",
     "statically_true",
@@ -33,9 +39,52 @@ __all__ = [
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
 
+def _flex_targets() -> frozenset:
+    targets = set()
+    hop = getattr(getattr(torch.ops, "higher_order", None), "flex_attention", None)
+    if hop is not None:
+        targets.add(hop)
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        targets.add(flex_attention)
+    except ImportError:  # pragma: no cover - torch without flex attention
+        pass
+    return frozenset(targets)
+
+
+#: Callables under which ``flex_attention`` appears in Dynamo graphs (torch 2.11-2.13: the higher-order op).
+FLEX_ATTENTION_TARGETS = _flex_targets()
+
+
 def _tracing() -> bool:
     # torch 2.11-2.13: private helper telling whether functional collectives are being traced.
     return _fc._are_we_tracing()
+
+
+def _all_gather_op():
+    # torch 2.13: `_c10d_functional.all_gather_into_tensor` carries autograd (backward: sum reduce-scatter),
+    # and inductor lowers it as a collective. torch 2.11-2.12: only `_c10d_functional_autograd` has autograd.
+    # Prefer the first: inductor on torch 2.13 miscompiles the second (wrong results on CPU).
+    name = "_c10d_functional::all_gather_into_tensor"
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"):
+        return torch.ops._c10d_functional.all_gather_into_tensor
+    return torch.ops._c10d_functional_autograd.all_gather_into_tensor
+
+
+class PassThroughCompileError(_ShortenTraceback):
+    """Base of errors a backend raises at compile time that must reach the user unchanged.
+
+    Dynamo wraps any other exception a backend raises in ``torch._dynamo.exc.BackendCompilerFailed``, so
+    ``except cpcompile.UnsupportedAttentionError`` would never match. Subclasses of ``ShortenTraceback`` are
+    re-raised as they are (torch 2.13 ``OutputGraph.call_user_compiler``; inductor's ``TritonMissing`` relies on
+    the same rule). Still a ``RuntimeError``.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args, first_useful_frame=None)
+
+
 
 
 def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Tensor:
@@ -43,11 +92,10 @@ def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Te
 
     Split in two so that a graph can issue the collective as soon as ``t`` exists and wait only where the
     result is used, leaving the work in between to overlap with the transfer. Autograd: the backward of the
-    pair is a sum reduce-scatter (torch 2.11-2.13: ``_c10d_functional_autograd.all_gather_into_tensor``;
-    ``wait_tensor`` passes the gradient through).
+    pair is a sum reduce-scatter (``wait_tensor`` passes the gradient through).
     """
     seq_first = t.permute(2, 0, 1, 3).contiguous()  # [c, B, H, D]: chunks concatenate along dim 0
-    out = torch.ops._c10d_functional_autograd.all_gather_into_tensor(seq_first, cp_size, group_name)
+    out = _all_gather_op()(seq_first, cp_size, group_name)
     # Traced (AOTAutograd), the wait is an explicit node; eagerly, an AsyncCollectiveTensor waits on first use.
     return out if _tracing() else _fc._maybe_wrap_tensor(out)
 
@@ -72,6 +120,25 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Initialise a default process group of the "fake" backend: one process acts as ``rank`` of ``world_size``.
+
+    No collective moves data (outputs are left as they are), so it only suits tests that compile graphs or
+    check errors raised before any result is used. The backend is registered by a private testing module
+    (torch 2.11-2.13: ``torch.testing._internal.distributed.fake_pg``).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def is_non_member_group(group: object) -> bool:
+    """True for the value ``new_group`` returns on ranks outside the group (torch 2.11-2.13: the int ``-100``
+    ``GroupMember.NON_GROUP_MEMBER``)."""
+    sentinel = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    return sentinel is not None and type(group) is type(sentinel) and group == sentinel
 
 
 def lookup_inner_backend(name: str):
@@ -139,15 +206,13 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[dist.ProcessGroup
     group would compile. Uses the ``"fake"`` backend and ``FakeStore`` from
     ``torch.testing._internal.distributed.fake_pg`` (private; torch 2.11-2.13). The group is destroyed on exit.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError(
             "a default torch.distributed process group is already initialized in this process; cpcompile "
             "inspect traces every rank in one process with its own fake group, so run it in a separate "
             "process (the `cpcompile inspect` command), or use the backend's dump_dir option inside training"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    init_fake_process_group(rank, world_size)
     try:
         yield dist.group.WORLD
     finally:
@@ -203,3 +268,10 @@ def flex_block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(mask_mod, batch_size, None, q_len, kv_len, device=device, _compile=True)
+def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
+    """Ask Dynamo to compile ``t``'s ``dim`` as a symbolic size from the first compile on.
+
+    torch 2.11-2.13: ``torch._dynamo.maybe_mark_dynamic`` (a hint, not a constraint: no error if the graph
+    specialises the size).
+    """
+    torch._dynamo.maybe_mark_dynamic(t, dim)

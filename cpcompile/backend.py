@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from cpcompile import _compat, dump
+from cpcompile.runtime import check_group
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 
 __all__ = ["BackendOptions", "CPBackend", "backend"]
@@ -50,6 +51,10 @@ class BackendOptions:
     attention: Literal["auto", "dense", "block"] = "auto"
     #: Query and key block size of the block kernel (CPU).
     block_size: int = 128
+    #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
+    #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
+    #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
+    config: object | None = None
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
@@ -62,6 +67,11 @@ class BackendOptions:
             raise ValueError(f"attention={self.attention!r} is not a known attention path; choose one of {_ATTENTION}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
+        if self.config is not None and not hasattr(self.config, "to_dict"):
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig (model.config) or None, got "
+                f"{type(self.config).__name__}"
+            )
 
 
 class CPBackend:
@@ -72,22 +82,11 @@ class CPBackend:
     """
 
     def __init__(self, cp_group: dist.ProcessGroup, options: BackendOptions) -> None:
-        if not isinstance(cp_group, dist.ProcessGroup):
-            raise TypeError(
-                f"cp_group must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one "
-                "with torch.distributed.new_group(ranks) or DeviceMesh.get_group('cp')"
-            )
-        if dist.get_rank(cp_group) < 0:
-            raise ValueError(
-                f"this process (global rank {dist.get_rank()}) is not a member of cp_group "
-                f"(ranks {dist.get_process_group_ranks(cp_group)}); pass the CP group that contains this rank"
-            )
+        self.cp_size, _, self.group_name = check_group(cp_group)
         self.cp_group = cp_group
-        self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
         if self.cp_size > 1:
             _compat.forbid_eager_fallback_on_recompile_limit()
-        self.group_name = _compat.group_name_of(cp_group)
         self.options = options
         self.reports: list[SiteReport] = []
         self._id = next(_backend_ids)
@@ -109,6 +108,7 @@ class CPBackend:
             attention=self.options.attention,
             cp_rank=self.cp_rank,
             block_size=self.options.block_size,
+            config=self.options.config,
         )
         self.reports += reports
         if self._dump is not None:
@@ -127,6 +127,7 @@ def backend(
     dump_dir: str | os.PathLike | None = None,
     attention: Literal["auto", "dense", "block"] = "auto",
     block_size: int = 128,
+    config: object | None = None,
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
@@ -140,6 +141,10 @@ def backend(
         cp_group: the context-parallel process group (the ranks that share one sequence).
         inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
         regather_kv_in_backward: see :attr:`BackendOptions.regather_kv_in_backward`.
+        config: the model's transformers config (``model.config``), optional: the per-layer sliding windows
+            (needed when the mask is built outside the compiled graph, e.g. one graph per layer under FSDP2;
+            otherwise read from the graph and checked against the config) and an early refusal of a
+            non-SDPA attention implementation.
         dump_dir: write every graph before and after the pass, and a summary of its SDPA sites, to
             ``dump_dir/rank{r}/`` (``graph{n}_before.py``, ``graph{n}_after.py``, ``summary.json``) as it
             compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
@@ -149,6 +154,7 @@ def backend(
     options: dict = {
         "inner": inner,
         "regather_kv_in_backward": regather_kv_in_backward,
+        "config": config,
         "attention": attention,
         "block_size": block_size,
     }

@@ -485,7 +485,7 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> 
         torch.compiler.reset()
         try:
             compiled = torch.compile(net, backend=capture)
-            with shard(batch, group) as local:
+            with shard(batch, group, dynamic=False) as local:  # concrete sizes: exact byte counts
                 local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
                 compiled(**local)
         except Exception as e:  # noqa: BLE001 - re-raised with what was being traced

@@ -54,8 +54,14 @@ def current_plan() -> CPPlan | None:
     return None if active is None else active.plan
 
 
-def _check_group(cp_group: object, what: str = "cp_group") -> tuple[int, int, str]:
+def check_group(cp_group: object, what: str = "cp_group") -> tuple[int, int, str]:
     dim = "dp" if what == "dp_group" else "cp"
+    if _compat.is_non_member_group(cp_group):
+        raise ValueError(
+            f"{what} is the placeholder torch.distributed.new_group returns to ranks outside the group, so this "
+            f"process (global rank {dist.get_rank()}) is not a member of it; pass the CP group that contains this "
+            "rank (every rank calls new_group for every group and keeps the one it belongs to)"
+        )
     if not isinstance(cp_group, dist.ProcessGroup):
         raise TypeError(
             f"{what} must be a torch.distributed.ProcessGroup, got {type(cp_group).__name__}; create one with "
@@ -79,6 +85,8 @@ def shard(
     dp_group: dist.ProcessGroup | None = None,
     pad_token_id: int = 0,
     hf_kwargs: bool = True,
+    check_batch: bool = False,
+    dynamic: bool = True,
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -98,15 +106,22 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
+        check_batch: verify that every rank of ``cp_group`` passed the same global batch (one all-gather of a
+            few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
+        dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
+            on the chunk length (one compile per length, concrete sizes in the graph).
+
+    With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
+    packed batches of changing length compile once with a symbolic length instead of once per length.
 
     Yields:
         ``local``: this rank's contiguous chunk of every per-token tensor, global ``position_ids``, and with
         labels ``labels`` (the local chunk), ``shift_labels`` (shifted over the whole row before slicing) and
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
     """
-    cp_size, cp_rank, group_name = _check_group(cp_group)
+    cp_size, cp_rank, group_name = check_group(cp_group)
     if dp_group is not None:
-        _check_group(dp_group, "dp_group")
+        check_group(dp_group, "dp_group")
         if num_items_in_batch is not None:
             raise ValueError(
                 f"cpcompile.shard got both num_items_in_batch={num_items_in_batch!r} and dp_group: pass either a "
@@ -118,7 +133,16 @@ def shard(
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
     plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
-    local = _local_batch(batch, plan, num_items_in_batch, dp_group, pad_token_id, hf_kwargs)
+    if check_batch and cp_size > 1:
+        _check_same_batch(batch, cp_group, cp_rank)
+    local = _local_batch(
+        batch, plan, num_items_in_batch=num_items_in_batch, dp_group=dp_group, pad_token_id=pad_token_id,
+        hf_kwargs=hf_kwargs,
+    )
+    if dynamic:
+        for value in local.values():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == plan.chunk_len:
+                _compat.mark_seq_dynamic(value, 1)
     active = _Active(plan, cp_group)
     _STATE.active = active
     try:
@@ -131,6 +155,7 @@ def shard(
 def _local_batch(
     batch: Mapping[str, object],
     plan: CPPlan,
+    *,
     num_items_in_batch: int | torch.Tensor | None,
     dp_group: dist.ProcessGroup | None,
     pad_token_id: int,
@@ -170,6 +195,48 @@ def _local_batch(
     return local
 
 
+#: Fingerprint slots of :func:`_check_same_batch`: the batch's structure, then the contents of these keys,
+#: then everything else.
+_FINGERPRINT_KEYS = ("input_ids", "position_ids", "labels")
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An int64 fingerprint of a tensor's bytes (position-weighted sum, so permutations differ)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) * 2654435761 % 4294967291
+    return (b * w).sum()
+
+
+def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int) -> None:
+    import hashlib
+
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
+    device = tensors["input_ids"].device
+    slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
+    slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
+    others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
+    slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
+    mine = torch.tensor(slots, dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    flat = mine.new_empty(size * mine.numel())
+    _compat.all_gather_into(flat, mine, group)
+    allv = flat.view(size, -1).cpu()
+    names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
+    for slot, name in enumerate(names):
+        col = allv[:, slot]
+        if bool((col != col[0]).any()):
+            groups: dict[int, list[int]] = {}
+            for r, v in enumerate(col.tolist()):
+                groups.setdefault(v, []).append(r)
+            raise ValueError(
+                f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
+                f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
+                "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
+                "replica the same data (same sampler seed and DP rank)"
+            )
+
+
 def _require_active(what: str) -> _Active:
     active = _STATE.active
     if active is None:
@@ -183,7 +250,7 @@ def _require_active(what: str) -> _Active:
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, dim: int, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-        ctx.dim, ctx.rank = dim, rank
+        ctx.dim, ctx.rank, ctx.size = dim, rank, size
         moved = t.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
         _compat.all_gather_into(out, moved, group)
@@ -191,7 +258,8 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        c = grad.shape[ctx.dim] // _require_active("cpcompile.gather backward").plan.cp_size
+        # no plan lookup: backward usually runs after the shard context has ended
+        c = grad.shape[ctx.dim] // ctx.size
         return grad.narrow(ctx.dim, ctx.rank * c, c).contiguous(), None, None, None, None
 
 
@@ -259,7 +327,6 @@ def comm_stats() -> CommStats:
 
 @torch.library.custom_op("cpcompile::plan_mask", mutates_args=())
 def plan_mask(
-    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     needs_grad: bool,
@@ -270,25 +337,26 @@ def plan_mask(
     documents: bool,
     window: int,
 ) -> torch.Tensor:
-    """The active plan's ``[B, 1, c, c * cp_size]`` bool mask for the local queries ``q`` ``[B, H, c, D]``.
+    """The active plan's ``[B, 1, c, c * cp_size]`` bool mask for this rank's ``c`` local queries.
 
-    ``k``/``v`` are the local tensors this attention all-gathers (detached; only their sizes are read, to count
-    bytes in :func:`comm_stats`; ``needs_grad``: they are reduce-scattered in backward).
+    ``k``/``v`` (``[B, Hkv, c, D]``) are the local tensors this attention all-gathers (detached; only their
+    sizes are read: the local length, and the bytes counted in :func:`comm_stats`; ``needs_grad``: they are
+    reduce-scattered in backward).
 
     ``documents``: add the same-document condition; ``window``: sliding window in tokens (``-1``: none).
     When ``model_mask`` (the mask the model built on the local chunk) is given, the first call of each
     ``site`` checks that it equals the diagonal block of the plan's mask and raises
     :class:`MaskMismatchError` otherwise.
     """
-    plan = _site_plan(q, k, v, needs_grad, site, group_name, cp_size)
+    plan = _site_plan(k, v, needs_grad, site, group_name, cp_size)
     mask = plan.mask(documents=documents, window=None if window < 0 else window)
     if model_mask is not None and site not in _VERIFIED_SITES:
         _verify_site_mask(site, model_mask, mask[..., plan.chunk_slice()], documents, window)
     return mask.clone()
 
 
-def _site_plan(q, k, v, needs_grad: bool, site: str, group_name: str, cp_size: int) -> CPPlan:
-    """The active plan, checked against the site's group and query shape; counts the site's K/V gathers."""
+def _site_plan(k, v, needs_grad: bool, site: str, group_name: str, cp_size: int) -> CPPlan:
+    """The active plan, checked against the site's group and chunk shape; counts the site's K/V gathers."""
     active = _require_active(f"the CP attention at {site}")
     plan = active.plan
     if plan.group_name != group_name or plan.cp_size != cp_size:
@@ -297,9 +365,9 @@ def _site_plan(q, k, v, needs_grad: bool, site: str, group_name: str, cp_size: i
             f"shard context uses group {plan.group_name!r} of size {plan.cp_size}; pass the same cp_group to "
             "cpcompile.backend and cpcompile.shard"
         )
-    if q.shape[0] != plan.batch_size or q.shape[2] != plan.chunk_len:
+    if k.shape[0] != plan.batch_size or k.shape[2] != plan.chunk_len:
         raise RuntimeError(
-            f"the CP attention at {site} got queries of batch {q.shape[0]} and length {q.shape[2]}, but the "
+            f"the CP attention at {site} got a chunk of batch {k.shape[0]} and length {k.shape[2]}, but the "
             f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
             "with the `local` batch of the active cpcompile.shard context"
         )
@@ -310,13 +378,12 @@ def _site_plan(q, k, v, needs_grad: bool, site: str, group_name: str, cp_size: i
 
 
 @plan_mask.register_fake
-def _(q, k, v, needs_grad, model_mask, site, group_name, cp_size, documents, window):
-    return q.new_empty((q.shape[0], 1, q.shape[2], q.shape[2] * cp_size), dtype=torch.bool)
+def _(k, v, needs_grad, model_mask, site, group_name, cp_size, documents, window):
+    return k.new_empty((k.shape[0], 1, k.shape[2], k.shape[2] * cp_size), dtype=torch.bool)
 
 
 @torch.library.custom_op("cpcompile::plan_docs", mutates_args=())
 def plan_docs(
-    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     needs_grad: bool,
@@ -336,7 +403,7 @@ def plan_docs(
     ``documents`` the ids are all zero (plain global causal attention). ``cp_rank`` is the rank the graph was
     compiled for; it must be the plan's.
     """
-    plan = _site_plan(q, k, v, needs_grad, site, group_name, cp_size)
+    plan = _site_plan(k, v, needs_grad, site, group_name, cp_size)
     if plan.cp_rank != cp_rank:
         raise RuntimeError(
             f"the CP attention at {site} was compiled for CP rank {cp_rank}, but the active shard context is "
@@ -350,8 +417,8 @@ def plan_docs(
 
 
 @plan_docs.register_fake
-def _(q, k, v, needs_grad, model_mask, site, group_name, cp_size, cp_rank, documents, window):
-    return q.new_empty((q.shape[0], q.shape[2] * cp_size), dtype=torch.long)
+def _(k, v, needs_grad, model_mask, site, group_name, cp_size, cp_rank, documents, window):
+    return k.new_empty((k.shape[0], k.shape[2] * cp_size), dtype=torch.long)
 
 
 def _verify_site_mask(site: str, model_mask: torch.Tensor, ours: torch.Tensor, documents: bool, window: int):

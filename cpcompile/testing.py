@@ -27,11 +27,24 @@ _COMMON = dict(
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen2": ("Qwen2Config", {}),  # q/k/v projections with bias
+    "mistral": ("MistralConfig", {"sliding_window": 6}),  # every layer windowed, window < chunk
+    "gemma3": (  # sliding and global layers interleaved; window larger than a CP=4 chunk of the test batches
+        "Gemma3TextConfig",
+        {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
+         "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "granite": ("GraniteConfig", {}),
 }
 
 
 def tiny_config(family: str, **overrides):
-    """A small config of ``family`` (see :data:`FAMILIES`): 2 layers, hidden 64, 4 query / 2 KV heads, SDPA."""
+    """A small config of ``family`` (see :data:`FAMILIES`): 2 layers, hidden 64, 4 query / 2 KV heads, SDPA.
+
+    ``overrides`` replace config fields; ``attn_implementation="eager"`` builds the non-SDPA variant.
+    """
     import transformers
 
     if family not in FAMILIES:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
+import re
 from collections import Counter
 
 import torch
@@ -28,20 +29,28 @@ __all__ = [
     "counters",
     "find_sdpa_sites",
     "check_site",
+    "graph_windows",
+    "config_window",
+    "site_window",
+    "find_non_sdpa_attention",
     "rewrite_site",
     "cp_attention_pass",
 ]
 
 #: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process:
-#: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``.
+#: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
+#: ``non_sdpa_attention`` (attention computed some other way, refused when CP > 1).
 counters: Counter[str] = Counter()
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-class UnsupportedAttentionError(RuntimeError):
-    """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics."""
+class UnsupportedAttentionError(_compat.PassThroughCompileError):
+    """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics.
+
+    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +112,15 @@ class SiteReport:
     kernel: str = ""
 
 
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the graph modules nested in it (bodies of higher-order ops such as activation checkpointing)."""
+    return [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+
+
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
-    """Every SDPA call of ``gm``, in graph order."""
+    """Every SDPA call of ``gm`` and of its nested graphs (e.g. checkpointed layers), in graph order."""
     sites = []
-    for node in gm.graph.nodes:
+    for node in (n for g in _graph_modules(gm) for n in g.graph.nodes):
         if node.op != "call_function" or node.target not in _compat.SDPA_TARGETS:
             continue
         bound = dict(_SDPA_DEFAULTS)
@@ -174,6 +188,131 @@ def check_site(site: SDPASite) -> str | None:
     return None
 
 
+# -- sliding windows --------------------------------------------------------------------------------------
+_GT = (operator.gt, torch.gt)
+_SUB = (operator.sub, torch.sub)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _ancestors(node: fx.Node, limit: int = 400) -> list[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack, out = [node], []
+    while stack and len(out) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        out.append(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def graph_windows(site: SDPASite) -> set[int]:
+    """Sliding windows written into the subgraph that builds the site's mask.
+
+    transformers' ``sliding_window_overlay`` is ``kv > q - window`` (on position ids or indices); in a Dynamo
+    graph that is ``gt(kv, sub(q, window))`` with ``window`` an int constant. Empty when the mask is a graph
+    input (e.g. one graph per decoder layer under FSDP2) or has no window.
+    """
+    if not isinstance(site.attn_mask, fx.Node):
+        return set()
+    found = set()
+    for n in _ancestors(site.attn_mask):
+        is_gt = (n.op == "call_function" and n.target in _GT) or (n.op == "call_method" and n.target == "gt")
+        if not is_gt or len(n.args) < 2 or not isinstance(n.args[1], fx.Node):
+            continue
+        sub = n.args[1]
+        is_sub = (sub.op == "call_function" and sub.target in _SUB) or (sub.op == "call_method" and sub.target == "sub")
+        if is_sub and len(sub.args) == 2 and isinstance(sub.args[1], int) and not isinstance(sub.args[1], bool):
+            found.add(sub.args[1])
+    return found
+
+
+def config_window(config: object, layer: str) -> tuple[int | None, str | None]:
+    """``(window, None)`` for the layer at module path ``layer`` from a transformers config, or ``(None, reason)``.
+
+    ``config.sliding_window`` applies to every layer unless ``config.layer_types`` says which layers are
+    ``"sliding_attention"`` (Gemma3, Qwen2/3) and which ``"full_attention"``.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None, None
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return int(window), None
+    m = _LAYER_INDEX.search(layer)
+    if m is None:
+        return None, (
+            f"config.layer_types mixes attention types but the layer index of {layer or '<top level>'!r} is "
+            "unknown; compile the model whose modules are named like 'model.layers.<i>'"
+        )
+    kind = layer_types[int(m.group(1))]
+    if kind == "sliding_attention":
+        return int(window), None
+    if kind == "full_attention":
+        return None, None
+    return None, f"layer type {kind!r} is not supported (only 'full_attention' and 'sliding_attention')"
+
+
+def site_window(site: SDPASite, config: object | None) -> tuple[int | None, str | None]:
+    """The sliding window of ``site`` (``None``: none) and ``None``, or ``(None, reason)`` to refuse.
+
+    Sources: the window constant in the graph that builds the mask (:func:`graph_windows`) and, when given,
+    the model config (:func:`config_window`). When both are known they must agree; the config is the only
+    source when the mask is a graph input. Whatever the source, the runtime compares the model's local mask
+    with the plan's on the first call of every site.
+    """
+    in_graph = graph_windows(site)
+    if len(in_graph) > 1:
+        return None, f"the mask combines several sliding windows {sorted(in_graph)}; cpcompile supports one per layer"
+    graph_w = next(iter(in_graph), None)
+    if config is None:
+        window = graph_w
+    else:
+        window, reason = config_window(config, site.layer)
+        if reason is not None:
+            return None, reason
+        if in_graph and window != graph_w:
+            return None, (
+                f"the mask built in the graph has a sliding window of {graph_w} tokens but the config gives "
+                f"{window}; pass the config of the model being compiled"
+            )
+    if window is not None and site.attn_mask is None:
+        return None, f"a sliding window of {window} tokens is configured but the call has no mask (is_causal only)"
+    if window is not None and window < 1:
+        return None, f"sliding window {window} must be at least 1"
+    return window, None
+
+
+# -- attention that is not an SDPA call -------------------------------------------------------------------
+_SOFTMAX = (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
+
+
+def find_non_sdpa_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
+    """Attention computed without SDPA: ``(node, layer, what)`` for every softmax over a 4-D score tensor
+    ``[B, H, T_q, T_k]`` (eager attention: matmul, softmax, matmul) and every ``flex_attention`` call.
+
+    Such attention would only see this rank's chunk of the sequence; the pass refuses it when CP > 1. Softmax
+    over fewer dimensions (routers, the loss) is not attention and is ignored.
+    """
+    found = []
+    for g in _graph_modules(gm):
+        for n in g.graph.nodes:
+            if n.op == "call_function" and n.target in _compat.FLEX_ATTENTION_TARGETS:
+                found.append((n, _compat.node_module_path(n), "a flex_attention call"))
+                continue
+            is_softmax = (n.op == "call_function" and n.target in _SOFTMAX) or (
+                n.op == "call_method" and n.target == "softmax"
+            )
+            if not is_softmax or not n.args or not isinstance(n.args[0], fx.Node):
+                continue
+            x = n.args[0].meta.get("example_value", n.args[0].meta.get("val"))
+            if isinstance(x, torch.Tensor) and x.dim() == 4:
+                what = f"a softmax over a {x.dim()}-D attention score tensor (eager matmul/softmax attention)"
+                found.append((n, _compat.node_module_path(n), what))
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class _KVSource:
     """What a site all-gathers: the K/V nodes, and whether they are the un-expanded KV heads."""
@@ -233,15 +372,12 @@ def kv_source(site: SDPASite) -> _KVSource:
     return _KVSource(site.key, site.value, unexpanded=False)
 
 
-def _start_point(graph: fx.Graph, src: fx.Node) -> fx.Node:
-    """The node after which a collective on ``src`` can be issued (after all placeholders)."""
-    if src.op != "placeholder":
-        return src
-    last = src
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            last = n
-    return last
+def _latest(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
+    """The node of ``nodes`` that comes last in ``graph`` (placeholders count as the last placeholder)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_placeholder = max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__, default=None)
+    candidates = [last_placeholder if n.op == "placeholder" else n for n in nodes]
+    return max((n for n in candidates if n is not None), key=order.__getitem__)
 
 
 def rewrite_site(
@@ -251,6 +387,7 @@ def rewrite_site(
     site_id: str,
     group_name: str,
     cp_size: int,
+    window: int | None = None,
     regather_kv: bool = False,
     kernel: str = "dense",
     cp_rank: int = 0,
@@ -267,8 +404,8 @@ def rewrite_site(
 
         k_h = all_gather_start(k_src)          # right after k_src exists: overlaps with the work until attention
         v_h = all_gather_start(v_src)          # right after v_src exists
-        ...                                    # q/k projections, norms, RoPE
-        mask = cpcompile.plan_mask(q, k_src, v_src (detached; sizes for comm_stats), needs_grad,
+        ...                                    # e.g. q/k norms and RoPE
+        mask = cpcompile.plan_mask(k_src, v_src (detached; sizes for comm_stats), needs_grad,
                                    local_mask | None, site_id, group, N, documents, window)
         k_all = all_gather_wait(k_h)           # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
         v_all = all_gather_wait(v_h)
@@ -277,39 +414,39 @@ def rewrite_site(
     K/V are gathered with their KV heads (``enable_gqa=True`` replaces ``repeat_kv``) when both come from
     ``repeat_kv``; otherwise the tensors SDPA received are gathered. ``documents`` is True for the bool-mask
     form (transformers' packed-document mask; the op checks the model's mask against the plan's on first use)
-    and False for ``is_causal=True`` (plain global causal). ``regather_kv`` tags the gathers for recomputation
-    in backward, so only the local K/V are kept between forward and backward (one more all-gather per
-    tensor in backward, N times less K/V memory).
+    and False for ``is_causal=True`` (plain global causal); ``window`` is the site's sliding window in tokens
+    (``None``: none). The collectives are issued before the mask op checks the active plan: a call outside
+    a shard context on every rank still fails on every rank (the gathers complete, the op raises).
+    ``regather_kv`` tags the gathers for recomputation in backward, so only the local K/V are kept between
+    forward and backward (one more all-gather per tensor in backward, N times less K/V memory).
 
     ``kernel="block"`` replaces the mask and SDPA by ``cpcompile.plan_docs`` (document ids) and
     ``cpcompile.cp_attention`` (see :func:`_emit_block_attention`); with ``cp_size == 1`` it runs without
     gathers. ``cp_rank`` is this process's rank in the CP group (the kernel's query offset).
     """
-    graph = gm.graph
     node = site.node
+    graph = node.graph
     src = kv_source(site)
-    gather = cp_size > 1 or kernel == "dense"
     started = {}
     for name, t in (("key", src.key), ("value", src.value)):
-        if gather:
-            with graph.inserting_after(_start_point(graph, t)):
-                started[name] = graph.call_function(_compat.all_gather_start, (t, cp_size, group_name))
-    with graph.inserting_before(node):
-        refs = [graph.call_method("detach", (n,)) for n in (site.query, src.key, src.value)]
-        k_meta, v_meta = site.meta(src.key), site.meta(src.value)
-        needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
-        documents = site.attn_mask is not None
-        enable_gqa = bool(site.enable_gqa) or src.unexpanded
+        if cp_size == 1 and kernel == "block":
+            continue  # nothing to gather
+        with graph.inserting_after(_latest(graph, [t])):
+            started[name] = graph.call_function(_compat.all_gather_start, (t, cp_size, group_name))
+    k_meta, v_meta = site.meta(src.key), site.meta(src.value)
+    needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
     if kernel == "block":
         new, k_all, v_all = _emit_block_attention(
-            graph, node, site, src, started, refs, needs_grad, documents, enable_gqa,
+            graph, node, site, src, started, needs_grad, -1 if window is None else window,
             site_id=site_id, group_name=group_name, cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
         )
     else:
         with graph.inserting_before(node):
+            refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
             mask = graph.call_function(
                 torch.ops.cpcompile.plan_mask.default,
-                (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, documents, -1),
+                (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, site.attn_mask is not None,
+                 -1 if window is None else window),
             )
             k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
             v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
@@ -321,7 +458,7 @@ def rewrite_site(
                     "dropout_p": 0.0,
                     "is_causal": False,
                     "scale": site.scale,
-                    "enable_gqa": enable_gqa,
+                    "enable_gqa": bool(site.enable_gqa) or src.unexpanded,
                 },
             )
     if regather_kv and started:
@@ -337,29 +474,31 @@ def rewrite_site(
 
 
 def _emit_block_attention(
-    graph, node, site, src, started, refs, needs_grad, documents, enable_gqa, *, site_id, group_name, cp_size,
-    cp_rank, block_size,
+    graph, node, site, src, started, needs_grad, window, *, site_id, group_name, cp_size, cp_rank, block_size
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """The ``kernel="block"`` tail of :func:`rewrite_site`; returns the output node and the K/V it attends to::
 
-        docs  = cpcompile.plan_docs(q, k_src, v_src (detached), needs_grad, local_mask | None, site_id, group,
-                                    N, rank, documents, window)      # [B, N*c] document ids
+        docs  = cpcompile.plan_docs(k_src, v_src (detached), needs_grad, local_mask | None, site_id, group, N,
+                                    rank, documents, window)          # [B, N*c] document ids
         k_all, v_all = all_gather_wait(k_h), all_gather_wait(v_h)   # k_src/v_src themselves when N == 1
         out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, enable_gqa, block, block)[0]
     """
     with graph.inserting_before(node):
+        refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
         docs = graph.call_function(
             torch.ops.cpcompile.plan_docs.default,
-            (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, cp_rank, documents, -1),
+            (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, cp_rank, site.attn_mask is not None,
+             window),
         )
         if started:
             k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
             v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
         else:
             k_all, v_all = src.key, src.value
+        enable_gqa = bool(site.enable_gqa) or src.unexpanded
         att = graph.call_function(
             torch.ops.cpcompile.cp_attention.default,
-            (site.query, k_all, v_all, docs, cp_rank, -1, site.scale, enable_gqa, block_size, block_size),
+            (site.query, k_all, v_all, docs, cp_rank, window, site.scale, enable_gqa, block_size, block_size),
         )
         return graph.call_function(operator.getitem, (att, 0)), k_all, v_all
 
@@ -411,6 +550,32 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", kernel
     )
 
 
+def _attn_implementation(config: object) -> str | None:
+    return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
+
+
+def _refused_report(graph_id: int, node: str, layer: str, reason: str) -> SiteReport:
+    return SiteReport(
+        graph_id=graph_id,
+        node=node,
+        layer=layer,
+        q_shape=(),
+        k_shape=(),
+        v_shape=(),
+        dtype="?",
+        mask_form="none",
+        enable_gqa=False,
+        kv_heads=0,
+        gathered_shapes=(),
+        action="refused",
+        reason=reason,
+    )
+
+
+def _refusal(where: str, reason: str) -> UnsupportedAttentionError:
+    return UnsupportedAttentionError(f"cpcompile cannot run the attention at {where} across CP ranks: {reason}")
+
+
 def cp_attention_pass(
     gm: fx.GraphModule,
     *,
@@ -419,37 +584,71 @@ def cp_attention_pass(
     graph_id: int,
     site_prefix: str,
     refuse: str = "raise",
+    config: object | None = None,
     regather_kv: bool = False,
     attention: str = "dense",
     cp_rank: int = 0,
     block_size: int = 128,
 ) -> list[SiteReport]:
-    """Rewrite every SDPA site of ``gm`` in place; return one report per site.
+    """Rewrite every SDPA site of ``gm`` (and of its nested graphs) in place; return one report per site.
 
     ``refuse="raise"`` raises :class:`UnsupportedAttentionError` for the first site that cannot be rewritten
     exactly (nothing runs wrong silently); ``refuse="report"`` only records it (for inspection, never for
     running). ``attention`` (``"dense"``, ``"block"`` or ``"auto"``, see :func:`_kernel_for`) selects the
     attention emitted. With ``cp_size == 1`` nothing is rewritten, except with ``attention="block"``.
+
+    With CP > 1 the pass also refuses attention that is not an SDPA call (:func:`find_non_sdpa_attention`)
+    and, when the model ``config`` is given, a config whose attention implementation is not ``"sdpa"`` or that
+    soft-caps attention logits. Sliding windows come from :func:`site_window`. A graph without any attention
+    (e.g. an MLP) passes through untouched.
     """
     sites = find_sdpa_sites(gm)
     counters["graphs"] += 1
     counters["sdpa_found"] += len(sites)
+    reports: list[SiteReport] = []
+    if cp_size > 1:
+        impl = _attn_implementation(config) if config is not None else None
+        config_reason = None
+        if impl is not None and impl != "sdpa":
+            config_reason = f"the model config uses attn_implementation={impl!r}; set attn_implementation='sdpa'"
+        elif config is not None and getattr(config, "attn_logit_softcapping", None):
+            config_reason = (
+                f"the model soft-caps attention logits (attn_logit_softcapping={config.attn_logit_softcapping}), "
+                "which SDPA cannot express; set attn_logit_softcapping=None"
+            )
+        if config_reason is not None:
+            where = sites[0].where if sites else f"graph {graph_id}"
+            if refuse == "raise":
+                raise _refusal(where, config_reason)
+            reports.append(_refused_report(graph_id, "", "", config_reason))
+        for node, layer, what in find_non_sdpa_attention(gm):
+            counters["non_sdpa_attention"] += 1
+            reason = (
+                f"it is {what}, not a scaled_dot_product_attention call, and would only see this rank's chunk "
+                "of the sequence; set attn_implementation='sdpa'"
+            )
+            where = f"{layer or '<top level>'} (node {node.name})"
+            if refuse == "raise":
+                raise _refusal(where, reason)
+            reports.append(_refused_report(graph_id, node.name, layer, reason))
     if not sites:
         counters["graphs_without_sdpa"] += 1
-        return []
-    reports = []
+        return reports
     for site in sites:
         reason = check_site(site)
+        if reason is None and cp_size == 1 and attention != "block":
+            reports.append(_report(site, graph_id, "untouched", "CP group of size 1"))
+            continue
+        window = None
+        if reason is None:
+            window, reason = site_window(site, config)
         if reason is not None:
             counters["sdpa_refused"] += 1
             if refuse == "raise":
-                raise UnsupportedAttentionError(f"cpcompile cannot run the attention at {site.where} across CP ranks: {reason}")
+                raise _refusal(site.where, reason)
             reports.append(_report(site, graph_id, "refused", reason))
             continue
         kernel = _kernel_for(site, attention)
-        if cp_size == 1 and attention != "block":
-            reports.append(_report(site, graph_id, "untouched", "CP group of size 1"))
-            continue
         report = _report(site, graph_id, "rewritten", kernel=kernel)
         reports.append(report if cp_size > 1 else dataclasses.replace(report, gathered_shapes=()))
         try:
@@ -459,6 +658,7 @@ def cp_attention_pass(
                 site_id=f"{site_prefix}:{site.where}",
                 group_name=group_name,
                 cp_size=cp_size,
+                window=window,
                 regather_kv=regather_kv,
                 kernel=kernel,
                 cp_rank=cp_rank,
@@ -467,6 +667,7 @@ def cp_attention_pass(
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
         counters["sdpa_rewritten"] += 1
-    gm.graph.lint()
-    gm.recompile()
+    for g in _graph_modules(gm):
+        g.graph.lint()
+        g.recompile()
     return reports

@@ -1,0 +1,163 @@
+"""Small hand-written causal LMs for tests: each calls ``F.scaled_dot_product_attention`` in one chosen form.
+
+They take the keyword arguments of a transformers causal LM (``input_ids``, ``position_ids``, ``labels``,
+``shift_labels``, ``num_items_in_batch``, ``use_cache``) and return a transformers ``CausalLMOutput``, so the
+parity helper (:mod:`tests.parity`) and :func:`cpcompile.shard` treat them like HF models.
+
+Attention forms (``ATTENTION_FORMS``):
+
+* ``causal_gqa``: ``is_causal=True, enable_gqa=True`` with fewer KV heads than query heads (HF's call with the
+  KV cache on); rewritten by cpcompile, plain global causal attention (documents are not separated).
+* ``bidirectional``: a bool mask "same document", without causality: not the mask cpcompile applies.
+* ``window``: a bool mask "causal, same document, within 4 tokens": not the mask cpcompile applies.
+* ``float_bias``: the causal mask as a float additive bias (0 / -inf).
+* ``no_mask``: neither a mask nor ``is_causal``: bidirectional attention over the whole row.
+* ``dropout``: ``is_causal=True`` with ``dropout_p=0.1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+WINDOW = 4
+
+ATTENTION_FORMS = ("causal_gqa", "bidirectional", "window", "float_bias", "no_mask", "dropout")
+
+
+def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document index per token: a new document wherever the position does not step by +1."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.form, self.heads, self.kv_heads = form, heads, kv_heads
+        self.head_dim = hidden // heads
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.form != "causal_gqa":  # every other form uses plain multi-head attention
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        kwargs: dict = {}
+        idx = torch.arange(T, device=x.device)
+        causal = idx[None, :] <= idx[:, None]
+        if self.form == "causal_gqa":
+            kwargs = {"is_causal": True, "enable_gqa": True}
+        elif self.form in ("bidirectional", "window"):
+            doc = _doc_ids(position_ids)
+            mask = doc[:, :, None] == doc[:, None, :]
+            if self.form == "window":
+                mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
+            kwargs = {"attn_mask": mask[:, None]}
+        elif self.form == "float_bias":
+            bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
+            kwargs = {"attn_mask": bias}
+        elif self.form == "dropout":
+            kwargs = {"is_causal": True, "dropout_p": 0.1}
+        elif self.form != "no_mask":
+            raise ValueError(f"unknown attention form {self.form!r}; known: {ATTENTION_FORMS}")
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.attn = Attention(form, hidden, heads, kv_heads)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x), position_ids)
+        return x + self.mlp(x)
+
+
+def causal_lm_loss(logits, labels, shift_labels, num_items_in_batch):
+    """transformers' causal-LM loss: cross entropy summed over supervised tokens / ``num_items_in_batch``."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    total = F.cross_entropy(
+        logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    n = (shift_labels != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / n
+
+
+class TinyAttentionLM(nn.Module):
+    """Embedding + learned positions + ``layers`` blocks whose attention uses ``form`` + LM head.
+
+    The attention modules are ``layers.<i>.attn`` (the names cpcompile reports).
+    """
+
+    def __init__(
+        self, form: str, *, vocab: int = 128, hidden: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+        max_positions: int = 512,
+    ) -> None:
+        super().__init__()
+        if form not in ATTENTION_FORMS:
+            raise ValueError(f"unknown attention form {form!r}; known: {ATTENTION_FORMS}")
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(max_positions, hidden)
+        self.layers = nn.ModuleList(Block(form, hidden, heads, kv_heads) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.embed(input_ids) + self.pos(position_ids)
+        for layer in self.layers:
+            x = layer(x, position_ids)
+        logits = self.head(x)
+        loss = None
+        if labels is not None or shift_labels is not None:
+            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+class TinyMLPLM(nn.Module):
+    """A causal LM without attention (token-wise MLP): a model in which cpcompile has nothing to rewrite."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        x = self.embed(input_ids)
+        logits = self.head(x + self.mlp(x))
+        loss = None
+        if labels is not None or shift_labels is not None:
+            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def attention_lm(form: str, *, seed: int = 0, **kwargs) -> TinyAttentionLM:
+    """A :class:`TinyAttentionLM` with weights drawn from ``seed``, in train mode."""
+    torch.manual_seed(seed)
+    return TinyAttentionLM(form, **kwargs).train()
+
+
+def mlp_lm(*, seed: int = 0, **kwargs) -> TinyMLPLM:
+    """A :class:`TinyMLPLM` with weights drawn from ``seed``, in train mode."""
+    torch.manual_seed(seed)
+    return TinyMLPLM(**kwargs).train()

@@ -1,0 +1,256 @@
+"""Module-level worker functions for the multi-process tests (spawned processes import them from here)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+#: The global packed batch of the family parity tests: documents longer than the test windows, T = 64
+#: (chunks of 32 at CP=2, 16 at CP=4), one document crossing every chunk boundary.
+FAMILY_DOCS = [[24, 30, 10], [5, 50, 9]]
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max())
+
+
+def parity(family: str, group, *, seed: int = 1, checkpointing: bool = False, fullgraph: bool = True,
+           docs=FAMILY_DOCS, overrides: dict | None = None) -> dict:
+    """Compiled CP forward/backward of ``family`` against the unsharded eager model on the same batch.
+
+    Returns the gathered logits, the summed loss and the CP-summed gradients next to the reference ones.
+    """
+    import cpcompile
+    from cpcompile.testing import packed_batch, tiny_model
+
+    overrides = overrides or {}
+    batch = packed_batch(docs, seed=seed)
+    ref = tiny_model(family, **overrides)
+    out_ref = ref(**batch, use_cache=False)
+    out_ref.loss.backward()
+
+    model = tiny_model(family, **overrides)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
+    cm = torch.compile(model, backend=be, fullgraph=fullgraph)
+    with cpcompile.shard(batch, group) as local:
+        out = cm(**local)
+        out.loss.backward()
+        logits = cpcompile.gather(out.logits)
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    cpcompile.sync_grads(model.parameters(), group)
+    ref_grads = dict(ref.named_parameters())
+    grads = {n: (p.grad, ref_grads[n].grad) for n, p in model.named_parameters()}
+    return {
+        "logits": (logits.detach(), out_ref.logits.detach()),
+        "loss": (loss, out_ref.loss.detach()),
+        "grads": grads,
+        "rewritten": sum(r.action == "rewritten" for r in be.reports),
+        "windows": sorted({r.layer for r in be.reports}),
+    }
+
+
+def families_worker(rank: int, world_size: int, families: list[str], options: dict | None = None) -> dict:
+    """Run :func:`parity` for several families in one spawned group; rank 0's results are compared."""
+    group = dist.new_group(list(range(world_size)))
+    results = {}
+    for family in families:
+        torch._dynamo.reset()
+        results[family] = parity(family, group, **(options or {}))
+    return results if rank == 0 else {}
+
+
+def _random_docs(gen: torch.Generator, batch_size: int, lo: int, hi: int) -> list[list[int]]:
+    T = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    rows = []
+    for _ in range(batch_size):
+        cuts = sorted(torch.randperm(T - 1, generator=gen)[: int(torch.randint(0, 3, (1,), generator=gen))] + 1)
+        bounds = [0, *[int(c) for c in cuts], T]
+        rows.append([b - a for a, b in zip(bounds, bounds[1:])])
+    return rows
+
+
+def compile_behaviour_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Recompilations over ``steps`` random packed lengths, a compiled function, and activation checkpointing."""
+    import cpcompile
+    from cpcompile.testing import packed_batch, tiny_model
+
+    group = dist.new_group(list(range(world_size)))
+    out: dict = {}
+
+    # 1. variable lengths: count backend invocations (one per compiled graph) and check every step's loss
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ref = tiny_model("llama")
+    compiles = []
+    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
+
+    def counting(gm, example_inputs):
+        # one entry per compilation: whether the graph got a symbolic (dynamic) size among its inputs
+        compiles.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
+        return be(gm, example_inputs)
+
+    cm = torch.compile(model, backend=counting)
+    gen = torch.Generator().manual_seed(123)  # same on every rank: every rank builds the same batches
+    lengths, loss_err = [], 0.0
+    for step in range(steps):
+        docs = _random_docs(gen, 2, 17, 70)
+        batch = packed_batch(docs, seed=step)
+        lengths.append(sum(docs[0]))
+        with cpcompile.shard(batch, group) as local:
+            loss = cm(**local).loss
+            loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        with torch.no_grad():
+            ref_loss = ref(**batch, use_cache=False).loss
+        loss_err = max(loss_err, float((total - ref_loss).abs()))
+    out["compiles"], out["lengths"], out["loss_err"] = len(compiles), lengths, loss_err
+    out["first_dynamic"] = compiles[0]
+
+    # 2. torch.compile of a function that calls the (uncompiled) model, fullgraph
+    torch._dynamo.reset()
+    model = tiny_model("qwen3")
+    ref = tiny_model("qwen3")
+    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
+
+    @torch.compile(backend=be, fullgraph=True)
+    def step_fn(m, local):
+        return m(**local).loss
+
+    batch = packed_batch(FAMILY_DOCS, seed=3)
+    with cpcompile.shard(batch, group) as local:
+        loss = step_fn(model, local)
+        loss.backward()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    cpcompile.sync_grads(model.parameters(), group)
+    ref_out = ref(**batch, use_cache=False)
+    ref_out.loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    out["function"] = {
+        "loss": (loss, ref_out.loss.detach()),
+        "grads": {n: (p.grad, ref_grads[n].grad) for n, p in model.named_parameters()},
+        "rewritten": sum(r.action == "rewritten" for r in be.reports),
+    }
+
+    # 3. activation checkpointing of the decoder layers
+    torch._dynamo.reset()
+    out["checkpointing"] = parity("llama", group, checkpointing=True, fullgraph=False)
+    return out if rank == 0 else {}
+
+
+def _error_of(fn) -> tuple[str, str]:
+    """``(exception type name, message)`` of ``fn()``, or ``("none", "")`` when it returns."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the parent asserts on the type and message
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def bad_input_worker(rank: int, world_size: int) -> dict:
+    """Every misuse of shard/backend/gather on a CP group; returns ``{case: (type, message)}`` per rank."""
+    import cpcompile
+    from cpcompile.testing import packed_batch, tiny_model
+
+    group = dist.new_group(list(range(world_size)))
+    only_rank0 = dist.new_group([0])  # every rank must call new_group; rank 1 gets the non-member placeholder
+    batch = packed_batch([[10, 6], [16]], seed=0)
+
+    def shard_with(b, g=group, **kw):
+        def run():
+            with cpcompile.shard(b, g, **kw):
+                pass
+
+        return run
+
+    def edit(**changes):
+        b = dict(batch)
+        b.update(changes)
+        return b
+
+    out = {}
+    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    out["different_lengths"] = _error_of(shard_with(edit(position_ids=pos[:, :-2])))
+    out["missing_input_ids"] = _error_of(shard_with({"position_ids": pos, "labels": labels}))
+    out["negative_positions"] = _error_of(shard_with(edit(position_ids=pos - 3)))
+    out["float_positions"] = _error_of(shard_with(edit(position_ids=pos.float())))
+    out["labels_shape"] = _error_of(shard_with(edit(labels=labels[:, :, None])))
+    out["labels_length"] = _error_of(shard_with(edit(labels=labels[:, 1:])))
+    out["group_not_pg"] = _error_of(shard_with(batch, g="cp"))
+    out["backend_group_not_pg"] = _error_of(lambda: cpcompile.backend([0, 1]))
+    out["group_without_rank"] = _error_of(shard_with(batch, g=only_rank0)) if rank != 0 else ("skip", "")
+    out["backend_group_without_rank"] = (
+        _error_of(lambda: cpcompile.backend(only_rank0)) if rank != 0 else ("skip", "")
+    )
+    out["too_short"] = _error_of(shard_with({"input_ids": ids[:, :1]}))
+
+    # a global batch that differs between ranks: caught by the opt-in check, on every rank, before the model
+    other = dict(batch)
+    other["input_ids"] = ids.clone()
+    if rank == 1:
+        other["input_ids"][0, 5] += 1
+    out["check_batch_differs"] = _error_of(shard_with(other, check_batch=True))
+    out["check_batch_same"] = _error_of(shard_with(batch, check_batch=True))
+    other_labels = dict(batch)
+    if rank == 1:
+        other_labels["labels"] = labels.roll(1, dims=1)
+    out["check_batch_labels"] = _error_of(shard_with(other_labels, check_batch=True))
+
+    def nested():
+        with cpcompile.shard(batch, group):
+            with cpcompile.shard(batch, group):
+                pass
+
+    out["nested"] = _error_of(nested)
+    out["gather_outside"] = _error_of(lambda: cpcompile.gather(torch.zeros(2, 8)))
+
+    # the compiled model called outside shard: fails in the first attention's mask op, before any collective
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    cm = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
+    out["model_outside_shard"] = _error_of(lambda: cm(**batch, use_cache=False))
+
+    # eager attention under CP: refused at compile time, naming the layer and the fix
+    torch._dynamo.reset()
+    eager = tiny_model("llama", attn_implementation="eager")
+    ce = torch.compile(eager, backend=cpcompile.backend(group, inner="aot_eager"))
+
+    def eager_run():
+        with cpcompile.shard(batch, group) as local:
+            ce(**local)
+
+    out["eager_attention"] = _error_of(eager_run)
+
+    # the runtime guard of the window: a mask op whose window differs from the model's mask (window 3 < chunk 8)
+    q = torch.zeros(2, 4, 8, 16)
+    with cpcompile.shard(batch, group):
+        plan = cpcompile.current_plan()
+        model_mask = plan.mask(documents=True, window=3)[..., plan.chunk_slice()]
+        op = torch.ops.cpcompile.plan_mask
+        args = (q, q, False, model_mask, f"test-site-{rank}", plan.group_name, world_size, True)
+        out["window_right"] = _error_of(lambda: op(*args, 3))
+        out["window_wrong"] = _error_of(lambda: op(*args[:4], f"test-site-wrong-{rank}", *args[5:], 4))
+        out["window_missing"] = _error_of(lambda: op(*args[:4], f"test-site-none-{rank}", *args[5:], -1))
+    # every rank is still in step: one more collective succeeds
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    out["in_step"] = float(t)
+    return out
+
+
+def failing_worker(rank: int, world_size: int) -> None:
+    """Rank 1 raises while rank 0 waits in a collective that rank 1 never joins."""
+    if rank == 1:
+        raise ValueError("rank 1 failed on purpose")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def sleeping_worker(rank: int, world_size: int) -> None:
+    import time
+
+    time.sleep(3600)

@@ -1,0 +1,202 @@
+"""Refusals, errors and no-op cases, in one process with a fake CP group of size 2 (this process is rank 0).
+
+The fake backend moves no data, so these tests only use what happens before any gathered value is read: the
+compile-time check of every SDPA site, the run-time checks of the plan-mask op (active shard context, chunk
+length, group, the model's own mask) and models in which nothing is rewritten. Parity of rewritten models runs
+on real gloo processes in ``test_parity.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpcompile
+from cpcompile.passes import cp_attention_pass
+from cpcompile import _compat
+from cpcompile.testing import packed_batch, tiny_model
+from tests import _models
+from tests.parity import GRAD_TOL, LOGITS_TOL, LOSS_TOL
+
+# T = 37, CP = 2: chunks of 19; documents cross the boundary
+DOCS = [[10, 20, 7], [5, 30, 2]]
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A fake default process group of size 2 for this module."""
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in the pytest process; tests must not leave one")
+    _compat.init_fake_process_group(rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # every test compiles a fresh model; without a reset Dynamo would accumulate guards on the shared forward
+    # code objects and, past its recompile limit, silently run them eagerly
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _delta(before):
+    return {k: v - before.get(k, 0) for k, v in cpcompile.counters.items() if v != before.get(k, 0)}
+
+
+# -- refused at compile time -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make, layer, words",
+    [
+        (lambda: tiny_model("qwen3", attention_dropout=0.1), "model.layers.0.self_attn", "dropout p=0.1"),
+        (lambda: _models.attention_lm("dropout"), "layers.0.attn", "dropout p=0.1"),
+        (lambda: _models.attention_lm("float_bias"), "layers.0.attn", "additive bias"),
+        (lambda: _models.attention_lm("no_mask"), "layers.0.attn", "non-causal attention without a mask"),
+    ],
+    ids=["hf-qwen3-dropout", "dropout", "float-bias", "noncausal-no-mask"],
+)
+def test_refused_at_compile_time(world, make, layer, words):
+    model = make()
+    assert model.training
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    before = dict(cpcompile.counters)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        with pytest.raises(cpcompile.UnsupportedAttentionError) as info:
+            compiled(**local)
+    message = str(info.value)
+    assert layer in message and words in message, message
+    delta = _delta(before)
+    assert delta.get("sdpa_refused") == 1 and "sdpa_rewritten" not in delta, delta
+
+
+# -- errors at run time ----------------------------------------------------------------------------------
+def test_compiled_model_outside_shard_raises(world):
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=backend)
+    ids = torch.randint(0, 128, (2, 19))
+    with pytest.raises(RuntimeError, match=r"no cpcompile\.shard context is active.*with cpcompile\.shard"):
+        compiled(input_ids=ids)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]  # refused at run time, not compile
+
+
+def test_chunk_length_not_matching_the_plan_raises(world):
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=backend)
+    batch = packed_batch(DOCS)
+    with cpcompile.shard(batch, world):
+        # the whole batch (37 tokens) instead of this rank's chunk (19)
+        with pytest.raises(RuntimeError, match=r"length 37.*chunk length 19"):
+            compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
+
+
+def test_shard_with_another_group_raises(world):
+    single = dist.new_group([0])
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), single) as local:
+        with pytest.raises(RuntimeError, match=r"compiled for group .* of size 2.*size 1"):
+            compiled(**local)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
+
+
+def test_model_mask_differing_from_the_plan_raises(world):
+    """A model whose own bool mask is not causal+same-document: MaskMismatchError naming the layer, every call."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("bidirectional"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        for _ in range(2):  # not only on the first call: a refused site is never marked verified
+            with pytest.raises(cpcompile.MaskMismatchError, match=r"layers\.0\.attn") as info:
+                compiled(**local)
+    assert "differs from the global causal same-document mask" in str(info.value)
+    assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+
+
+def test_window_mask_built_in_the_graph_is_reproduced(world):
+    """A causal same-document mask with a 4-token window: the pass reads the window from the graph, so the
+    plan's mask matches the model's (no MaskMismatchError) and every site's mask op carries window 4."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("window"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        compiled(**local)
+    assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+    gm = _captured_rewritten(_models.attention_lm("window"))
+    windows = [n.args[-1] for n in gm.graph.nodes if n.target is torch.ops.cpcompile.plan_mask.default]
+    assert windows == [_models.WINDOW] * 2
+
+
+def _captured_rewritten(model) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(**packed_batch(DOCS), use_cache=False)
+    cp_attention_pass(graphs[0], group_name="g", cp_size=2, graph_id=0, site_prefix="t")
+    return graphs[0]
+
+
+# -- nothing to rewrite ----------------------------------------------------------------------------------
+def test_model_without_sdpa_is_unchanged(world):
+    model = _models.mlp_lm()
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    before = dict(cpcompile.counters)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        out = compiled(**local)
+        ref = model(**local)
+    # the same aten ops on the same inputs: bit-identical
+    torch.testing.assert_close(out.logits, ref.logits, atol=0, rtol=0)
+    torch.testing.assert_close(out.loss, ref.loss, atol=0, rtol=0)
+    assert backend.reports == []
+    assert _delta(before) == {"graphs": 1, "graphs_without_sdpa": 1}
+
+
+def test_cp_group_of_size_one_is_a_noop(world):
+    """CP over one rank: nothing rewritten, and the compiled step equals the eager model on the whole batch."""
+    single = dist.new_group([0])
+    batch = packed_batch(DOCS)
+    ref = tiny_model("llama")
+    ref_out = ref(**batch, use_cache=False)
+    ref_out.loss.backward()
+    model = tiny_model("llama")
+    backend = cpcompile.backend(single, inner="aot_eager")
+    before = dict(cpcompile.counters)
+    with cpcompile.shard(batch, single) as local:
+        assert torch.equal(local["input_ids"], batch["input_ids"])
+        out = torch.compile(model, backend=backend)(**local)
+        out.loss.backward()
+        logits = cpcompile.gather(out.logits)
+    assert [r.action for r in backend.reports] == ["untouched", "untouched"]
+    delta = _delta(before)
+    assert delta.get("sdpa_found") == 2 and "sdpa_rewritten" not in delta, delta
+    # aot_eager runs the same kernels as eager, but AOTAutograd may reorder the backward's additions
+    torch.testing.assert_close(logits, ref_out.logits, **LOGITS_TOL)
+    torch.testing.assert_close(out.loss, ref_out.loss, **LOSS_TOL)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+def test_bad_arguments_raise_clear_errors(world):
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        cpcompile.backend("cp")
+    with pytest.raises(ValueError, match="inner='tvm'"):
+        cpcompile.backend(world, inner="tvm")
+    with pytest.raises(RuntimeError, match="no cpcompile.shard context is active"):
+        cpcompile.gather(torch.zeros(2, 19, 4))
+    batch = packed_batch(DOCS)
+    with cpcompile.shard(batch, world):
+        with pytest.raises(ValueError, match="chunk length 19"):
+            cpcompile.gather(torch.zeros(2, 37, 4))
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with cpcompile.shard(batch, world):
+                pass
+    with pytest.raises(ValueError, match="masks out tokens"):
+        with cpcompile.shard({**batch, "attention_mask": torch.zeros(2, 37, dtype=torch.bool)}, world):
+            pass
