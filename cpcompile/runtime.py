@@ -413,6 +413,11 @@ def plan_docs(
         w = None if window < 0 else window
         diagonal = plan.mask(documents=documents, window=w, keys=plan.chunk_slice())
         _verify_site_mask(site, model_mask, diagonal, documents, window)
+    return _plan_doc_ids(plan, documents)
+
+
+def _plan_doc_ids(plan: CPPlan, documents: bool) -> torch.Tensor:
+    """A fresh copy of the plan's document ids (all zeros without the document condition)."""
     return plan.doc_ids.clone() if documents else torch.zeros_like(plan.doc_ids)
 
 

@@ -259,7 +259,15 @@ def _corruption(corrupt: Corruption | None):
     def merged(plan, *, documents, window=None, rank=None):
         return original(plan, documents=False, window=window, rank=rank)
 
-    with mock.patch.object(CPPlan, "mask", merged), mock.patch.object(runtime, "_verify_site_mask", lambda *a: None):
+    def merged_docs(plan, documents):  # the block kernel's form of the same corruption
+        return original_docs(plan, False)
+
+    original_docs = runtime._plan_doc_ids
+    with (
+        mock.patch.object(CPPlan, "mask", merged),
+        mock.patch.object(runtime, "_plan_doc_ids", merged_docs),
+        mock.patch.object(runtime, "_verify_site_mask", lambda *a: None),
+    ):
         yield
 
 
