@@ -182,6 +182,17 @@ def test_cp_group_of_size_one_is_a_noop(world):
         torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL, msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
+def test_cp_group_of_size_one_leaves_unsupported_forms_alone(world):
+    """With one rank nothing is rewritten, so a form CP would refuse (dropout) runs as the model wrote it."""
+    single = dist.new_group([0])
+    backend = cpcompile.backend(single, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("dropout"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), single) as local:
+        out = compiled(**local)
+    assert torch.isfinite(out.loss)
+    assert [(r.action, r.reason) for r in backend.reports] == [("untouched", "CP group of size 1")] * 2
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 def test_bad_arguments_raise_clear_errors(world):
     with pytest.raises(TypeError, match="ProcessGroup"):

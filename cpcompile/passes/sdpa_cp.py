@@ -635,10 +635,11 @@ def cp_attention_pass(
         counters["graphs_without_sdpa"] += 1
         return reports
     for site in sites:
-        reason = check_site(site)
-        if reason is None and cp_size == 1 and attention != "block":
+        if cp_size == 1 and attention != "block":
+            # nothing is rewritten, so the model runs exactly as it is, whatever form its attention takes
             reports.append(_report(site, graph_id, "untouched", "CP group of size 1"))
             continue
+        reason = check_site(site)
         window = None
         if reason is None:
             window, reason = site_window(site, config)
