@@ -1,9 +1,13 @@
 # `make demo`: set up and train a tiny model with CP=2 on 2 CPU processes, next to a single-process run.
-# `make test`: set up and run the test suite (what CI runs).
-.PHONY: setup demo test
+# `make lint`: ruff check and ruff format --check.
+# `make test`: set up, lint and run the test suite (what CI runs).
+.PHONY: setup demo lint test
 setup:
 	bash scripts/setup.sh
 demo: setup
 	.venv/bin/python examples/demo_cp.py
-test: setup
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+test: lint
 	.venv/bin/python -m pytest -q

@@ -66,7 +66,9 @@ def main() -> None:
             times["dense"].append(_time(dense, args.repeats))
             times["block"].append(_time(block, args.repeats))
             c = plan.chunk_len
-            computed += computed_pairs(block_schedule(plan.doc_ids, plan.cp_rank * c, c, args.block, args.block), c, args.block)
+            computed += computed_pairs(
+                block_schedule(plan.doc_ids, plan.cp_rank * c, c, args.block, args.block), c, args.block
+            )
             visible += int(plan.mask(documents=True).sum())
         for path in ("dense", "block"):
             slowest = max(times[path])

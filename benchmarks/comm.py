@@ -29,8 +29,12 @@ def _worker(rank: int, world_size: int, seq: int, heads: int, kv_heads: int, lay
     stats = cpcompile.comm_stats()
     head_dim = model.config.head_dim
     minimum = layers * 2 * (world_size - 1) * plan.batch_size * kv_heads * plan.chunk_len * head_dim * 4
-    return dict(gathered=stats.all_gather_bytes, scattered=stats.reduce_scatter_bytes, minimum=minimum,
-                gathers=stats.all_gathers)
+    return dict(
+        gathered=stats.all_gather_bytes,
+        scattered=stats.reduce_scatter_bytes,
+        minimum=minimum,
+        gathers=stats.all_gathers,
+    )
 
 
 def main() -> None:
@@ -46,9 +50,16 @@ def main() -> None:
     rows = []
     for n in (int(x) for x in args.cp.split(",")):
         res = run_distributed(_worker, n, args.seq, args.heads, args.kv_heads, args.layers)[0]
-        rows.append({"CP": n, "all-gathers": res["gathers"], "gathered bytes/rank": res["gathered"],
-                     "minimum bytes/rank": res["minimum"], "gathered/minimum": res["gathered"] / res["minimum"],
-                     "reduce-scattered/minimum": res["scattered"] / res["minimum"]})
+        rows.append(
+            {
+                "CP": n,
+                "all-gathers": res["gathers"],
+                "gathered bytes/rank": res["gathered"],
+                "minimum bytes/rank": res["minimum"],
+                "gathered/minimum": res["gathered"] / res["minimum"],
+                "reduce-scattered/minimum": res["scattered"] / res["minimum"],
+            }
+        )
     print_table(
         f"K/V bytes per step per rank: qwen3 {args.layers} layers, {args.heads} query / {args.kv_heads} KV heads "
         f"(n_rep {args.heads // args.kv_heads}), head dim 16, B=2, T={args.seq}, fp32",

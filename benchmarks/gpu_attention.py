@@ -20,8 +20,8 @@ import time
 import torch
 
 from benchmarks._common import packed_doc_lens, print_table
-from cpcompile.kernels import cp_attention, dense_cp_attention
 from cpcompile.kernels import attention as _attention
+from cpcompile.kernels import cp_attention, dense_cp_attention
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
 
@@ -114,7 +114,9 @@ def main() -> None:
         visible = int((plan.position_ids[:, plan.chunk_slice()] + 1).sum())  # keys 0..pos of its own document
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, H, t_local, D, generator=g).to(device, dtype).requires_grad_()
-        k, v = (torch.randn(1, Hkv, plan.padded_len, D, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
+        k, v = (
+            torch.randn(1, Hkv, plan.padded_len, D, generator=g).to(device, dtype).requires_grad_() for _ in range(2)
+        )
         dout = torch.randn_like(q)
         docs = plan.doc_ids.to(device)
 
@@ -133,11 +135,19 @@ def main() -> None:
 
         flops = 3.5 * 4 * H * D
         t_ours, t_sdpa = _time(ours, device, args.repeats), _time(sdpa, device, args.repeats)
-        rows.append({"T_local": t_local, "global T": plan.padded_len, "visible pairs": visible,
-                     "cp_attention fwd+bwd (ms)": 1e3 * t_ours, "TFLOP/s": flops * visible / t_ours / 1e12,
-                     "causal SDPA length": L, "SDPA fwd+bwd (ms)": 1e3 * t_sdpa,
-                     "SDPA TFLOP/s": flops * L * (L + 1) / 2 / t_sdpa / 1e12,
-                     "TFLOP/s ours/SDPA": (visible / t_ours) / (L * (L + 1) / 2 / t_sdpa)})
+        rows.append(
+            {
+                "T_local": t_local,
+                "global T": plan.padded_len,
+                "visible pairs": visible,
+                "cp_attention fwd+bwd (ms)": 1e3 * t_ours,
+                "TFLOP/s": flops * visible / t_ours / 1e12,
+                "causal SDPA length": L,
+                "SDPA fwd+bwd (ms)": 1e3 * t_sdpa,
+                "SDPA TFLOP/s": flops * L * (L + 1) / 2 / t_sdpa / 1e12,
+                "TFLOP/s ours/SDPA": (visible / t_ours) / (L * (L + 1) / 2 / t_sdpa),
+            }
+        )
     print_table(
         f"CP attention op, last of {args.cp} ranks, {device} {str(dtype).removeprefix('torch.')}, heads {H}/{Hkv} kv, "
         f"head dim {D}, documents {lo}..{hi} tokens" + (" (DRY RUN: CPU, tiny)" if args.dry_run else ""),

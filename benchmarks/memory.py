@@ -33,8 +33,15 @@ def _worker(rank: int, world_size: int, attention: str, doc_lens: list, hidden: 
     from cpcompile.testing import packed_batch, tiny_model
 
     heads = hidden // 16
-    model = tiny_model("qwen3", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=max(1, heads // 2), intermediate_size=2 * hidden, max_position_embeddings=65536)
+    model = tiny_model(
+        "qwen3",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        intermediate_size=2 * hidden,
+        max_position_embeddings=65536,
+    )
     group = dist.new_group(list(range(world_size)))
     compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager", attention=attention))
     batch = packed_batch(doc_lens)
@@ -75,8 +82,15 @@ def main() -> None:
             peaks = run_distributed(_worker, n, attention, doc_lens, args.hidden, args.layers, timeout_s=900)
             peak = max(peaks)
             base.setdefault(attention, peak)
-            rows.append({"CP": n, "attention": attention, "peak above baseline, max rank (MiB)": peak,
-                         "ratio to CP=1 (same path)": peak / base[attention], "ideal 1/N": 1 / n})
+            rows.append(
+                {
+                    "CP": n,
+                    "attention": attention,
+                    "peak above baseline, max rank (MiB)": peak,
+                    "ratio to CP=1 (same path)": peak / base[attention],
+                    "ideal 1/N": 1 / n,
+                }
+            )
     print_table(
         f"per-rank peak memory of a training step: global T={args.seq}, B=1, qwen3 hidden {args.hidden}, "
         f"{args.layers} layers, documents {lo}..{hi} tokens, aot_eager",

@@ -24,8 +24,10 @@ def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: li
     model = tiny_model("qwen3")
     batch = packed_batch(doc_lens)
     if inner == "unsharded eager":
+
         def step():
             model(**batch, use_cache=False).loss.backward()
+
         barrier = lambda: None  # noqa: E731
     else:
         group = dist.new_group(list(range(world_size)))
@@ -34,6 +36,7 @@ def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: li
         def step():
             with cpcompile.shard(batch, group) as local:
                 compiled(**local).loss.backward()
+
         barrier = lambda: dist.barrier(group)  # noqa: E731
     t0 = time.perf_counter()
     step()
@@ -65,15 +68,30 @@ def main() -> None:
     tokens = args.seq * args.batch
     rows = []
     eager_s, _ = run_distributed(_worker, 1, "unsharded eager", args.attention, doc_lens, args.steps, timeout_s=900)[0]
-    rows.append({"CP": 1, "model": "unsharded eager", "step (ms)": 1e3 * eager_s, "tokens/s": tokens / eager_s,
-                 "vs unsharded eager": 1.0, "warm-up incl. compile (s)": 0.0})
+    rows.append(
+        {
+            "CP": 1,
+            "model": "unsharded eager",
+            "step (ms)": 1e3 * eager_s,
+            "tokens/s": tokens / eager_s,
+            "vs unsharded eager": 1.0,
+            "warm-up incl. compile (s)": 0.0,
+        }
+    )
     for n in (int(x) for x in args.cp.split(",")):
         for inner in ("inductor", "aot_eager"):
             res = run_distributed(_worker, n, inner, args.attention, doc_lens, args.steps, timeout_s=900)
             step_s = max(r[0] for r in res)
-            rows.append({"CP": n, "model": f"cpcompile inner={inner}", "step (ms)": 1e3 * step_s,
-                         "tokens/s": tokens / step_s, "vs unsharded eager": eager_s / step_s,
-                         "warm-up incl. compile (s)": max(r[1] for r in res)})
+            rows.append(
+                {
+                    "CP": n,
+                    "model": f"cpcompile inner={inner}",
+                    "step (ms)": 1e3 * step_s,
+                    "tokens/s": tokens / step_s,
+                    "vs unsharded eager": eager_s / step_s,
+                    "warm-up incl. compile (s)": max(r[1] for r in res),
+                }
+            )
     print_table(
         f"training step throughput: tiny qwen3 (2 layers, hidden 64), B={args.batch}, T={args.seq}, documents "
         f"{lo}..{hi} tokens, attention={args.attention}, 1 thread per rank",

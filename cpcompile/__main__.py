@@ -33,7 +33,9 @@ def _doc_row(text: str) -> list[int]:
     try:
         row = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of document lengths, e.g. 10,20,34")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of document lengths, e.g. 10,20,34"
+        ) from None
     if not row or any(n < 1 for n in row):
         raise argparse.ArgumentTypeError(f"{text!r}: document lengths must be positive integers, e.g. 10,20,34")
     return row
@@ -48,19 +50,30 @@ def build_parser() -> argparse.ArgumentParser:
         description=_INSPECT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a transformers config.json (or the folder holding it), or module:factory returning the model")
+    p.add_argument(
+        "model", help="a transformers config.json (or the folder holding it), or module:factory returning the model"
+    )
     p.add_argument("--cp-size", "--cp", type=int, required=True, help="CP group size N")
     p.add_argument("--seq-len", type=int, required=True, help="global sequence length T of a batch row")
     p.add_argument(
-        "--docs", type=_doc_row, action="append", metavar="L1,L2,...",
+        "--docs",
+        type=_doc_row,
+        action="append",
+        metavar="L1,L2,...",
         help="packed document lengths of one batch row, summing to --seq-len; repeat for more rows "
         "(default: --batch-size rows of one document)",
     )
     p.add_argument("--batch-size", type=int, default=1, help="rows when --docs is not given (default 1)")
-    p.add_argument("--rank", type=int, action="append", dest="ranks", help="trace only this rank (repeatable; default all)")
+    p.add_argument(
+        "--rank", type=int, action="append", dest="ranks", help="trace only this rank (repeatable; default all)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the model (default: as built)")
-    p.add_argument("--device", choices=["meta", "cpu"], default="meta",
-                   help="meta (default): shapes only; cpu: real tensors, for models whose code reads values")
+    p.add_argument(
+        "--device",
+        choices=["meta", "cpu"],
+        default="meta",
+        help="meta (default): shapes only; cpu: real tensors, for models whose code reads values",
+    )
     p.add_argument("--attn-implementation", default="sdpa", help="for config files (default sdpa)")
     p.add_argument("--dump", metavar="DIR", help="write graphs, summary.json and attention_pattern.png to DIR")
     p.set_defaults(run=_inspect, subparser=p)
@@ -75,8 +88,14 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--dump {args.dump}: the folder is not empty; pass a new or empty folder")
     try:
         result = inspect_model(
-            args.model, cp_size=args.cp_size, seq_len=args.seq_len, doc_lens=args.docs,
-            batch_size=args.batch_size, ranks=args.ranks, dtype=args.dtype, device=args.device,
+            args.model,
+            cp_size=args.cp_size,
+            seq_len=args.seq_len,
+            doc_lens=args.docs,
+            batch_size=args.batch_size,
+            ranks=args.ranks,
+            dtype=args.dtype,
+            device=args.device,
             attn_implementation=args.attn_implementation,
         )
     except ValueError as e:

@@ -39,6 +39,7 @@ __all__ = [
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
 
+
 def _flex_targets() -> frozenset:
     targets = set()
     hop = getattr(getattr(torch.ops, "higher_order", None), "flex_attention", None)
@@ -83,8 +84,6 @@ class PassThroughCompileError(_ShortenTraceback):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args, first_useful_frame=None)
-
-
 
 
 def all_gather_start(t: torch.Tensor, cp_size: int, group_name: str) -> torch.Tensor:
@@ -268,6 +267,8 @@ def flex_block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(mask_mod, batch_size, None, q_len, kv_len, device=device, _compile=True)
+
+
 def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
     """Ask Dynamo to compile ``t``'s ``dim`` as a symbolic size from the first compile on.
 

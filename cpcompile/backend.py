@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from cpcompile import _compat, dump
-from cpcompile.runtime import check_group
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
+from cpcompile.runtime import check_group
 
 __all__ = ["BackendOptions", "CPBackend", "backend"]
 
@@ -25,6 +25,8 @@ DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
 
 def _env_dump_dir() -> str | None:
     return os.environ.get(DUMP_DIR_ENV) or None
+
+
 _backend_ids = itertools.count()
 
 
@@ -91,7 +93,9 @@ class CPBackend:
         self.reports: list[SiteReport] = []
         self._id = next(_backend_ids)
         self._graphs = itertools.count()
-        self._dump = None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
+        self._dump = (
+            None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
+        )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)

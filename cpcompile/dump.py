@@ -32,8 +32,12 @@ def graph_source(gm: fx.GraphModule, title: str) -> str:
     The file starts with the imports of every global name the code uses (functions such as cpcompile's
     all-gather, ``device``, ``inf``), so ``exec`` of the file defines a runnable ``GraphModule`` class.
     """
-    lines = [f"# {title}", "# Readable code of a torch.fx GraphModule (print_readable).", "import torch",
-             "import cpcompile  # registers torch.ops.cpcompile.plan_mask"]
+    lines = [
+        f"# {title}",
+        "# Readable code of a torch.fx GraphModule (print_readable).",
+        "import torch",
+        "import cpcompile  # registers torch.ops.cpcompile.plan_mask",
+    ]
     lines += _global_imports(gm)
     return "\n".join(lines) + "\n\n" + gm.print_readable(print_output=False).rstrip() + "\n"
 
@@ -54,7 +58,11 @@ def _global_imports(gm: fx.GraphModule) -> list[str]:
             if module and qual and "<" not in qual:
                 head, _, attr = qual.rpartition(".")
                 source = f"{module}.{head}" if head else module
-                out.append(f"from {module} import {qual} as {name}" if not head else f"import {module}; {name} = {source}.{attr}")
+                out.append(
+                    f"from {module} import {qual} as {name}"
+                    if not head
+                    else f"import {module}; {name} = {source}.{attr}"
+                )
             else:
                 out.append(f"# {name}: {obj!r} (not importable by name)")
     return out

@@ -146,29 +146,67 @@ class Inspection:
         from tabulate import tabulate
 
         headers = [
-            "ranks", "graph", "layer", "q", "k, v", "dtype", "heads q/kv", "mask found", "action", "gathered K, V",
-            "AG/call", "AG/step", "RS/step (bwd)",
+            "ranks",
+            "graph",
+            "layer",
+            "q",
+            "k, v",
+            "dtype",
+            "heads q/kv",
+            "mask found",
+            "action",
+            "gathered K, V",
+            "AG/call",
+            "AG/step",
+            "RS/step (bwd)",
         ]
         body = []
         for ranks, row in self._merged_rows():
             action = row.action + (f": {row.reason}" if row.reason and row.action != "rewritten" else "")
-            body.append([
-                ranks, row.graph, row.layer or "<top level>", _fmt_shape(row.q_shape),
-                _fmt_shapes((row.k_shape, row.v_shape)), row.dtype, f"{row.q_heads}/{row.kv_heads}", row.mask_found,
-                action, _fmt_shapes(row.gathered_shapes), _fmt_bytes(row.all_gather_bytes_per_call),
-                _fmt_bytes(row.all_gather_bytes_per_step), _fmt_bytes(row.reduce_scatter_bytes_per_step),
-            ])
+            body.append(
+                [
+                    ranks,
+                    row.graph,
+                    row.layer or "<top level>",
+                    _fmt_shape(row.q_shape),
+                    _fmt_shapes((row.k_shape, row.v_shape)),
+                    row.dtype,
+                    f"{row.q_heads}/{row.kv_heads}",
+                    row.mask_found,
+                    action,
+                    _fmt_shapes(row.gathered_shapes),
+                    _fmt_bytes(row.all_gather_bytes_per_call),
+                    _fmt_bytes(row.all_gather_bytes_per_step),
+                    _fmt_bytes(row.reduce_scatter_bytes_per_step),
+                ]
+            )
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
 
     def rank_table(self) -> str:
         """The per-rank totals of one training step."""
         from tabulate import tabulate
 
-        headers = ["rank", "rewritten", "refused", "all-gathers", "AG/step", "reduce-scatters (bwd)", "RS/step",
-                   "visible (q,k) pairs"]
+        headers = [
+            "rank",
+            "rewritten",
+            "refused",
+            "all-gathers",
+            "AG/step",
+            "reduce-scatters (bwd)",
+            "RS/step",
+            "visible (q,k) pairs",
+        ]
         body = [
-            [t.rank, t.rewritten, t.refused, t.all_gathers, _fmt_bytes(t.all_gather_bytes), t.reduce_scatters,
-             _fmt_bytes(t.reduce_scatter_bytes), t.visible_pairs]
+            [
+                t.rank,
+                t.rewritten,
+                t.refused,
+                t.all_gathers,
+                _fmt_bytes(t.all_gather_bytes),
+                t.reduce_scatters,
+                _fmt_bytes(t.reduce_scatter_bytes),
+                t.visible_pairs,
+            ]
             for t in self.totals
         ]
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
@@ -193,8 +231,12 @@ class Inspection:
                 "attn_implementation='sdpa'?)"
             )
         else:
-            lines += [self.site_table(), "", "per rank, one step (forward all-gathers, backward reduce-scatters):",
-                      self.rank_table()]
+            lines += [
+                self.site_table(),
+                "",
+                "per rank, one step (forward all-gathers, backward reduce-scatters):",
+                self.rank_table(),
+            ]
         return "\n".join(lines) + "\n"
 
     def _merged_rows(self) -> list[tuple[str, SiteRow]]:
@@ -308,7 +350,9 @@ def _load_config(path: str):
     try:
         import transformers
     except ImportError as e:
-        raise ValueError(f"model spec {path!r} is a config file, which needs transformers: pip install transformers") from e
+        raise ValueError(
+            f"model spec {path!r} is a config file, which needs transformers: pip install transformers"
+        ) from e
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
@@ -330,7 +374,9 @@ def _call_factory(spec: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"model spec {spec!r}: cannot import module {module_name!r} ({e}); is it on PYTHONPATH?") from e
+        raise ValueError(
+            f"model spec {spec!r}: cannot import module {module_name!r} ({e}); is it on PYTHONPATH?"
+        ) from e
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -360,8 +406,12 @@ class _Capture:
         rewritten = copy.deepcopy(gm)
         entry["reports"] = tuple(
             cp_attention_pass(
-                rewritten, group_name=self.group_name, cp_size=self.cp_size, graph_id=n,
-                site_prefix=f"inspect/graph{n}", refuse="report",
+                rewritten,
+                group_name=self.group_name,
+                cp_size=self.cp_size,
+                graph_id=n,
+                site_prefix=f"inspect/graph{n}",
+                refuse="report",
             )
         )
         entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile cp_attention pass")
@@ -489,8 +539,12 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> 
                 local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
                 compiled(**local)
         except Exception as e:  # noqa: BLE001 - re-raised with what was being traced
-            hint = " (retry with --device cpu if the model's Python code reads tensor values)" if device == "meta" else ""
-            raise RuntimeError(f"cpcompile inspect: tracing {spec!r} as rank {rank} of {cp_size} on {device} failed{hint}: {e}") from e
+            hint = (
+                " (retry with --device cpu if the model's Python code reads tensor values)" if device == "meta" else ""
+            )
+            raise RuntimeError(
+                f"cpcompile inspect: tracing {spec!r} as rank {rank} of {cp_size} on {device} failed{hint}: {e}"
+            ) from e
         finally:
             torch.compiler.reset()
     return [
@@ -553,8 +607,16 @@ PANEL_PX = 512
 GUTTER_PX, TITLE_PX, LEGEND_PX, MARGIN_PX = 56, 24, 24, 16
 
 _PALETTE = [
-    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
 ]
 _MASKED = (236, 236, 236)
 _BACKGROUND = (255, 255, 255)
@@ -584,7 +646,9 @@ def pattern_geometry(padded_len: int, batch_size: int) -> PatternGeometry:
     cells = -(-padded_len // k)
     px = max(2, PANEL_PX // cells)
     panel = cells * px
-    return PatternGeometry(k, cells, px, panel, GUTTER_PX + batch_size * (panel + MARGIN_PX), TITLE_PX + panel + LEGEND_PX)
+    return PatternGeometry(
+        k, cells, px, panel, GUTTER_PX + batch_size * (panel + MARGIN_PX), TITLE_PX + panel + LEGEND_PX
+    )
 
 
 def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int | None = None):
@@ -642,7 +706,8 @@ def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int
     draw.text(
         (GUTTER_PX, TITLE_PX + geo.panel + 6),
         "bright = own keys | dark = keys gathered from other ranks | pale = cell partly visible | gray = masked",
-        fill=_TEXT, font=font,
+        fill=_TEXT,
+        font=font,
     )
     band = c / k * px
     for r in range(N):
@@ -681,7 +746,9 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
     for rank in inspection.ranks:
         writer = RankDumpWriter(directory, rank, inspection.cp_size)
         for g in (g for g in inspection.graphs if g.rank == rank):
-            written += writer.add_graph(g.before, g.after, list(g.reports), g.grad_flags, calls_per_forward=g.calls_per_forward)
+            written += writer.add_graph(
+                g.before, g.after, list(g.reports), g.grad_flags, calls_per_forward=g.calls_per_forward
+            )
     written = list(dict.fromkeys(written))
     png = os.path.join(directory, "attention_pattern.png")
     attention_pattern_image(inspection.plan, documents=inspection.documents).save(png, format="PNG")

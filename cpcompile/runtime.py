@@ -136,7 +136,11 @@ def shard(
     if check_batch and cp_size > 1:
         _check_same_batch(batch, cp_group, cp_rank)
     local = _local_batch(
-        batch, plan, num_items_in_batch=num_items_in_batch, dp_group=dp_group, pad_token_id=pad_token_id,
+        batch,
+        plan,
+        num_items_in_batch=num_items_in_batch,
+        dp_group=dp_group,
+        pad_token_id=pad_token_id,
         hf_kwargs=hf_kwargs,
     )
     if dynamic:
@@ -430,8 +434,10 @@ def _verify_site_mask(site: str, model_mask: torch.Tensor, ours: torch.Tensor, d
     theirs = model_mask.to(torch.bool).expand_as(ours)
     if not torch.equal(theirs, ours):
         b, _, i, j = (theirs != ours).nonzero()[0].tolist()
-        form = "global causal" + (" same-document" if documents else "") + (
-            f" sliding-window({window})" if window >= 0 else ""
+        form = (
+            "global causal"
+            + (" same-document" if documents else "")
+            + (f" sliding-window({window})" if window >= 0 else "")
         )
         raise MaskMismatchError(
             f"the attention mask built by the model at {site} differs from the {form} mask cpcompile applies "

@@ -31,8 +31,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", {"sliding_window": 6}),  # every layer windowed, window < chunk
     "gemma3": (  # sliding and global layers interleaved; window larger than a CP=4 chunk of the test batches
         "Gemma3TextConfig",
-        {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
-         "layer_types": ["sliding_attention", "full_attention"]},
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 20,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
     ),
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),

@@ -101,7 +101,14 @@ class TinyAttentionLM(nn.Module):
     """
 
     def __init__(
-        self, form: str, *, vocab: int = 128, hidden: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+        self,
+        form: str,
+        *,
+        vocab: int = 128,
+        hidden: int = 32,
+        heads: int = 4,
+        kv_heads: int = 2,
+        layers: int = 2,
         max_positions: int = 512,
     ) -> None:
         super().__init__()

@@ -14,8 +14,16 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max())
 
 
-def parity(family: str, group, *, seed: int = 1, checkpointing: bool = False, fullgraph: bool = True,
-           docs=FAMILY_DOCS, overrides: dict | None = None) -> dict:
+def parity(
+    family: str,
+    group,
+    *,
+    seed: int = 1,
+    checkpointing: bool = False,
+    fullgraph: bool = True,
+    docs=FAMILY_DOCS,
+    overrides: dict | None = None,
+) -> dict:
     """Compiled CP forward/backward of ``family`` against the unsharded eager model on the same batch.
 
     Returns the gathered logits, the summed loss and the CP-summed gradients next to the reference ones.
@@ -183,9 +191,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     out["group_not_pg"] = _error_of(shard_with(batch, g="cp"))
     out["backend_group_not_pg"] = _error_of(lambda: cpcompile.backend([0, 1]))
     out["group_without_rank"] = _error_of(shard_with(batch, g=only_rank0)) if rank != 0 else ("skip", "")
-    out["backend_group_without_rank"] = (
-        _error_of(lambda: cpcompile.backend(only_rank0)) if rank != 0 else ("skip", "")
-    )
+    out["backend_group_without_rank"] = _error_of(lambda: cpcompile.backend(only_rank0)) if rank != 0 else ("skip", "")
     out["too_short"] = _error_of(shard_with({"input_ids": ids[:, :1]}))
 
     # a global batch that differs between ranks: caught by the opt-in check, on every rank, before the model

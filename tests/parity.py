@@ -288,8 +288,13 @@ def check_case(
     if case.expected_form is not None:
         assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
     assert_parity(outcome)
-    summary = {"case": case.name, "cp": runner.cp_size, **outcome.errors(), "seconds": time.perf_counter() - t0,
-               "controls": {}}
+    summary = {
+        "case": case.name,
+        "cp": runner.cp_size,
+        **outcome.errors(),
+        "seconds": time.perf_counter() - t0,
+        "controls": {},
+    }
     for corrupt in controls:
         bad = runner.run(corrupt)
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
@@ -16,7 +15,8 @@ from tests._workers import bad_input_worker, failing_worker, sleeping_worker
 #: case -> (exception type, fragments the message must contain)
 EXPECTED = {
     "different_lengths": (
-        "ValueError", ["batch['position_ids']", "(2, 14)", "[2, 16, ...]", "same batch size and length"]
+        "ValueError",
+        ["batch['position_ids']", "(2, 14)", "[2, 16, ...]", "same batch size and length"],
     ),
     "missing_input_ids": ("ValueError", ["no 'input_ids'", "'labels'", "under 'input_ids'"]),
     "negative_positions": ("ValueError", ["negative", "min -3", "restart at 0"]),
@@ -27,16 +27,19 @@ EXPECTED = {
     "backend_group_not_pg": ("TypeError", ["cp_group", "ProcessGroup", "got list", "new_group"]),
     "too_short": ("ValueError", ["sequence length 1", "CP size 2", "smaller CP group"]),
     "check_batch_differs": (
-        "ValueError", ["check_batch=True", "batch['input_ids']", "[[0], [1]]", "same FULL global batch"]
+        "ValueError",
+        ["check_batch=True", "batch['input_ids']", "[[0], [1]]", "same FULL global batch"],
     ),
     "check_batch_same": ("none", []),
     "check_batch_labels": ("ValueError", ["batch['labels']", "[[0], [1]]"]),
     "nested": ("RuntimeError", ["cannot be nested", "already active", "finish the current step"]),
     "gather_outside": (
-        "RuntimeError", ["cpcompile.gather", "no cpcompile.shard context is active", "with cpcompile.shard"]
+        "RuntimeError",
+        ["cpcompile.gather", "no cpcompile.shard context is active", "with cpcompile.shard"],
     ),
     "model_outside_shard": (
-        "RuntimeError", ["model.layers.0.self_attn", "no cpcompile.shard context is active", "with cpcompile.shard"]
+        "RuntimeError",
+        ["model.layers.0.self_attn", "no cpcompile.shard context is active", "with cpcompile.shard"],
     ),
     "eager_attention": ("", ["model.layers.0.self_attn", "softmax", "set attn_implementation='sdpa'"]),
     "window_right": ("none", []),

@@ -78,7 +78,9 @@ def test_gather_issued_early_and_waited_at_attention(family):
             assert all(n.target is _compat.all_gather_wait for n in between), [n.name for n in between]
             # ... with real work in between to overlap with (the query path: projection, norm, RoPE)
             overlapped = [
-                n for n in gm.graph.nodes if order[start] < order[n] < order[wait] and n.op in ("call_function", "call_method")
+                n
+                for n in gm.graph.nodes
+                if order[start] < order[n] < order[wait] and n.op in ("call_function", "call_method")
             ]
             assert len(overlapped) >= 3, f"nothing to overlap between {start.name} and {wait.name}"
         # the key gather starts before the query's rotary embedding is done
@@ -97,7 +99,9 @@ def _comm_worker(rank, world_size, family, regather):
 
     group = dist.new_group(list(range(world_size)))
     model = tiny_model(family)
-    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager", regather_kv_in_backward=regather))
+    compiled = torch.compile(
+        model, backend=cpcompile.backend(group, inner="aot_eager", regather_kv_in_backward=regather)
+    )
     with cpcompile.shard(batch, group) as local:
         with torch.profiler.profile(record_shapes=True) as prof:
             out = compiled(**local)
@@ -120,7 +124,9 @@ def _comm_worker(rank, world_size, family, regather):
         "chunk": plan_chunk,
         "layers": config.num_hidden_layers,
         "kv_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim if getattr(config, "head_dim", None) else config.hidden_size // config.num_attention_heads,
+        "head_dim": config.head_dim
+        if getattr(config, "head_dim", None)
+        else config.hidden_size // config.num_attention_heads,
         "logits": logits.detach(),
         "ref_logits": out_ref.logits.detach(),
         "grads": grads,

@@ -35,21 +35,25 @@ def _run_cli(*args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "cpcompile", "inspect", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def _expected_files(ranks, graphs=1):
     files = {"summary.json", "attention_pattern.png"}
     for r in ranks:
-        files |= {f"rank{r}/summary.json"} | {f"rank{r}/graph{n}_{s}.py" for n in range(graphs) for s in ("before", "after")}
+        files |= {f"rank{r}/summary.json"} | {
+            f"rank{r}/graph{n}_{s}.py" for n in range(graphs) for s in ("before", "after")
+        }
     return files
 
 
 def _files_under(root):
-    return {
-        os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for d, _, fs in os.walk(root) for f in fs
-    }
+    return {os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for d, _, fs in os.walk(root) for f in fs}
 
 
 def _gather_bytes(shape, cp_size, dtype):
@@ -72,7 +76,9 @@ def configs(tmp_path_factory):
 def cli_llama(configs, tmp_path_factory):
     """One real command-line run on tiny Llama, CP=2, T=64, with a dump."""
     dump = str(tmp_path_factory.mktemp("cli") / "dump")
-    proc = _run_cli(configs["llama"], "--cp-size", "2", "--seq-len", "64", "--docs", _docs_arg(LLAMA_DOCS), "--dump", dump)
+    proc = _run_cli(
+        configs["llama"], "--cp-size", "2", "--seq-len", "64", "--docs", _docs_arg(LLAMA_DOCS), "--dump", dump
+    )
     assert proc.returncode == 0, proc.stderr
     return proc, dump
 
@@ -215,8 +221,20 @@ def mlp_only():
 
 
 def test_model_without_sdpa_says_so_and_exits_zero(capsys, tmp_path):
-    code = main(["inspect", "tests.test_inspect:mlp_only", "--cp-size", "2", "--seq-len", "16", "--rank", "1",
-                 "--dump", str(tmp_path / "d")])
+    code = main(
+        [
+            "inspect",
+            "tests.test_inspect:mlp_only",
+            "--cp-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--rank",
+            "1",
+            "--dump",
+            str(tmp_path / "d"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "no scaled_dot_product_attention call found" in out and "0 SDPA site(s)" in out
@@ -235,7 +253,10 @@ def test_eager_attention_is_listed_as_refused(capsys):
     [
         (["no/such/config.json", "--cp-size", "2", "--seq-len", "16"], "unknown model spec 'no/such/config.json'"),
         (["no_such_module_xyz:make", "--cp-size", "2", "--seq-len", "16"], "cannot import module 'no_such_module_xyz'"),
-        (["cpcompile.testing:no_such_factory", "--cp-size", "2", "--seq-len", "16"], "has no attribute 'no_such_factory'"),
+        (
+            ["cpcompile.testing:no_such_factory", "--cp-size", "2", "--seq-len", "16"],
+            "has no attribute 'no_such_factory'",
+        ),
         (["cpcompile.testing:FAMILIES", "--cp-size", "2", "--seq-len", "16"], "is a dict, not a function"),
         (["{emptyjson}", "--cp-size", "2", "--seq-len", "16"], "should have a `model_type` key"),
         (["{llama}", "--cp-size", "0", "--seq-len", "16"], "cp_size must be a positive int"),
@@ -250,7 +271,10 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, configs, tmp_path, c
     (tmp_path / "nonempty").mkdir()
     (tmp_path / "nonempty" / "old.txt").write_text("x")
     (tmp_path / "empty.json").write_text("{}")
-    argv = [a.format(llama=configs["llama"], nonempty=tmp_path / "nonempty", emptyjson=tmp_path / "empty.json") for a in argv]
+    argv = [
+        a.format(llama=configs["llama"], nonempty=tmp_path / "nonempty", emptyjson=tmp_path / "empty.json")
+        for a in argv
+    ]
     with pytest.raises(SystemExit) as exc:
         main(["inspect", *argv])
     assert exc.value.code == 2
@@ -285,8 +309,12 @@ def _train_with_dump(rank, world_size, dump_dir):
         out.loss.backward()
     stats = cpcompile.comm_stats()
     files = sorted(_files_under(os.path.join(dump_dir, f"rank{rank}")))
-    return {"files": files, "all_gather_bytes": stats.all_gather_bytes, "all_gathers": stats.all_gathers,
-            "reduce_scatter_bytes": stats.reduce_scatter_bytes}
+    return {
+        "files": files,
+        "all_gather_bytes": stats.all_gather_bytes,
+        "all_gathers": stats.all_gathers,
+        "reduce_scatter_bytes": stats.reduce_scatter_bytes,
+    }
 
 
 def test_training_dump_matches_inspect_prediction(qwen3_inspection, tmp_path):

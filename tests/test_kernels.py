@@ -58,7 +58,9 @@ def _inputs(case: Case, seed: int):
     return plans, qs, k, v, douts
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c.cp_size}-h{c.heads}kv{c.kv_heads}-w{c.window}-b{c.block_q}x{c.block_k}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"cp{c.cp_size}-h{c.heads}kv{c.kv_heads}-w{c.window}-b{c.block_q}x{c.block_k}"
+)
 def test_kernel_matches_sdpa_under_plan_mask(case: Case):
     """Forward and dQ/dK/dV of every rank against fp64 SDPA with CPPlan.mask, on the gathered K/V."""
     plans, qs, k, v, douts = _inputs(case, seed=3)
@@ -66,8 +68,13 @@ def test_kernel_matches_sdpa_under_plan_mask(case: Case):
     for plan, q, dout in zip(plans, qs, douts):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = cp_attention(
-            *leaves, plan.doc_ids, cp_rank=plan.cp_rank, window=case.window, enable_gqa=gqa,
-            block_q=case.block_q, block_k=case.block_k,
+            *leaves,
+            plan.doc_ids,
+            cp_rank=plan.cp_rank,
+            window=case.window,
+            enable_gqa=gqa,
+            block_q=case.block_q,
+            block_k=case.block_k,
         )
         grads = torch.autograd.grad(out, leaves, dout)
 
@@ -121,7 +128,9 @@ def test_schedule_skips_masked_blocks():
         computed = visible = 0
         for r in range(n):
             plan = build_plan(batch, n, r)
-            computed += computed_pairs(block_schedule(plan.doc_ids, r * plan.chunk_len, plan.chunk_len, 128, 128), plan.chunk_len, 128)
+            computed += computed_pairs(
+                block_schedule(plan.doc_ids, r * plan.chunk_len, plan.chunk_len, 128, 128), plan.chunk_len, 128
+            )
             # query i sees its own document's keys 0..position_ids[i] (positions restart at every document)
             visible += int((plan.position_ids[:, plan.chunk_slice()] + 1).sum())
         assert visible <= computed <= 1.25 * visible, (n, computed / visible)
@@ -233,7 +242,9 @@ def test_block_attention_end_to_end_cp2():
         got, want = res["grads"]
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], atol=E2E_ATOL, rtol=E2E_RTOL, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                got[name], want[name], atol=E2E_ATOL, rtol=E2E_RTOL, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 def test_fake_kernels_match_real_outputs():
@@ -248,7 +259,9 @@ def test_fake_kernels_match_real_outputs():
     out, lse = torch.ops.cpcompile.cp_attention(q, k, v, plan.doc_ids, *args)
     dout = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     only_fake = ("test_faketensor",)
-    torch.library.opcheck(torch.ops.cpcompile.cp_attention.default, (q, k, v, plan.doc_ids, *args), test_utils=only_fake)
+    torch.library.opcheck(
+        torch.ops.cpcompile.cp_attention.default, (q, k, v, plan.doc_ids, *args), test_utils=only_fake
+    )
     torch.library.opcheck(
         torch.ops.cpcompile.cp_attention_backward.default,
         (dout, q, k, v, plan.doc_ids, out, lse, *args),

@@ -86,8 +86,10 @@ def _report(summaries):
             f"({s['grad_param']}, max |g| {s['grad_max_abs']:.1e}) in {s['seconds']:.1f}s"
         )
         for name, c in s["controls"].items():
-            print(f"  control {name}: caught={c['caught']} logits {c['logits']:.1e} loss {c['loss']:.1e} "
-                  f"grad {c['grad']:.1e}")
+            print(
+                f"  control {name}: caught={c['caught']} logits {c['logits']:.1e} loss {c['loss']:.1e} "
+                f"grad {c['grad']:.1e}"
+            )
 
 
 def _check_controls(summaries):

@@ -27,6 +27,7 @@ CP_SIZES = [1, 2, 3, 4]
 #: cpcompile.shard's defaults, for calling its slicing step without a process group.
 LOCAL_DEFAULTS = dict(num_items_in_batch=None, dp_group=None, pad_token_id=0, hf_kwargs=True)
 
+
 def ref_padded_len(T: int, n: int) -> int:
     return next(p for p in range(T, T + n) if p % n == 0)
 
@@ -57,10 +58,12 @@ def ref_mask(pos: list[list[int]], n: int, rank: int, *, documents: bool, window
         rows = []
         for li in range(c):
             i = rank * c + li
-            rows.append([
-                j <= i and (not documents or docs[i] == docs[j]) and (window is None or j > i - window)
-                for j in range(Tp)
-            ])
+            rows.append(
+                [
+                    j <= i and (not documents or docs[i] == docs[j]) and (window is None or j > i - window)
+                    for j in range(Tp)
+                ]
+            )
         out.append([rows])
     return torch.tensor(out, dtype=torch.bool)
 
@@ -185,19 +188,31 @@ def test_document_ids_definition():
         ([torch.zeros(2, 8, dtype=torch.long)], 2, 0, TypeError, "dict"),
         (
             {"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(2, 7, dtype=torch.long)},
-            2, 0, ValueError, "position_ids",
+            2,
+            0,
+            ValueError,
+            "position_ids",
         ),
         (
             {"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": -torch.ones(2, 8, dtype=torch.long)},
-            2, 0, ValueError, "negative",
+            2,
+            0,
+            ValueError,
+            "negative",
         ),
         (
             {"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(2, 8)},
-            2, 0, TypeError, "integer",
+            2,
+            0,
+            TypeError,
+            "integer",
         ),
         (
             {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8)},
-            2, 0, TypeError, "labels",
+            2,
+            0,
+            TypeError,
+            "labels",
         ),
     ],
 )

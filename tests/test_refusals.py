@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile.passes import cp_attention_pass
 from cpcompile import _compat
+from cpcompile.passes import cp_attention_pass
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _models
 from tests.parity import GRAD_TOL, LOGITS_TOL, LOSS_TOL

@@ -83,7 +83,8 @@ def block_schedule(
                 f_full = e_full = e
             pieces += [BlockPiece(kb * block_k, min((kb + 1) * block_k, T), True) for kb in range(f, f_full)]
             pieces += [
-                BlockPiece(s, min(s + span, e_full * block_k), False) for s in range(f_full * block_k, e_full * block_k, span)
+                BlockPiece(s, min(s + span, e_full * block_k), False)
+                for s in range(f_full * block_k, e_full * block_k, span)
             ]
             pieces += [BlockPiece(kb * block_k, min((kb + 1) * block_k, T), True) for kb in range(e_full, e)]
             row.append(pieces)
@@ -114,9 +115,7 @@ def _block_mask(doc: torch.Tensor, q_start: int, q_end: int, k_start: int, k_end
 def _check(q, k, v, kv_doc, cp_rank, window, enable_gqa, block_q, block_k) -> int:
     """Validate the op's inputs; return ``n_rep`` (query heads per KV head)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"cp_attention expects [B, H, T, D] q/k/v, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D tensors"
-        )
+        raise ValueError(f"cp_attention expects [B, H, T, D] q/k/v, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D tensors")
     B, H, c, D = q.shape
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
         raise ValueError(
@@ -154,7 +153,7 @@ def _check(q, k, v, kv_doc, cp_rank, window, enable_gqa, block_q, block_k) -> in
 # -- CPU ------------------------------------------------------------------------------------------------
 def _cpu_forward(q, k, v, kv_doc, q_offset, window, scale, block_q, block_k):
     B, H, c, D = q.shape
-    Hkv, T, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     R = H // Hkv
     out = torch.empty((B, H, c, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, c), dtype=torch.float32, device=q.device)
@@ -168,7 +167,7 @@ def _cpu_forward(q, k, v, kv_doc, q_offset, window, scale, block_q, block_k):
             rows = qe - qs
             qblk = qb[:, :, qs:qe].reshape(Hkv, R * rows, D).float() * scale
             m = torch.full((Hkv, R * rows), -math.inf, device=q.device)
-            l = torch.zeros((Hkv, R * rows), device=q.device)
+            denom = torch.zeros((Hkv, R * rows), device=q.device)
             acc = torch.zeros((Hkv, R * rows, Dv), device=q.device)
             for p in pieces:
                 s = qblk @ kf[b, :, p.start : p.end].transpose(-1, -2)  # [Hkv, R*rows, L]
@@ -179,13 +178,13 @@ def _cpu_forward(q, k, v, kv_doc, q_offset, window, scale, block_q, block_k):
                 m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
                 s.sub_(m_safe[..., None]).exp_()
                 alpha = torch.exp(m - m_safe)
-                l = l * alpha + s.sum(-1)
+                denom = denom * alpha + s.sum(-1)
                 acc = acc * alpha[..., None] + s @ vf[b, :, p.start : p.end]
                 m = m_new
-            seen = l > 0
-            o = torch.where(seen[..., None], acc / l.clamp(min=1e-30)[..., None], 0.0)
+            seen = denom > 0
+            o = torch.where(seen[..., None], acc / denom.clamp(min=1e-30)[..., None], 0.0)
             ob[:, :, qs:qe] = o.view(Hkv, R, rows, Dv).to(q.dtype)
-            lb[:, :, qs:qe] = torch.where(seen, m + torch.log(l.clamp(min=1e-30)), math.inf).view(Hkv, R, rows)
+            lb[:, :, qs:qe] = torch.where(seen, m + torch.log(denom.clamp(min=1e-30)), math.inf).view(Hkv, R, rows)
     return out, lse
 
 
@@ -290,8 +289,17 @@ def _flash_varlen_forward(q, k, v, kv_doc, q_offset, window, scale):
     v_cat = torch.cat([v[b, :, s:e].transpose(0, 1) for b, s, e in layout.keys])
     cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=q.device) for x in (layout.cu_q, layout.cu_k))
     out, lse, _ = flash_attn_varlen_func(
-        q_cat, k_cat, v_cat, cu_q, cu_k, layout.max_q, layout.max_k, softmax_scale=scale, causal=True,
-        window_size=(window - 1, 0) if window > 0 else (-1, -1), return_attn_probs=True,
+        q_cat,
+        k_cat,
+        v_cat,
+        cu_q,
+        cu_k,
+        layout.max_q,
+        layout.max_k,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(window - 1, 0) if window > 0 else (-1, -1),
+        return_attn_probs=True,
     )
     out = out.view(B, c, H, -1).transpose(1, 2).contiguous()
     return out, lse.float().view(H, B, c).transpose(0, 1).contiguous()
@@ -441,8 +449,9 @@ def dense_cp_attention(
 ) -> torch.Tensor:
     """The dense reference of :func:`cp_attention`: SDPA with the full ``[B, 1, c, T]`` bool mask."""
     c, T = q.shape[2], k.shape[2]
-    rows = [_block_mask(kv_doc[b], cp_rank * c, (cp_rank + 1) * c, 0, T, -1 if window is None else window) for b in range(q.shape[0])]
+    rows = [
+        _block_mask(kv_doc[b], cp_rank * c, (cp_rank + 1) * c, 0, T, -1 if window is None else window)
+        for b in range(q.shape[0])
+    ]
     mask = torch.stack(rows)[:, None]
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-    )
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

@@ -437,16 +437,34 @@ def rewrite_site(
     needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
     if kernel == "block":
         new, k_all, v_all = _emit_block_attention(
-            graph, node, site, src, started, needs_grad, -1 if window is None else window,
-            site_id=site_id, group_name=group_name, cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
+            graph,
+            node,
+            site,
+            src,
+            started,
+            needs_grad,
+            -1 if window is None else window,
+            site_id=site_id,
+            group_name=group_name,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            block_size=block_size,
         )
     else:
         with graph.inserting_before(node):
             refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
             mask = graph.call_function(
                 torch.ops.cpcompile.plan_mask.default,
-                (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, site.attn_mask is not None,
-                 -1 if window is None else window),
+                (
+                    *refs,
+                    needs_grad,
+                    site.attn_mask,
+                    site_id,
+                    group_name,
+                    cp_size,
+                    site.attn_mask is not None,
+                    -1 if window is None else window,
+                ),
             )
             k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
             v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
@@ -478,17 +496,26 @@ def _emit_block_attention(
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """The ``kernel="block"`` tail of :func:`rewrite_site`; returns the output node and the K/V it attends to::
 
-        docs  = cpcompile.plan_docs(k_src, v_src (detached), needs_grad, local_mask | None, site_id, group, N,
-                                    rank, documents, window)          # [B, N*c] document ids
-        k_all, v_all = all_gather_wait(k_h), all_gather_wait(v_h)   # k_src/v_src themselves when N == 1
-        out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, enable_gqa, block, block)[0]
+    docs  = cpcompile.plan_docs(k_src, v_src (detached), needs_grad, local_mask | None, site_id, group, N,
+                                rank, documents, window)          # [B, N*c] document ids
+    k_all, v_all = all_gather_wait(k_h), all_gather_wait(v_h)   # k_src/v_src themselves when N == 1
+    out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, enable_gqa, block, block)[0]
     """
     with graph.inserting_before(node):
         refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
         docs = graph.call_function(
             torch.ops.cpcompile.plan_docs.default,
-            (*refs, needs_grad, site.attn_mask, site_id, group_name, cp_size, cp_rank, site.attn_mask is not None,
-             window),
+            (
+                *refs,
+                needs_grad,
+                site.attn_mask,
+                site_id,
+                group_name,
+                cp_size,
+                cp_rank,
+                site.attn_mask is not None,
+                window,
+            ),
         )
         if started:
             k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
