@@ -81,7 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the backend's attention option (default auto: dense when tracing on meta, as on CUDA; block on cpu)",
     )
-    p.add_argument("--layout", default="contiguous", help="shard's layout: contiguous (default) or head_tail")
+    p.add_argument(
+        "--layout",
+        choices=["balanced", "contiguous", "head_tail"],
+        default="balanced",
+        help="shard's layout (default balanced: every rank computes the same attention work)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=128,
+        help="the backend's block_size: blocks of the computed-pairs column and of the balanced layout (default 128)",
+    )
     p.add_argument(
         "--no-config",
         dest="use_config",
@@ -113,6 +124,7 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             attn_implementation=args.attn_implementation,
             attention=args.attention,
             layout=args.layout,
+            block_size=args.block_size,
             use_config=args.use_config,
         )
     except ValueError as e:

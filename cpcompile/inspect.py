@@ -27,7 +27,7 @@ from cpcompile.backend import CPBackend, TracedGraph
 from cpcompile.dump import RankDumpWriter, write_json
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
-from cpcompile.plan import CPPlan, build_plan
+from cpcompile.plan import AttentionForm, CPPlan, Workload, build_plan
 
 __all__ = [
     "Inspection",
@@ -97,8 +97,11 @@ class RankTotals:
     all_gather_bytes: int
     reduce_scatters: int
     reduce_scatter_bytes: int
-    #: Query/key pairs of this rank's rows that the plan's mask lets attend, summed over the batch.
+    #: Query/key pairs of this rank's rows that the plan's masks let attend, summed over the batch and over the
+    #: rewritten attention layers (each with its documents and window).
     visible_pairs: int
+    #: Query/key pairs the block kernel computes for this rank (its not fully masked blocks), same sums.
+    computed_pairs: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,8 @@ class Inspection:
     #: The options the backend traced with (those a training run with the same options uses).
     options: BackendOptions
     layout: str
+    #: What the ``"balanced"`` layout balanced: the rewritten layers' attention forms, the backend's block size.
+    workload: Workload
     rows: tuple[RankSite, ...]
     totals: tuple[RankTotals, ...]
     #: The plan of the global batch (rank 0's view; ``plan.mask(..., rank=r)`` gives any rank's rows).
@@ -187,6 +192,7 @@ class Inspection:
             "reduce-scatters (bwd)",
             "RS/step",
             "visible (q,k) pairs",
+            "computed (q,k) pairs",
         ]
         body = [
             [
@@ -198,6 +204,7 @@ class Inspection:
                 t.reduce_scatters,
                 _fmt_bytes(t.reduce_scatter_bytes),
                 t.visible_pairs,
+                t.computed_pairs,
             ]
             for t in self.totals
         ]
@@ -261,6 +268,7 @@ class Inspection:
             "device": self.device,
             "documents": self.documents,
             "layout": self.layout,
+            "workload": dataclasses.asdict(self.workload),
             "attention": self.options.attention,
             "sites": [row.to_json() for row in self.rows],
             "rank_totals": [dataclasses.asdict(t) for t in self.totals],
@@ -409,7 +417,8 @@ def inspect_model(
     device: str = "meta",
     attn_implementation: str = "sdpa",
     attention: str = "auto",
-    layout: str = "contiguous",
+    layout: str = "balanced",
+    block_size: int = 128,
     use_config: bool = True,
 ) -> Inspection:
     """Trace ``model`` as each CP rank of a group of ``cp_size`` and report what the backend does with it.
@@ -427,7 +436,9 @@ def inspect_model(
         attn_implementation: for config specs, the transformers attention implementation (``sdpa``).
         attention: the backend's ``attention`` option; ``auto`` resolves by the traced device like in
             training (``meta`` as on CUDA: dense; ``cpu``: block).
-        layout: the layout :func:`cpcompile.shard` uses (:data:`cpcompile.plan.LAYOUTS`).
+        layout: the layout :func:`cpcompile.shard` uses (:data:`cpcompile.plan.LAYOUTS`; default
+            ``"balanced"``, balancing the attention forms of the rewritten layers).
+        block_size: the backend's ``block_size`` (block kernel; the computed pairs and the balance use it).
         use_config: pass a transformers model's config to the backend (``backend(..., config=model.config)``),
             as training should: windows and refusals that come from the config then show.
 
@@ -461,7 +472,11 @@ def inspect_model(
     net = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
     config = getattr(net, "config", None)
     options = BackendOptions(
-        inner="eager", attention=attention, config=config if use_config and _is_config(config) else None, dump_dir=None
+        inner="eager",
+        attention=attention,
+        block_size=block_size,
+        config=config if use_config and _is_config(config) else None,
+        dump_dir=None,
     )
     vocab = int(getattr(config, "vocab_size", 2) or 2)
     batch = packed_batch([list(r) for r in rows_docs], vocab_size=vocab, seed=0)
@@ -471,11 +486,12 @@ def inspect_model(
     graphs: list[TracedGraph] = []
     for rank in ranks:
         graphs += _trace_rank(net, batch, rank, cp_size, device, model, options, layout)
-    plan = build_plan(batch, cp_size, 0, layout=layout)
     rows = tuple(RankSite(g.rank, g.calls, report.resolved()) for g in graphs for report in g.reports)
     rewritten_forms = [r.mask_form for r in rows if r.action == "rewritten"]
     documents = not rewritten_forms or rewritten_forms[0] == "bool-mask"
-    totals = tuple(_totals(rank, rows, plan, documents) for rank in ranks)
+    workload = _workload(rows, options.block_size)
+    plan = build_plan(batch, cp_size, 0, layout=layout, workload=workload)
+    totals = tuple(_totals(rank, rows, plan, workload) for rank in ranks)
     return Inspection(
         model=model,
         model_class=type(net).__name__,
@@ -489,6 +505,7 @@ def inspect_model(
         device=device,
         options=options,
         layout=layout,
+        workload=workload,
         rows=rows,
         totals=totals,
         plan=plan,
@@ -505,7 +522,7 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str, opt
         torch.compiler.reset()
         try:
             compiled = torch.compile(net, backend=tracer)
-            with shard(batch, group, layout=layout) as local:
+            with shard(batch, group, layout=layout, workload=Workload(block_size=options.block_size)) as local:
                 local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
                 mark_local_dynamic(local, current_plan().chunk_len)  # the moved copies, like shard's own
                 compiled(**local)
@@ -521,9 +538,23 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str, opt
     return tracer.traced
 
 
-def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool) -> RankTotals:
+def _workload(rows: tuple[RankSite, ...], block_size: int) -> Workload:
+    """The attention forms of the rewritten sites (as :func:`cpcompile.runtime.compiled_workload` records them)."""
+    layers: dict[tuple[bool, int | None], set[str]] = {}
+    for r in rows:
+        if r.action == "rewritten":
+            layers.setdefault((r.mask_form == "bool-mask", r.window), set()).add(r.layer)
+    if not layers:
+        return Workload(block_size=block_size)
+    ordered = sorted(layers.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
+    return Workload(forms=tuple(AttentionForm(d, w, len(n)) for (d, w), n in ordered), block_size=block_size)
+
+
+def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workload) -> RankTotals:
     mine = [r for r in rows if r.rank == rank]
     done = [r for r in mine if r.action == "rewritten"]
+    bs = workload.block_size
+    forms = [(f, f.layers) for f in workload.forms] if done else []
     return RankTotals(
         rank=rank,
         rewritten=len(done),
@@ -532,7 +563,11 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool
         all_gather_bytes=sum(r.all_gather_bytes_per_step for r in done),
         reduce_scatters=sum(r.reduce_scatters_per_step for r in done),
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
-        visible_pairs=plan.visible_pairs(documents=documents, rank=rank),
+        visible_pairs=sum(n * plan.visible_pairs(documents=f.documents, window=f.window, rank=rank) for f, n in forms),
+        computed_pairs=sum(
+            n * plan.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=rank).computed_pairs()
+            for f, n in forms
+        ),
     )
 
 
@@ -596,7 +631,8 @@ def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int
     coloured with the colour of the rank that holds its queries (labelled in the left gutter): bright where
     every pair of the cell attends and the keys are the rank's own (the block on the diagonal), dark where
     they are keys gathered from other ranks, pale when only some pairs of the cell attend (a cell covers
-    several tokens when ``T_pad > MAX_CELLS``), light gray when none does. Lines mark the ranks' chunks.
+    several tokens when ``T_pad > MAX_CELLS``), light gray when none does. Lines mark where the owning rank
+    changes (the ranks' runs of tokens; the chunk edges for the contiguous layout).
     Sizes: :func:`pattern_geometry`.
     """
     try:
@@ -619,6 +655,7 @@ def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int
     visible = padded.view(B, n, k, n, k).sum(dim=(2, 4))
     total = valid.view(n, k, n, k).sum(dim=(1, 3))
     owner = token_owner[torch.arange(n) * k].tolist()  # a cell's colour: the rank of its first token
+    edges = [i for i in range(1, n) if owner[i] != owner[i - 1]]  # where the owning rank changes
     shades = [_shades(_PALETTE[r % len(_PALETTE)]) for r in range(N)]
 
     image = Image.new("RGB", (geo.width, geo.height), _BACKGROUND)
@@ -639,8 +676,8 @@ def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int
         panel = Image.frombytes("RGB", (n, n), bytes(pixels)).resize((geo.panel, geo.panel), Image.NEAREST)
         x0, y0 = GUTTER_PX + b * (geo.panel + MARGIN_PX), TITLE_PX
         image.paste(panel, (x0, y0))
-        for r in range(1, N):
-            edge = round(r * c / k * px)
+        for i in edges:
+            edge = i * px
             draw.line([(x0, y0 + edge), (x0 + geo.panel - 1, y0 + edge)], fill=(60, 60, 60))
             draw.line([(x0 + edge, y0), (x0 + edge, y0 + geo.panel - 1)], fill=(170, 170, 170))
         draw.rectangle([x0 - 1, y0 - 1, x0 + geo.panel, y0 + geo.panel], outline=(60, 60, 60))
@@ -651,11 +688,10 @@ def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int
         fill=_TEXT,
         font=font,
     )
-    band = c / k * px
-    for r in range(N):
-        y = TITLE_PX + r * band + band / 2 - 6
-        if band >= 12:
-            draw.text((6, y), f"rank {r}", fill=_PALETTE[r % len(_PALETTE)], font=font)
+    for start, end in zip([0, *edges], [*edges, n]):  # one label per run of a rank's cells
+        if (end - start) * px >= 12:
+            y = TITLE_PX + (start + end) * px / 2 - 6
+            draw.text((6, y), f"rank {owner[start]}", fill=_PALETTE[owner[start] % len(_PALETTE)], font=font)
     return image
 
 

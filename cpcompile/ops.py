@@ -31,7 +31,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
 from cpcompile.plan import CPPlan, visible_mask
-from cpcompile.runtime import Active, MaskMismatchError, active_context
+from cpcompile.runtime import Active, MaskMismatchError, active_context, record_attention_form
 
 __all__ = [
     "SiteSpec",
@@ -77,6 +77,7 @@ def register_site(spec: SiteSpec) -> str:
         known = _SITES.setdefault(spec.site, spec)
     if known != spec:
         raise RuntimeError(f"site id {spec.site!r} is already registered with another description: {known}")
+    record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window)
     return spec.site
 
 

@@ -10,7 +10,9 @@ for every row. Layouts (:data:`LAYOUTS`):
 
 * ``"contiguous"``: rank ``r`` holds ``[r * c, (r + 1) * c)``;
 * ``"head_tail"``: the sequence is cut into ``2N`` pieces and rank ``r`` holds piece ``r`` and piece
-  ``2N - 1 - r`` (the classic load-balanced layout for causal attention).
+  ``2N - 1 - r`` (the classic load-balanced layout for causal attention);
+* ``"balanced"``: the tokens are placed so that every rank computes the same attention work for this batch's
+  documents (:mod:`cpcompile.balance`), in at most :data:`MAX_RUNS` runs of consecutive indices per rank.
 
 Padding tokens form a separate document (their position ids restart at 0) and carry the ignore label, so they
 never influence a real token. All-gathering a per-token tensor over the CP group puts rank ``r``'s tokens at
@@ -33,9 +35,13 @@ import torch
 __all__ = [
     "IGNORE_INDEX",
     "LAYOUTS",
+    "MAX_RUNS",
+    "AttentionForm",
     "CPPlan",
     "VisibleBlocks",
+    "Workload",
     "build_plan",
+    "count_runs",
     "document_ids",
     "document_starts",
     "query_blocks",
@@ -46,6 +52,16 @@ __all__ = [
 
 #: The label value that transformers' cross entropy ignores.
 IGNORE_INDEX = -100
+
+#: The most runs of consecutive global indices one rank holds, in every layout (``contiguous`` 1, ``head_tail``
+#: 2, ``balanced`` at most 4): code that handles a rank's tokens run by run (e.g. a sliding-window halo, one
+#: exchange per run) can size itself at compile time. Why 4: two runs (head and tail) balance one document,
+#: but a rank that takes a slice of a long document's expensive tail must fill up with cheap tokens from
+#: elsewhere; with at most 2 runs per rank a long document packed with short ones stays up to 2x imbalanced,
+#: with at most 3 up to 1.2x, with at most 4 the worst of 144 random packed batches (T 4k-16k, N 2-8, block
+#: 128) was 1.08 and 90% were within 1.014 (6 runs: 1.05); BENCHMARKS.md has the measurements. Every run
+#: costs such an exchange one more message, so the bound stays at the smallest value that balances.
+MAX_RUNS = 4
 
 
 def visible(
@@ -98,11 +114,49 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 # -- layouts ----------------------------------------------------------------------------------------------
-def _contiguous(padded_len: int, cp_size: int, doc_ids: torch.Tensor) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """One kind of attention layer of a model, as the ``"balanced"`` layout weighs it."""
+
+    #: Packed documents are kept apart (transformers' bool mask) or plain causal order over the whole row.
+    documents: bool = True
+    #: Sliding window in tokens, or ``None`` (full causal attention).
+    window: int | None = None
+    #: Number of layers of this form (each layer waits for its slowest rank).
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"AttentionForm window={self.window!r} must be a positive int or None")
+        if not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"AttentionForm layers={self.layers!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The attention work the ``"balanced"`` layout evens out across ranks.
+
+    Work is what the block kernel computes: (query, key) pairs of the not fully masked blocks
+    (:meth:`CPPlan.visible_blocks`), for every form of attention layer, weighted by its number of layers.
+    """
+
+    #: The model's attention forms (default: one full-causal, packed-document form).
+    forms: tuple[AttentionForm, ...] = (AttentionForm(),)
+    #: Query and key block size of the block kernel (``cpcompile.backend(..., block_size=...)``).
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if not self.forms or not all(isinstance(f, AttentionForm) for f in self.forms):
+            raise ValueError(f"Workload forms must be a non-empty tuple of AttentionForm, got {self.forms!r}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"Workload block_size={self.block_size!r} must be a positive int (e.g. 128)")
+
+
+def _contiguous(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
     return torch.arange(padded_len, device=doc_ids.device).view(cp_size, -1)
 
 
-def _head_tail(padded_len: int, cp_size: int, doc_ids: torch.Tensor) -> torch.Tensor:
+def _head_tail(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
     c = padded_len // cp_size
     head = c // 2  # tokens of each rank's first piece; the second piece has c - head
     r = torch.arange(cp_size, device=doc_ids.device)[:, None]
@@ -112,11 +166,24 @@ def _head_tail(padded_len: int, cp_size: int, doc_ids: torch.Tensor) -> torch.Te
     return torch.cat([first, second], dim=1)
 
 
-#: Layout name -> ``fn(padded_len, cp_size, doc_ids [B, T_pad]) -> [N, c]`` global indices, ascending per rank.
-LAYOUTS: dict[str, Callable[[int, int, torch.Tensor], torch.Tensor]] = {
+def _balanced(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
+    from cpcompile.balance import balance  # the balancer builds on this module's rules
+
+    return balance(padded_len, cp_size, doc_ids, workload).indices
+
+
+#: Layout name -> ``fn(padded_len, cp_size, doc_ids [B, T_pad], workload) -> [N, c]`` global indices, ascending
+#: per rank, every rank in at most :data:`MAX_RUNS` runs of consecutive indices.
+LAYOUTS: dict[str, Callable[[int, int, torch.Tensor, Workload], torch.Tensor]] = {
     "contiguous": _contiguous,
     "head_tail": _head_tail,
+    "balanced": _balanced,
 }
+
+
+def count_runs(indices: torch.Tensor) -> torch.Tensor:
+    """``[N]``: the number of runs of consecutive global indices of every rank of ``[N, c]`` ascending indices."""
+    return 1 + (torch.diff(indices, dim=-1) != 1).sum(-1)
 
 
 # -- blocks ---------------------------------------------------------------------------------------------
@@ -124,10 +191,12 @@ def query_blocks(q_pos: torch.Tensor, block_q: int) -> list[int]:
     """Boundaries ``[0, ..., c]`` of the query blocks of local queries at global indices ``q_pos`` (ascending).
 
     A block never spans two runs of consecutive indices (so its queries are contiguous tokens, which keeps
-    its visible keys one interval) and holds at most ``block_q`` queries.
+    its visible keys one interval) nor a multiple of ``block_q`` (so it lies inside one block-aligned piece of
+    the whole sequence, whichever layout put it on this rank) and holds at most ``block_q`` queries.
     """
     c = int(q_pos.shape[0])
-    breaks = [0, *(torch.nonzero(torch.diff(q_pos) != 1).flatten() + 1).tolist(), c]
+    cut = (torch.diff(q_pos) != 1) | (q_pos[1:] % block_q == 0)
+    breaks = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), c]
     bounds = [s for a, b in zip(breaks, breaks[1:]) for s in range(a, b, block_q)]
     return [*bounds, c]
 
@@ -371,11 +440,14 @@ def build_plan(
     cp_rank: int,
     *,
     layout: str = "contiguous",
+    workload: Workload | None = None,
     group_name: str = "",
 ) -> CPPlan:
     """Validate a global batch and build the plan of rank ``cp_rank`` of ``cp_size`` with ``layout``.
 
-    Raises ``ValueError``/``TypeError`` for malformed batches (before any collective can run).
+    ``workload`` is what the ``"balanced"`` layout balances (default :class:`Workload`: full causal attention
+    over packed documents, block 128); the other layouts ignore it. Raises ``ValueError``/``TypeError`` for
+    malformed batches (before any collective can run).
     """
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
@@ -383,6 +455,10 @@ def build_plan(
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    if workload is None:
+        workload = Workload()
+    elif not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a cpcompile.plan.Workload or None, got {type(workload).__name__}")
     B, T, device = _check_batch(batch)
     if T < cp_size:
         raise ValueError(
@@ -426,7 +502,7 @@ def build_plan(
         seq_len=T,
         padded_len=padded,
         layout=layout,
-        indices=LAYOUTS[layout](padded, cp_size, doc_ids).contiguous(),
+        indices=LAYOUTS[layout](padded, cp_size, doc_ids, workload).contiguous(),
         position_ids=pos,
         doc_ids=doc_ids,
         group_name=group_name,

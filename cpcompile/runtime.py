@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cpcompile import _compat
-from cpcompile.plan import IGNORE_INDEX, LAYOUTS, CPPlan, build_plan
+from cpcompile.plan import IGNORE_INDEX, LAYOUTS, AttentionForm, CPPlan, Workload, build_plan
 
 __all__ = [
     "CommStats",
@@ -25,8 +25,10 @@ __all__ = [
     "active_context",
     "check_group",
     "comm_stats",
+    "compiled_workload",
     "current_plan",
     "gather",
+    "record_attention_form",
     "shard",
     "sync_grads",
 ]
@@ -95,7 +97,8 @@ def shard(
     hf_kwargs: bool = True,
     check_batch: bool = False,
     dynamic: bool = True,
-    layout: str = "contiguous",
+    layout: str = "balanced",
+    workload: Workload | None = None,
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -119,9 +122,15 @@ def shard(
             few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
-        layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"contiguous"``
-            (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and ``2N-1-r`` of ``2N``).
-            Chosen per batch; changing it between steps does not recompile.
+        layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"balanced"``
+            (default: every rank computes the same attention work for this batch, :mod:`cpcompile.balance`),
+            ``"contiguous"`` (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and
+            ``2N-1-r`` of ``2N``). Chosen per batch; changing it, or the documents, between steps does not
+            recompile.
+        workload: what ``"balanced"`` evens out (:class:`cpcompile.plan.Workload`). Default: the attention
+            forms (documents, sliding window, number of layers) of the layers compiled for ``cp_group`` so far
+            (:func:`compiled_workload`), or full causal attention over packed documents before the first
+            compilation, with the block kernel's default block of 128.
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
     packed batches of changing length compile once with a symbolic length instead of once per length.
@@ -147,7 +156,9 @@ def shard(
         )
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
-    plan = build_plan(batch, cp_size, cp_rank, layout=layout, group_name=group_name)
+    if workload is None and layout == "balanced":
+        workload = compiled_workload(group_name)
+    plan = build_plan(batch, cp_size, cp_rank, layout=layout, workload=workload, group_name=group_name)
     if check_batch and cp_size > 1:
         _check_same_batch(batch, cp_group, cp_rank)
     local = _local_batch(
@@ -167,6 +178,29 @@ def shard(
     finally:
         _STATE.active = None
         _STATE.last_comm = context.comm
+
+
+#: Attention forms of the layers compiled per CP group: group name -> (documents, window) -> layer names.
+#: Written by :func:`record_attention_form` (the pass, for every site it rewrites), read by :func:`shard`.
+_FORMS: dict[str, dict[tuple[bool, int | None], set[str]]] = {}
+_FORMS_LOCK = threading.Lock()
+
+
+def record_attention_form(group_name: str, layer: str, documents: bool, window: int | None) -> None:
+    """Note that ``layer``, compiled for the CP group ``group_name``, attends in this form."""
+    with _FORMS_LOCK:
+        _FORMS.setdefault(group_name, {}).setdefault((documents, window), set()).add(layer)
+
+
+def compiled_workload(group_name: str) -> Workload:
+    """The :class:`~cpcompile.plan.Workload` of the layers compiled for ``group_name`` so far (default before)."""
+    with _FORMS_LOCK:
+        forms = {key: len(layers) for key, layers in _FORMS.get(group_name, {}).items()}
+    if not forms:
+        return Workload()
+    # sorted: every rank builds the same workload whatever order its graphs compiled in
+    ordered = sorted(forms.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
+    return Workload(forms=tuple(AttentionForm(d, w, n) for (d, w), n in ordered))
 
 
 def mark_local_dynamic(local: Mapping[str, object], chunk_len: int) -> None:

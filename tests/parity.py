@@ -72,6 +72,8 @@ class ParityCase:
     expected_form: tuple[str, bool] | None = None
     #: Extra keyword arguments of ``cpcompile.backend`` (options added by later features).
     backend_kwargs: tuple[tuple[str, object], ...] = ()
+    #: Extra keyword arguments of ``cpcompile.shard`` (e.g. ``layout``, ``workload``).
+    shard_kwargs: tuple[tuple[str, object], ...] = ()
 
     @property
     def name(self) -> str:
@@ -223,7 +225,7 @@ class ParityRunner:
         self.model.zero_grad(set_to_none=True)
         before = dict(cpcompile.counters)
         with _corruption(corrupt):
-            with cpcompile.shard(self.batch, self.group) as local:
+            with cpcompile.shard(self.batch, self.group, **dict(self.case.shard_kwargs)) as local:
                 if corrupt == "label_shift":
                     local["shift_labels"] = local["labels"]
                 out = self.compiled(**local)

@@ -1,24 +1,32 @@
-"""Property-based tests of the CP plan against definitions written out by brute force.
+"""Property-based tests of the CP plan, for every layout, against definitions written out by brute force.
 
-For random lengths, document splits, CP sizes 1-8, batch sizes and windows: shard -> gather is the identity,
-every real token lands on exactly one rank, every token's shifted label is the one the unsharded
-transformers model uses, and the mask equals a mask built element by element from its definition.
+For random lengths, document splits, CP sizes 1-8, batch sizes, windows and block sizes, in every layout of
+``cpcompile.plan.LAYOUTS``: every token is held by exactly one rank and every rank holds the same number of
+tokens (the minimal padding), shard -> gather is the identity, every token's shifted label is the one the
+unsharded transformers model uses, the mask equals a mask built element by element from its definition, and
+no rank holds more than ``MAX_RUNS`` runs of consecutive indices. For the balanced layout the computed
+attention work per rank is within the bound its construction guarantees (see
+``test_balanced_work_is_within_its_bound``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpcompile.plan import IGNORE_INDEX, build_plan
+from cpcompile.balance import balance, token_work
+from cpcompile.plan import IGNORE_INDEX, LAYOUTS, MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
 
 SETTINGS = settings(max_examples=60, deadline=None)
+ALL_LAYOUTS = st.sampled_from(sorted(LAYOUTS))
 
 
 @st.composite
 def batches(draw):
-    """A packed batch (random documents per row), a CP size and a window."""
+    """A packed batch (random documents per row), a CP size, a window and a workload for the balanced layout."""
     cp_size = draw(st.integers(1, 8))
     B = draw(st.integers(1, 3))
     T = draw(st.integers(cp_size, 40))
@@ -34,38 +42,56 @@ def batches(draw):
     labels = torch.randint(0, 100, (B, T), generator=g)
     labels[torch.rand(B, T, generator=g) < 0.2] = IGNORE_INDEX
     window = draw(st.one_of(st.none(), st.integers(1, T + 2)))
-    return {"input_ids": ids, "position_ids": pos, "labels": labels}, cp_size, window, rows
+    # small blocks, so that the balanced layout has work to even out at these lengths
+    form = st.builds(AttentionForm, st.booleans(), st.sampled_from([None, 2, 5]), st.integers(1, 3))
+    forms = draw(st.lists(form, min_size=1, max_size=2))
+    workload = Workload(forms=tuple(forms), block_size=draw(st.integers(1, 6)))
+    return {"input_ids": ids, "position_ids": pos, "labels": labels}, cp_size, window, rows, workload
 
 
-def plans(batch, cp_size):
-    return [build_plan(batch, cp_size, r) for r in range(cp_size)]
+def plans(batch, cp_size, layout, workload):
+    """Every rank's plan (rank 0's, with ``cp_rank`` changed: every rank builds the same layout, tested below)."""
+    first = build_plan(batch, cp_size, 0, layout=layout, workload=workload)
+    return [dataclasses.replace(first, cp_rank=r) for r in range(cp_size)]
 
 
 @SETTINGS
-@given(batches())
-def test_shard_then_gather_is_identity(case):
-    batch, N, _, _ = case
-    ps = plans(batch, N)
+@given(batches(), ALL_LAYOUTS)
+def test_every_token_once_equal_counts_few_runs(case, layout):
+    batch, N, _, _, workload = case
+    B, T = batch["input_ids"].shape
+    ps = [build_plan(batch, N, r, layout=layout, workload=workload) for r in range(N)]
+    T_pad = -(-T // N) * N  # the least padding that gives every rank the same count
+    for p in ps:
+        assert torch.equal(p.indices, ps[0].indices)  # every rank computes the same layout
+        assert p.indices.shape == (N, T_pad // N) and p.padded_len == T_pad
+    held = sorted(ps[0].indices.flatten().tolist())
+    assert held == list(range(T_pad))  # every token (real or padding) on exactly one rank
+    for r in range(N):
+        mine = ps[0].indices[r].tolist()
+        assert mine == sorted(mine)  # ascending
+        runs = 1 + sum(b != a + 1 for a, b in zip(mine, mine[1:]))
+        assert runs <= MAX_RUNS and runs == int(count_runs(ps[0].indices)[r])
+        assert runs <= {"contiguous": 1, "head_tail": 2}.get(layout, MAX_RUNS), (layout, mine)
+    # every real token on exactly one rank, seen through the slicing the shim does
+    index = torch.arange(T).expand(B, T)
+    local = torch.cat([p.local(p.pad(index, -1)) for p in ps], dim=1)
+    for b in range(B):
+        assert sorted(int(i) for i in local[b] if i >= 0) == list(range(T))
+    assert int((local < 0).sum()) == B * (T_pad - T)
+
+
+@SETTINGS
+@given(batches(), ALL_LAYOUTS)
+def test_shard_then_gather_is_identity(case, layout):
+    batch, N, _, _, workload = case
+    ps = plans(batch, N, layout, workload)
     for key, pad in (("input_ids", 0), ("labels", IGNORE_INDEX)):
         x = batch[key]
         chunks = [p.local(p.pad(x, pad)) for p in ps]
         assert all(c.shape[1] == ps[0].chunk_len for c in chunks)
-        assert torch.equal(ps[0].unpad(torch.cat(chunks, dim=1)), x)
+        assert torch.equal(ps[0].restore_order(torch.cat(chunks, dim=1)), x)  # what gather does
     assert torch.equal(ps[0].unpad(ps[0].position_ids), batch["position_ids"])
-
-
-@SETTINGS
-@given(batches())
-def test_every_real_token_on_exactly_one_rank(case):
-    batch, N, _, _ = case
-    B, T = batch["input_ids"].shape
-    ps = plans(batch, N)
-    index = torch.arange(T).expand(B, T)
-    held = torch.cat([p.local(p.pad(index, -1)) for p in ps], dim=1)
-    for b in range(B):
-        real = [int(i) for i in held[b] if i >= 0]
-        assert sorted(real) == list(range(T))  # each real token exactly once
-    assert int((held < 0).sum()) == B * (ps[0].padded_len - T)  # the rest is padding
 
 
 def transformers_shift(labels: torch.Tensor) -> torch.Tensor:
@@ -74,31 +100,29 @@ def transformers_shift(labels: torch.Tensor) -> torch.Tensor:
 
 
 @SETTINGS
-@given(batches())
-def test_shifted_labels_match_the_unsharded_model(case):
-    batch, N, _, _ = case
+@given(batches(), ALL_LAYOUTS)
+def test_shifted_labels_match_the_unsharded_model(case, layout):
+    batch, N, _, _, workload = case
     labels = batch["labels"]
     B, T = labels.shape
-    ps = plans(batch, N)
+    ps = plans(batch, N, layout, workload)
     expected = transformers_shift(labels)
     for r, p in enumerate(ps):
         local = p.local(p.labels_shifted(labels))
-        for i in range(p.chunk_len):
-            t = r * p.chunk_len + i
+        for i, t in enumerate(p.token_indices().tolist()):
             want = expected[:, t] if t < T else torch.full((B,), IGNORE_INDEX)
             assert torch.equal(local[:, i], want), (r, i, t)
 
 
-def reference_mask(rows, T_pad, window, documents, rank, c):
+def reference_mask(rows, T_pad, window, documents, queries):
     """Element by element: query ``q`` sees key ``k`` iff k <= q, same document (padding is one more
     document), and k > q - window."""
     B = len(rows)
-    out = torch.zeros(B, 1, c, T_pad, dtype=torch.bool)
+    out = torch.zeros(B, 1, len(queries), T_pad, dtype=torch.bool)
     for b, row in enumerate(rows):
         doc = [d for d, n in enumerate(row) for _ in range(n)]
         doc += [len(row)] * (T_pad - len(doc))  # padding tokens: their own document
-        for i in range(c):
-            q = rank * c + i
+        for i, q in enumerate(queries):
             for k in range(T_pad):
                 ok = k <= q
                 if documents:
@@ -110,11 +134,78 @@ def reference_mask(rows, T_pad, window, documents, rank, c):
 
 
 @SETTINGS
-@given(batches(), st.booleans())
-def test_mask_equals_brute_force_definition(case, documents):
-    batch, N, window, rows = case
-    ps = plans(batch, N)
+@given(batches(), st.booleans(), ALL_LAYOUTS)
+def test_mask_equals_brute_force_definition(case, documents, layout):
+    batch, N, window, rows, workload = case
+    ps = plans(batch, N, layout, workload)
     for r, p in enumerate(ps):
         got = p.mask(documents=documents, window=window)
         assert got.shape == (len(rows), 1, p.chunk_len, p.padded_len)
-        assert torch.equal(got, reference_mask(rows, p.padded_len, window, documents, r, p.chunk_len)), r
+        queries = p.token_indices().tolist()
+        assert torch.equal(got, reference_mask(rows, p.padded_len, window, documents, queries)), r
+
+
+def _work(plan, workload, rank):
+    """Computed (query, key) pairs of ``rank``'s block kernel, per attention form."""
+    bs = workload.block_size
+    return [
+        plan.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=rank).computed_pairs()
+        for f in workload.forms
+    ]
+
+
+def _model(plan, f, bs):
+    return token_work(plan.doc_ids if f.documents else torch.zeros_like(plan.doc_ids), bs, bs, f.window)
+
+
+@SETTINGS
+@given(batches())
+def test_balanced_work_is_within_its_bound(case):
+    """The balanced layout's guarantees, in the kernel's own measure (``CPPlan.visible_blocks``):
+
+    1. every rank computes at most the work :func:`token_work` gives its tokens (the model it balances);
+    2. its objective (sum over forms of layers x slowest rank) is at most the contiguous layout's and within
+       0.5% of the head_tail layout's;
+    3. with one attention form, when the level bands of the work's excess have at most MAX_RUNS runs per
+       rank, the slowest rank has at most 0.5% more than the bands' bound: |work_r - mean| <= (runs of ranks
+       0..r-1 + runs of ranks 0..r + 1) * delta, delta = the largest |token work - mean token work|
+       (proof in the test's comment).
+    """
+    batch, N, _, _, workload = case
+    bs = workload.block_size
+    plan = build_plan(batch, N, 0, layout="balanced", workload=workload)
+    models = [_model(plan, f, bs) for f in workload.forms]
+    loads = []
+    for r in range(N):
+        work = _work(plan, workload, r)
+        for f, w, m in zip(workload.forms, work, models):
+            assert w <= int(m[plan.token_indices(r)].sum()), (f, r)
+        loads.append(work)
+
+    def objective(indices):
+        return sum(f.layers * int(m[indices].sum(1).max()) for f, m in zip(workload.forms, models))
+
+    ours = objective(plan.indices)
+    others = {n: objective(build_plan(batch, N, 0, layout=n).indices) for n in ("contiguous", "head_tail")}
+    assert ours <= others["contiguous"], others
+    assert ours * 1000 <= others["head_tail"] * 1005, others
+    if len(workload.forms) == 1 and N > 1:
+        # A prefix of the bands' order is a sublevel set {E < y} of the excess E(x) = work[0, x) - x * mean.
+        # Where such a set's run starts (or ends) at x, the tokens on either side have excess levels on
+        # either side of y, each within delta / 2 of E(x), so E(x) is within delta / 2 of y: the set's
+        # excess, the sum of E(end) - E(start) over its runs, is within runs * delta (+ delta / 2 where the
+        # set holds one of the two ends, E(0) = E(T) = 0) of zero; a band is the difference of two prefixes.
+        (m,) = models
+        found = balance(plan.padded_len, N, plan.doc_ids, workload)
+        bands = found.candidates[found.names.index(next(n for n in found.names if n.startswith("bands")))]
+        mean = float(m.sum()) / N
+        delta = float((m.double() - float(m.sum()) / plan.padded_len).abs().max())
+
+        def prefix_runs(r):
+            return int(count_runs(bands[:r].flatten().sort().values[None])[0]) if r else 0
+
+        bound = max(prefix_runs(r) + prefix_runs(r + 1) + 1 for r in range(N)) * delta
+        band_loads = m[bands].sum(1).double()
+        assert float((band_loads - mean).abs().max()) <= bound + 1e-6 * mean
+        if int(count_runs(bands).max()) <= MAX_RUNS:
+            assert max(int(m[plan.indices[r]].sum()) for r in range(N)) <= 1.005 * (mean + bound) + 1e-9

@@ -1,0 +1,220 @@
+"""The ``"balanced"`` layout: every CP rank computes the same attention work for the batch at hand.
+
+Main API: :func:`balance` (``LAYOUTS["balanced"]`` in :mod:`cpcompile.plan` returns its ``indices``) and
+:func:`token_work`, the work model it balances.
+
+**Work.** The block kernel cuts a rank's queries into blocks that never span a run of consecutive indices
+nor a multiple of the block size (:func:`cpcompile.plan.query_blocks`), so every query block lies inside one
+block-aligned piece of the sequence, and computes its rows against every key block from its earliest
+document's start (or window start) to its last query (:meth:`cpcompile.plan.CPPlan.visible_blocks`).
+:func:`token_work` gives every token the keys its whole aligned block computes, summed over the batch rows
+(all rows share one layout). A rank's computed pairs are at most the sum of its tokens' work, with equality
+when its runs start and end on block boundaries, so balancing the sums balances the kernel.
+
+**Layouts tried.** ``balance`` builds candidate layouts, each with at most :data:`~cpcompile.plan.MAX_RUNS`
+runs per rank and exactly ``c`` tokens per rank, and keeps the one whose slowest rank has the least work:
+
+* ``contiguous`` and ``head_tail`` (1 and 2 runs);
+* ``bands``: the *level bands* of the work's excess ``E(x) = work of tokens [0, x) - x * mean work``, i.e. rank
+  ``r`` takes the ``c`` tokens of rank ``r*c..(r+1)*c-1`` when all tokens are sorted by ``E``. Between two
+  levels of ``E`` every stretch enters and leaves at one of the two levels, so every band's excess adds up to
+  (nearly) zero: the work is equal up to one token's work per run end, for any documents. A single document
+  gives head/tail bands (2 runs). Each rank gets two runs for every valley of ``E`` its levels cut, one valley
+  per long document, so this candidate is kept only when it has at most ``MAX_RUNS`` runs;
+* ``atoms{K}``: the sequence cut into ``K`` block-aligned pieces per rank, given out largest first to the rank
+  with the least work that still has room (at most ``K`` runs), for ``K = 2..MAX_RUNS``.
+
+Candidates are built for every attention form of the :class:`~cpcompile.plan.Workload` (full causal, each
+window) and for their layer-weighted sum. The objective is the work every layer waits for: the sum over forms
+of ``layers x`` the slowest rank's work. Among the candidates within 0.5% of the best, the one with the fewest
+runs wins (one document: ``head_tail``; no imbalance to fix: ``contiguous``).
+
+Cost: O(T log T) on the batch's device (sorts of ``T`` keys), plus one device-to-host copy of the pieces'
+work (``N * K`` numbers per form) for the greedy assignment, which runs on the host. Integer arithmetic, so
+every rank computes the same layout from the same batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, count_runs, document_starts
+
+__all__ = ["Balance", "balance", "token_work"]
+
+#: A candidate with fewer runs is preferred when its objective is within this factor of the best (0.5%).
+TOLERANCE = (1000, 1005)
+
+
+def token_work(doc_ids: torch.Tensor, block_q: int, block_k: int, window: int | None = None) -> torch.Tensor:
+    """``[T]`` int64: every token's (query, key) pairs as the block kernel computes them, summed over rows.
+
+    Token ``t`` in the aligned query block ``[j*block_q, (j+1)*block_q)`` gets the keys that block computes:
+    from the key block holding the start of its first token's document (or window) to the key block holding
+    its last token. ``doc_ids`` ``[B, T]`` as in :class:`~cpcompile.plan.CPPlan` (all zeros: plain causal).
+    """
+    B, T = doc_ids.shape
+    device = doc_ids.device
+    first = torch.arange(0, T, block_q, device=device)
+    last = (first + block_q).clamp(max=T) - 1
+    lo = document_starts(doc_ids)[:, first]
+    if window is not None:
+        lo = torch.maximum(lo, first - window + 1)
+    end = ((last + block_k) // block_k * block_k).clamp(max=T)
+    keys = (end - lo // block_k * block_k).sum(0)  # [num blocks]
+    return keys.repeat_interleave(block_q, output_size=first.numel() * block_q)[:T]
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    """What :func:`balance` tried and chose (tensors on the batch's device; reading them synchronises)."""
+
+    #: ``[N, c]`` the chosen layout: global indices per rank, ascending.
+    indices: torch.Tensor
+    #: Names of the candidate layouts, e.g. ``"bands[doc]"``, ``"atoms4[doc,w512]"``, ``"head_tail"``.
+    names: tuple[str, ...]
+    #: ``[M, N, c]`` every candidate layout.
+    candidates: torch.Tensor
+    #: ``[M]`` int64: sum over the workload's forms of ``layers x`` the slowest rank's work.
+    objective: torch.Tensor
+    #: ``[M]``: the most runs one rank holds in each candidate.
+    runs: torch.Tensor
+    #: Index of the chosen candidate (0-dim tensor).
+    choice: torch.Tensor
+
+    @property
+    def chosen(self) -> str:
+        """Name of the chosen candidate."""
+        return self.names[int(self.choice)]
+
+
+def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> Balance:
+    """The layout of ``padded_len`` tokens over ``cp_size`` ranks that evens out ``workload`` (module docstring).
+
+    ``doc_ids`` ``[B, padded_len]``: the plan's document ids. Every rank gets ``padded_len // cp_size`` tokens
+    in at most :data:`~cpcompile.plan.MAX_RUNS` runs.
+    """
+    from cpcompile.plan import LAYOUTS
+
+    T, N, device = padded_len, cp_size, doc_ids.device
+    forms = workload.forms
+    works = torch.stack([_form_work(doc_ids, workload.block_size, f) for f in forms])  # [F, T]
+    weights = torch.tensor([f.layers for f in forms], device=device)
+    vectors = [(_form_name(f), works[i]) for i, f in enumerate(forms)]
+    if len(forms) > 1:
+        vectors.append(("sum", (weights[:, None] * works).sum(0)))
+    names = ["contiguous", "head_tail"]
+    candidates = [LAYOUTS[n](T, N, doc_ids, workload) for n in names]
+    if N > 1:
+        for vname, work in vectors:
+            names.append(f"bands[{vname}]")
+            candidates.append(_bands(work, N))
+        atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
+        names += atoms_names
+        candidates += atoms
+    stack = torch.stack(candidates)  # [M, N, c]
+    loads = works[:, stack].sum(-1)  # [F, M, N]
+    objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
+    runs = count_runs(stack).amax(-1)
+    choice = _choose(objective, runs)
+    return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, choice)
+
+
+def _form_name(form: AttentionForm) -> str:
+    return ("doc" if form.documents else "causal") + ("" if form.window is None else f",w{form.window}")
+
+
+def _form_work(doc_ids: torch.Tensor, block: int, form: AttentionForm) -> torch.Tensor:
+    docs = doc_ids if form.documents else torch.zeros_like(doc_ids)
+    return token_work(docs, block, block, form.window)
+
+
+def _choose(objective: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+    """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties."""
+    big = torch.iinfo(torch.int64).max
+    valid = runs <= MAX_RUNS
+    best = torch.where(valid, objective, big).min()
+    num, den = TOLERANCE
+    near = valid & (objective * num <= best * den)
+    order = torch.arange(objective.numel(), device=objective.device)
+    return torch.where(near, runs * objective.numel() + order, big).argmin()
+
+
+def _bands(work: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N, c]``: rank ``r`` takes the ``c`` tokens of ranks ``r*c..`` in the order of the excess ``E``."""
+    T = work.shape[0]
+    after = torch.cumsum(work, 0)  # work of tokens [0, t]
+    mean = after[-1].double() / T
+    pos = torch.arange(T, device=work.device, dtype=torch.float64)
+    level = (after - work + after).double() / 2 - mean * (pos + 0.5)  # E at the middle of token t
+    return torch.argsort(level, stable=True).view(N, -1).sort(dim=1).values
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """``N * K`` block-aligned pieces: ``N * (K - 1)`` of ``size`` tokens, then ``N`` of ``last`` tokens."""
+
+    starts: list[int]
+    lens: list[int]
+    #: Piece class (0: ``size`` tokens, 1: ``last`` tokens) and how many pieces of each class a rank takes.
+    classes: list[int]
+    caps: tuple[int, int]
+
+
+def _grid(T: int, N: int, K: int, block: int) -> _Grid:
+    c = T // N
+    K = min(K, c)
+    size = c // K
+    if size >= block:
+        size = size // block * block
+    last = c - (K - 1) * size
+    lens = [size] * (N * (K - 1)) + [last] * N
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    if last == size:
+        return _Grid(starts, lens, [0] * len(lens), (K, 0))
+    return _Grid(starts, lens, [0] * (N * (K - 1)) + [1] * N, (K - 1, 1))
+
+
+def _atoms(T: int, N: int, block: int, vectors: list[tuple[str, torch.Tensor]]):
+    """``atoms{K}`` candidates for every work vector: greedy largest-first assignment of grid pieces."""
+    device = vectors[0][1].device
+    grids = {K: _grid(T, N, K, block) for K in range(2, MAX_RUNS + 1)}
+    bounds = torch.tensor([s for g in grids.values() for s in (*g.starts, T)], device=device)
+    work = torch.stack([w for _, w in vectors])  # [V, T]
+    prefix = torch.nn.functional.pad(torch.cumsum(work, 1), (1, 0))  # [V, T + 1]
+    edges = prefix[:, bounds]  # [V, sum over grids of (pieces + 1)]
+    values = edges.tolist()  # the one device-to-host copy of the balancer
+    names, layouts, owners = [], [], []
+    for v, (vname, _) in enumerate(vectors):
+        offset = 0
+        for K, g in grids.items():
+            e = values[v][offset : offset + len(g.lens) + 1]
+            offset += len(g.lens) + 1
+            costs = [e[i + 1] - e[i] for i in range(len(g.lens))]
+            names.append(f"atoms{K}[{vname}]")
+            owners.append((g, _largest_first(costs, g, N)))
+    flat = torch.tensor([o for _, owner in owners for o in owner], device=device)
+    offset = 0
+    for g, owner in owners:
+        piece_owner = flat[offset : offset + len(owner)]
+        offset += len(owner)
+        lens = torch.tensor(g.lens, device=device)
+        token_owner = piece_owner.repeat_interleave(lens, output_size=T)
+        layouts.append(torch.argsort(token_owner, stable=True).view(N, -1))
+    return names, layouts
+
+
+def _largest_first(costs: list[int], grid: _Grid, N: int) -> list[int]:
+    """Owner of every piece: largest piece first, to the least loaded rank with room for its class."""
+    load = [0] * N
+    used = [[0, 0] for _ in range(N)]
+    owner = [0] * len(costs)
+    for piece in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        k = grid.classes[piece]
+        r = min((r for r in range(N) if used[r][k] < grid.caps[k]), key=lambda r: (load[r], r))
+        owner[piece] = r
+        load[r] += costs[piece]
+        used[r][k] += 1
+    return owner
