@@ -109,8 +109,9 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
     candidates = [LAYOUTS[n](T, N, doc_ids, workload) for n in names]
     if N > 1:
         for vname, work in vectors:
-            names.append(f"bands[{vname}]")
-            candidates.append(_bands(work, N))
+            level = _excess(work)
+            names += [f"bands[{vname}]", f"segments[{vname}]"]
+            candidates += [_bands(level, N), _segment_bands(level, N)]
         atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
         names += atoms_names
         candidates += atoms
@@ -142,14 +143,36 @@ def _choose(objective: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
     return torch.where(near, runs * objective.numel() + order, big).argmin()
 
 
-def _bands(work: torch.Tensor, N: int) -> torch.Tensor:
-    """``[N, c]``: rank ``r`` takes the ``c`` tokens of ranks ``r*c..`` in the order of the excess ``E``."""
+def _excess(work: torch.Tensor) -> torch.Tensor:
+    """``[T]`` float64: the excess ``E`` in the middle of every token (``E(x)`` = work of ``[0, x)`` - x * mean)."""
     T = work.shape[0]
     after = torch.cumsum(work, 0)  # work of tokens [0, t]
     mean = after[-1].double() / T
     pos = torch.arange(T, device=work.device, dtype=torch.float64)
-    level = (after - work + after).double() / 2 - mean * (pos + 0.5)  # E at the middle of token t
+    return (after - work + after).double() / 2 - mean * (pos + 0.5)
+
+
+def _bands(level: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N, c]``: rank ``r`` takes the tokens of ranks ``r*c..(r+1)*c-1`` in the order of their excess."""
     return torch.argsort(level, stable=True).view(N, -1).sort(dim=1).values
+
+
+def _segment_bands(level: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N, c]``: bands inside the stretches between zero crossings of the excess, stretch after stretch.
+
+    The excess is zero where a stretch starts and ends, so each stretch's own bands have (nearly) zero
+    excess, and a rank at the seam of two stretches takes a band of each. Stretches are ordered along the
+    sequence; inside one, tokens go by distance from zero, deepest first in even stretches and last in odd
+    ones, so that at every seam the two bands meet: deep meets deep (one run each), edges meet edges (the
+    edges at the seam merge into one run).
+    """
+    negative = level < 0
+    stretch = torch.cumsum(torch.cat([negative[:1], negative[1:] != negative[:-1]]).long(), 0)
+    depth = level.abs()
+    oriented = torch.where(stretch % 2 == 0, -depth, depth)
+    by_depth = torch.argsort(oriented, stable=True)
+    order = by_depth[torch.argsort(stretch[by_depth], stable=True)]
+    return order.view(N, -1).sort(dim=1).values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,11 +122,17 @@ def test_cli_table_and_summary_rows_llama(cli_llama):
     for t in summary["rank_totals"]:
         assert t["all_gathers"] == 2 * config.num_hidden_layers
         assert t["all_gather_bytes"] == sum(s["all_gather_bytes_per_step"] for s in sites if s["rank"] == t["rank"])
-    # visible pairs: causal and same document, counted from the document lengths
+    # visible pairs: causal and same document, counted from the document lengths, for each of the 2 layers. The
+    # 64 tokens are one block of 128, so every layout computes the same work and the default balanced layout
+    # keeps the contiguous chunks; each rank's one query block computes all 64 keys.
+    assert summary["layout"] == "balanced"
     docs = torch.repeat_interleave(torch.arange(3), torch.tensor(LLAMA_DOCS))
     i = torch.arange(64)
     visible = (i[None, :] <= i[:, None]) & (docs[None, :] == docs[:, None])
-    assert [t["visible_pairs"] for t in summary["rank_totals"]] == [int(visible[:32].sum()), int(visible[32:].sum())]
+    layers = config.num_hidden_layers
+    per_rank = [int(visible[:32].sum()), int(visible[32:].sum())]
+    assert [t["visible_pairs"] for t in summary["rank_totals"]] == [layers * v for v in per_rank]
+    assert [t["computed_pairs"] for t in summary["rank_totals"]] == [layers * 32 * 64] * 2
 
 
 def test_cli_dump_files_png_and_graph_code(cli_llama):
