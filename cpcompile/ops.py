@@ -77,7 +77,6 @@ def register_site(spec: SiteSpec) -> str:
         known = _SITES.setdefault(spec.site, spec)
     if known != spec:
         raise RuntimeError(f"site id {spec.site!r} is already registered with another description: {known}")
-    record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window)
     return spec.site
 
 
@@ -214,7 +213,12 @@ def emit_attention(
     enable_gqa: bool,
     block_size: int,
 ) -> fx.Node:
-    """Insert the attention of ``spec.kernel`` over keys at ``positions`` (from :func:`emit_site_plan`)."""
+    """Insert the attention of ``spec.kernel`` over keys at ``positions`` (from :func:`emit_site_plan`).
+
+    Also records the site's attention form for ``cpcompile.shard``'s balanced layout
+    (:func:`cpcompile.runtime.record_attention_form`).
+    """
+    record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window, block_size)
     q_pos, kv_pos, docs = positions
     if spec.kernel == "block":
         att = graph.call_function(

@@ -128,9 +128,9 @@ def shard(
             ``2N-1-r`` of ``2N``). Chosen per batch; changing it, or the documents, between steps does not
             recompile.
         workload: what ``"balanced"`` evens out (:class:`cpcompile.plan.Workload`). Default: the attention
-            forms (documents, sliding window, number of layers) of the layers compiled for ``cp_group`` so far
-            (:func:`compiled_workload`), or full causal attention over packed documents before the first
-            compilation, with the block kernel's default block of 128.
+            forms (documents, sliding window, number of layers) and the kernel's block size of the layers
+            compiled for ``cp_group`` so far (:func:`compiled_workload`); before the first compilation, full
+            causal attention over packed documents with blocks of 128.
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
     packed batches of changing length compile once with a symbolic length instead of once per length.
@@ -180,27 +180,34 @@ def shard(
         _STATE.last_comm = context.comm
 
 
-#: Attention forms of the layers compiled per CP group: group name -> (documents, window) -> layer names.
+#: What was compiled per CP group: group name -> ((documents, window) -> layer names, block sizes of the kernel).
 #: Written by :func:`record_attention_form` (the pass, for every site it rewrites), read by :func:`shard`.
-_FORMS: dict[str, dict[tuple[bool, int | None], set[str]]] = {}
+_FORMS: dict[str, tuple[dict[tuple[bool, int | None], set[str]], set[int]]] = {}
 _FORMS_LOCK = threading.Lock()
 
 
-def record_attention_form(group_name: str, layer: str, documents: bool, window: int | None) -> None:
-    """Note that ``layer``, compiled for the CP group ``group_name``, attends in this form."""
+def record_attention_form(group_name: str, layer: str, documents: bool, window: int | None, block_size: int) -> None:
+    """Note that ``layer``, compiled for the CP group ``group_name``, attends in this form with this block size."""
     with _FORMS_LOCK:
-        _FORMS.setdefault(group_name, {}).setdefault((documents, window), set()).add(layer)
+        forms, blocks = _FORMS.setdefault(group_name, ({}, set()))
+        forms.setdefault((documents, window), set()).add(layer)
+        blocks.add(block_size)
 
 
 def compiled_workload(group_name: str) -> Workload:
-    """The :class:`~cpcompile.plan.Workload` of the layers compiled for ``group_name`` so far (default before)."""
+    """The :class:`~cpcompile.plan.Workload` of the layers compiled for ``group_name`` so far (default before).
+
+    Every form counts its distinct layers; the block size is the smallest the compiled sites use.
+    """
     with _FORMS_LOCK:
-        forms = {key: len(layers) for key, layers in _FORMS.get(group_name, {}).items()}
-    if not forms:
+        forms, blocks = _FORMS.get(group_name, ({}, set()))
+        counts = {key: len(layers) for key, layers in forms.items()}
+        block = min(blocks, default=Workload.block_size)
+    if not counts:
         return Workload()
     # sorted: every rank builds the same workload whatever order its graphs compiled in
-    ordered = sorted(forms.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
-    return Workload(forms=tuple(AttentionForm(d, w, n) for (d, w), n in ordered))
+    ordered = sorted(counts.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
+    return Workload(forms=tuple(AttentionForm(d, w, n) for (d, w), n in ordered), block_size=block)
 
 
 def mark_local_dynamic(local: Mapping[str, object], chunk_len: int) -> None:

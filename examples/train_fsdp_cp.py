@@ -38,6 +38,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["inductor", "aot_eager", "eager"],
         help="compiler cpcompile hands the rewritten graphs to (default aot_eager; inductor is faster per step)",
     )
+    p.add_argument(
+        "--layout",
+        default="balanced",
+        choices=["balanced", "contiguous", "head_tail"],
+        help="which tokens each CP rank holds (default balanced: the same attention work on every rank)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=128, help="block of the CP attention kernel, which balanced balances"
+    )
     p.add_argument("--seq-len", type=int, default=512, help="tokens per row (default 512)")
     p.add_argument("--rows", type=int, default=2, help="rows per DP rank (default 2)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
@@ -46,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm (default 1.0)")
     p.add_argument("--check", action="store_true", help="rerun the steps in one process and compare parameters")
     args = p.parse_args(argv)
-    for name in ("dp", "cp", "steps", "seq_len", "rows", "layers", "hidden"):
+    for name in ("dp", "cp", "steps", "seq_len", "rows", "layers", "hidden", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hidden % 8:
@@ -105,7 +114,8 @@ def train(args, device: torch.device) -> dict:
 
     model = build_model(args, device)
     cpcompile.fully_shard_dp_cp(model, mesh)  # parameters sharded over dp x cp, gradients summed over them
-    compiled = torch.compile(model, backend=cpcompile.backend(cp_group, inner=args.compile_inner))
+    backend = cpcompile.backend(cp_group, inner=args.compile_inner, block_size=args.block_size)
+    compiled = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -113,7 +123,7 @@ def train(args, device: torch.device) -> dict:
             f"Qwen3-style model, {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M parameters; "
             f"dp={args.dp} x cp={args.cp} on {dist.get_world_size()} {device.type} processes "
             f"({dist.get_backend()}), {args.dp * args.rows} rows x {args.seq_len} tokens per step, "
-            f"inner={args.compile_inner}",
+            f"inner={args.compile_inner}, {args.layout} layout",
             flush=True,
         )
 
@@ -122,7 +132,8 @@ def train(args, device: torch.device) -> dict:
         t0 = time.perf_counter()
         full = global_batch(args, step, device)
         rows = {k: v[dp_rank * args.rows : (dp_rank + 1) * args.rows] for k, v in full.items()}
-        with cpcompile.shard(rows, cp_group, dp_group=dp_group) as local:
+        # balanced: from the second step on, on the forms and block size of the layers compiled in the first
+        with cpcompile.shard(rows, cp_group, dp_group=dp_group, layout=args.layout) as local:
             out = compiled(**local)
             out.loss.backward()  # this rank's share of the global mean loss
         if args.check and step == 0:  # the first step's full gradients, for --check (collectives)

@@ -1,5 +1,8 @@
 """FSDP2 x context parallelism: every optimizer step equals one single-process step on the global batch.
 
+Every CP batch uses the balanced layout, with a block of 4 tokens so that these short rows are really
+redistributed (``LAYOUT``; each case asserts that some rank holds more than one run of tokens).
+
 One spawned run of 4 gloo processes (module fixture ``runs``) trains the same 3 AdamW steps as
 (dp, cp) = (1, 2) [inductor] and (2, 1) side by side on ranks {0, 1} and {2, 3}, then (1, 1) on rank 3, then
 (2, 2) on all four, plus two wrong setups that must fail: the seed's (FSDP over the dp mesh only, the CP
@@ -17,8 +20,13 @@ import math
 import pytest
 import torch
 
+from cpcompile.plan import Workload
 from cpcompile.testing import packed_batch, tiny_model
 from tests._dist import run_distributed
+
+#: The layout of every CP batch here: balanced, on blocks of 4 tokens (the default block of 128 would keep these
+#: short rows contiguous).
+LAYOUT = {"layout": "balanced", "workload": Workload(block_size=4)}
 
 STEPS = 3
 MAX_NORM = 1.0  # below the tiny model's gradient norm (1.16-1.27 in these steps): clipping is active
@@ -90,12 +98,13 @@ def _train(mesh, *, inner: str, mode: str = "cpcompile", be=None):
         be = cpcompile.backend(cp_group, inner=inner)
     compiled = torch.compile(model, backend=be)
     opt = make_optimizer(model.parameters())
-    rec = {"loss": [], "norm": [], "grads": [], "params": []}
+    rec = {"loss": [], "norm": [], "grads": [], "params": [], "runs": []}
     rows = 4 // dp
     for step in range(STEPS):
         batch = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in global_batch(step).items()}
         kwargs = {} if mode == "seed" else {"dp_group": dp_group}
-        with cpcompile.shard(batch, cp_group, **kwargs) as local:
+        with cpcompile.shard(batch, cp_group, **kwargs, **LAYOUT) as local:
+            rec["runs"].append(_runs())
             out = compiled(**local)
             out.loss.backward()
         loss = out.loss.detach().clone()
@@ -110,6 +119,14 @@ def _train(mesh, *, inner: str, mode: str = "cpcompile", be=None):
         opt.zero_grad()
         rec["params"].append({n: _full(p) for n, p in model.named_parameters()})
     return rec, be
+
+
+def _runs() -> int:
+    """The most runs of consecutive tokens one rank holds in the active shard context."""
+    import cpcompile
+    from cpcompile.plan import count_runs
+
+    return int(count_runs(cpcompile.current_plan().indices).max())
 
 
 LOGPROB_ROWS = [[5, 30, 11], [12, 20, 14]]  # T=46 -> 48, CP=4, c=12: [5,35) spans ranks 0-2; [0,5) and [0,12) one rank
@@ -138,7 +155,8 @@ def _logprobs(world: int):
     doc_full = _doc_ids(batch["position_ids"])
     mask_full = _shifted(batch["labels"]) != -100
     res = {}
-    with cpcompile.shard(batch, group) as local:
+    with cpcompile.shard(batch, group, **LAYOUT) as local:
+        res["runs"] = _runs()
         out = compiled(**local)
         lp_local = cpcompile.token_logprobs(out.logits, local["shift_labels"])
         ent_local = cpcompile.token_entropy(out.logits)
@@ -190,13 +208,14 @@ def _per_sample_mean_dp(mesh):
     batch = packed_batch(PSM_ROWS, seed=10)
     rows = slice(2 * dp_rank, 2 * dp_rank + 2)
     mine = {**{k: v[rows] for k, v in batch.items()}, "values": values[rows]}
-    with cpcompile.shard(mine, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local:
+    with cpcompile.shard(mine, mesh.get_group("cp"), dp_group=mesh.get_group("dp"), **LAYOUT) as local:
+        runs = _runs()
         loss = cpcompile.per_sample_mean(local["values"], local["shift_labels"] != -100, dp_group=mesh.get_group("dp"))
     loss.backward()
     loss, grad = loss.detach().clone(), values.grad.clone()
     dist.all_reduce(loss)  # the world is the (2, 2) mesh: every rank's share
     dist.all_reduce(grad)
-    return {"loss": loss, "grad": grad}
+    return {"loss": loss, "grad": grad, "runs": runs}
 
 
 CLIP_SHAPES = [(7, 3), (3, 5), (16,)]  # uneven shards over 4 ranks; (3, 5) leaves rank 3 an empty shard
@@ -285,7 +304,8 @@ def _worker(rank: int, world: int):
 
 
 def _example():
-    """examples/train_fsdp_cp.py's training function with dp=2, cp=2 and --check (its own comparison)."""
+    """examples/train_fsdp_cp.py's training function with dp=2, cp=2 and --check (its own comparison); its
+    second step balances on the block of 4 tokens the first step's compilation recorded."""
     import importlib.util
     import pathlib
 
@@ -294,7 +314,8 @@ def _example():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     args = example.parse_args(
-        "--dp 2 --cp 2 --steps 2 --seq-len 61 --layers 1 --hidden 32 --compile-inner eager --check".split()
+        "--dp 2 --cp 2 --steps 2 --seq-len 61 --layers 1 --hidden 32 --compile-inner eager --block-size 4 "
+        "--check".split()
     )
     torch.compiler.reset()  # see _train
     return example.train(args, torch.device("cpu"))
@@ -371,8 +392,11 @@ def _case(runs, name):
 # -- the tests --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["dp1_cp1", "dp1_cp2_inductor", "dp2_cp1", "dp2_cp2"])
 def test_fsdp_cp_steps_equal_single_process(runs, reference, case):
-    worst = assert_matches_reference(_case(runs, case), reference)
-    print(case, {k: f"{v:.1e}" for k, v in worst.items()})
+    rec = _case(runs, case)
+    worst = assert_matches_reference(rec, reference)
+    print(case, {k: f"{v:.1e}" for k, v in worst.items()}, "runs per step", rec["runs"])
+    if "_cp1" not in case:
+        assert max(rec["runs"]) > 1, f"{case}: the balanced layout kept contiguous chunks in every step"
 
 
 def test_all_ranks_hold_the_same_parameters(runs):
@@ -413,6 +437,7 @@ def test_gathered_logprobs_and_per_sample_means(runs):
     grads_local = torch.autograd.grad(loss_local, params)
     for rank, r in enumerate(runs):
         got = r["logprobs"]
+        assert got["runs"] > 1, "the balanced layout kept contiguous chunks"
         # logits differ from the single process by <= ~2e-7 (fp32 attention over gathered K/V)
         torch.testing.assert_close(got["logprobs"], lp, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
         torch.testing.assert_close(got["entropy"], ent, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
@@ -430,6 +455,7 @@ def test_per_sample_mean_with_data_parallelism(runs):
     mask = _shifted(batch["labels"]) != -100
     want = reference_per_sample_mean(values, mask, _doc_ids(batch["position_ids"]))
     want.backward()
+    assert max(r["per_sample_dp"]["runs"] for r in runs) > 1, "the balanced layout kept contiguous chunks"
     for r in runs:
         torch.testing.assert_close(r["per_sample_dp"]["loss"], want.detach(), **LOSS_TOL)
         torch.testing.assert_close(r["per_sample_dp"]["grad"], values.grad, **GRAD_TOL)

@@ -141,10 +141,10 @@ def test_sites_compiled_for_a_group_become_its_workload():
     group = "test-layouts-group"
     assert runtime.compiled_workload(group) == Workload()
     for layer in ("l0", "l1", "l1", "l2"):  # l1 compiled twice (a recompile): one layer
-        runtime.record_attention_form(group, layer, True, 4 if layer != "l0" else None)
-    runtime.record_attention_form(group, "x", False, None)
+        runtime.record_attention_form(group, layer, True, 4 if layer != "l0" else None, 64)
+    runtime.record_attention_form(group, "x", False, None, 32)
     assert runtime.compiled_workload(group) == Workload(
-        forms=(AttentionForm(True, None, 1), AttentionForm(True, 4, 2), AttentionForm(False, None, 1))
+        forms=(AttentionForm(True, None, 1), AttentionForm(True, 4, 2), AttentionForm(False, None, 1)), block_size=32
     )
     assert runtime.compiled_workload("another-group") == Workload()
 
@@ -153,10 +153,10 @@ def test_shard_balances_the_compiled_forms():
     batch = packed_batch(CASES["packed 256..4096"])
     with _compat.fake_process_group(1, 4) as group:
         name = _compat.group_name_of(group)
-        runtime.record_attention_form(name, "model.layers.0.self_attn", True, 512)
+        runtime.record_attention_form(name, "model.layers.0.self_attn", True, 512, 64)
         with cpcompile.shard(batch, group) as local:
             plan = cpcompile.current_plan()
-            wl = Workload(forms=(AttentionForm(window=512),))
+            wl = Workload(forms=(AttentionForm(window=512),), block_size=64)
             assert plan.layout == "balanced"
             assert torch.equal(plan.indices, build_plan(batch, 4, 1, layout="balanced", workload=wl).indices)
             assert torch.equal(local["input_ids"], batch["input_ids"][:, plan.token_indices()])
