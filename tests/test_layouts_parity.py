@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpcompile.plan import Workload
+from cpcompile.plan import AttentionForm, Workload
 from cpcompile.testing import FAMILIES
 from tests._dist import run_distributed
 from tests.parity import ParityCase
@@ -66,6 +66,7 @@ def _layout_changes(group) -> dict:
     import torch.distributed as dist
 
     import cpcompile
+    from cpcompile.plan import count_runs
     from cpcompile.testing import packed_batch, tiny_model
 
     torch.compiler.reset()
@@ -97,6 +98,12 @@ def _layout_changes(group) -> dict:
         if i == 0:
             out["compiles_after_first"] = len(compiles)
     out["compiles"] = len(compiles)
+    # without a workload, shard balances what was compiled for the group: 2 full-causal layers, blocks of 8
+    with cpcompile.shard(packed_batch([list(r) for r in FAMILY_DOCS]), group) as local:
+        out["default_workload"] = cpcompile.runtime.compiled_workload(cpcompile.current_plan().group_name)
+        out["default_runs"] = int(count_runs(cpcompile.current_plan().indices).max())
+        compiled(**local)
+    out["compiles_with_default"] = len(compiles)
     return out
 
 
@@ -201,7 +208,7 @@ def _worker(rank: int, world: int) -> dict:
         res["cp3"] = _families(first3, FAMILY_NAMES)
     dist.barrier()
     res["cp4"] = _families(world_group, FAMILY_NAMES)
-    res["layout_changes"] = _layout_changes(world_group)
+    res["layout_changes"] = _layout_changes(dist.new_group([0, 1, 2, 3]))  # a group nothing was compiled for yet
     res["mask"] = _mask_checks(world_group, rank)
     res["controls"] = _controls(world_group)
     return res
@@ -237,7 +244,9 @@ def test_layout_and_documents_change_without_recompiling(results):
     res = results[0]["layout_changes"]
     for _layout, err in res["loss"]:
         assert err <= 1e-5, res["loss"]  # a sum of 4 per-rank partial means (fp32)
-    assert res["compiles"] == res["compiles_after_first"], res
+    assert res["compiles"] == res["compiles_after_first"] == res["compiles_with_default"], res
+    assert res["default_workload"] == Workload(forms=(AttentionForm(True, None, 2),), block_size=8)
+    assert res["default_runs"] > 1
 
 
 def test_model_mask_is_still_checked_under_the_balanced_layout(results):

@@ -5,7 +5,7 @@ of the CP size, and compares the gathered logits, the summed loss and every para
 ranks with ``torch.testing.assert_close`` (tolerances in :mod:`tests.parity`). Each case also asserts that every
 attention layer's SDPA was rewritten and that K and V were all-gathered once per layer. Negative controls show
 the check fails on a wrong label shift and on a mask that merges documents. The CP=2 run also checks
-``cpcompile.gather`` and its backward.
+``cpcompile.gather`` and its backward, with contiguous chunks and with the balanced layout.
 
 Measured max abs differences (torch 2.13 CPU, fp32; tolerances in tests.parity are 1e-5 / 1e-6):
 
@@ -59,24 +59,35 @@ def _worker(rank, world_size, cases, controls, gather_check=False):
 
 
 def _check_gather_autograd(rank, world_size, group):
-    """gather = concatenation of every rank's chunk without padding; its backward (run after the shard
-    context ended, as in a training loop) gives this rank's slice of the gradient, zero on padding."""
+    """gather = every rank's tokens put back in token order without padding; its backward (run after the shard
+    context ended, as in a training loop) gives this rank's tokens' gradient. Contiguous chunks and the
+    balanced layout (blocks of 4 tokens, so that the 37 tokens really move)."""
     import torch
 
     import cpcompile
+    from cpcompile.plan import Workload
     from cpcompile.testing import packed_batch
 
     T = sum(DOCS[0])
     c = -(-T // world_size)
-    chunks = [torch.randn(2, c, 3, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
-    x = chunks[rank].clone().requires_grad_()
-    w = torch.randn(2, T, 3, generator=torch.Generator().manual_seed(99))
-    with cpcompile.shard(packed_batch([list(r) for r in DOCS]), group):
-        y = cpcompile.gather(x)
-    torch.testing.assert_close(y, torch.cat(chunks, 1)[:, :T], atol=0, rtol=0)  # a copy: exact
-    (y * w).sum().backward()
-    w_padded = torch.cat([w, torch.zeros(2, world_size * c - T, 3)], 1)
-    torch.testing.assert_close(x.grad, w_padded[:, rank * c : (rank + 1) * c], atol=0, rtol=0)
+    batch = packed_batch([list(r) for r in DOCS])
+    for layout in ("contiguous", "balanced"):
+        chunks = [torch.randn(2, c, 3, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+        x = chunks[rank].clone().requires_grad_()
+        w = torch.randn(2, T, 3, generator=torch.Generator().manual_seed(99))
+        with cpcompile.shard(batch, group, layout=layout, workload=Workload(block_size=4)):
+            held = cpcompile.current_plan().indices  # [N, c]: the global index of every rank's tokens
+            y = cpcompile.gather(x)
+        if layout == "contiguous":
+            assert torch.equal(held, torch.arange(world_size * c).view(world_size, c))
+        else:
+            assert not torch.equal(held, torch.arange(world_size * c).view(world_size, c))
+        full = torch.empty(2, world_size * c, 3)
+        full[:, held.flatten()] = torch.cat(chunks, 1)
+        torch.testing.assert_close(y, full[:, :T], atol=0, rtol=0)  # a copy: exact
+        (y * w).sum().backward()
+        w_padded = torch.cat([w, torch.zeros(2, world_size * c - T, 3)], 1)
+        torch.testing.assert_close(x.grad, w_padded[:, held[rank]], atol=0, rtol=0)
 
 
 def _report(summaries):
