@@ -1,7 +1,9 @@
-"""Forward+backward time per rank of the CP attention op, dense path vs block path, and computed/visible pairs.
+"""Forward+backward time per rank of the CP attention op, by layout (and dense vs block path), and the work.
 
 For CP size N, rank r runs the op on its c = T/N queries against all T keys; the time of a CP step is the
-slowest rank's. "whole" is the same op on the whole sequence in one process (N=1). One thread per rank.
+slowest rank's. "whole" is the same op on the whole sequence in one process (N=1). Layouts (contiguous,
+head_tail, balanced) side by side; computed pairs max/mean is the block kernel's work of the slowest rank
+over the mean rank. One thread per rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from benchmarks._common import packed_doc_lens, print_table
 from cpcompile.kernels import cp_attention, dense_cp_attention
-from cpcompile.plan import build_plan
+from cpcompile.plan import Workload, build_plan
 from cpcompile.testing import packed_batch
 
 
@@ -37,54 +39,61 @@ def main() -> None:
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--layout", default="contiguous", help="the plan's layout (contiguous, head_tail)")
+    ap.add_argument("--layouts", default="contiguous,head_tail,balanced", help="the plans' layouts, side by side")
+    ap.add_argument("--paths", default="block", help="attention paths: block, dense or both (dense,block)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lo, hi = (int(x) for x in args.docs.split(","))
     batch = packed_batch(packed_doc_lens(args.seq, 1, lo, hi))
     g = torch.Generator().manual_seed(0)
     D, H, Hkv = args.head_dim, args.heads, args.kv_heads
+    paths = args.paths.split(",")
+    workload = Workload(block_size=args.block)
     rows, whole = [], {}
     for n in (int(x) for x in args.cp.split(",")):
-        plans = [build_plan(batch, n, r, layout=args.layout) for r in range(n)]
-        T = plans[0].padded_len
-        k = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
-        v = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
-        times = {"dense": [], "block": []}
-        computed = visible = 0
-        for plan in plans:
-            q = torch.randn(1, H, plan.chunk_len, D, generator=g, requires_grad=True)
-            dout = torch.randn(1, H, plan.chunk_len, D, generator=g)
-            pos = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)  # k, v: all-gathered order
+        for layout in args.layouts.split(",") if n > 1 else ["contiguous"]:
+            plans = [build_plan(batch, n, r, layout=layout, workload=workload) for r in range(n)]
+            T = plans[0].padded_len
+            k = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
+            v = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
+            times = {path: [] for path in paths}
+            computed, visible = [], 0
+            for plan in plans:
+                q = torch.randn(1, H, plan.chunk_len, D, generator=g, requires_grad=True)
+                dout = torch.randn(1, H, plan.chunk_len, D, generator=g)
+                pos = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)  # k, v: all-gathered order
 
-            def dense(q=q, pos=pos, dout=dout):
-                torch.autograd.grad(dense_cp_attention(q, k, v, *pos, enable_gqa=True), (q, k, v), dout)
+                def dense(q=q, pos=pos, dout=dout):
+                    torch.autograd.grad(dense_cp_attention(q, k, v, *pos, enable_gqa=True), (q, k, v), dout)
 
-            def block(q=q, pos=pos, dout=dout):
-                out = cp_attention(q, k, v, *pos, enable_gqa=True, block_q=args.block, block_k=args.block)
-                torch.autograd.grad(out, (q, k, v), dout)
+                def block(q=q, pos=pos, dout=dout):
+                    out = cp_attention(q, k, v, *pos, enable_gqa=True, block_q=args.block, block_k=args.block)
+                    torch.autograd.grad(out, (q, k, v), dout)
 
-            times["dense"].append(_time(dense, args.repeats))
-            times["block"].append(_time(block, args.repeats))
-            computed += plan.visible_blocks(args.block, args.block).computed_pairs()
-            visible += plan.visible_pairs()
-        for path in ("dense", "block"):
-            slowest = max(times[path])
-            whole.setdefault(path, slowest)
-            rows.append(
-                {
-                    "CP": n,
-                    "path": path,
-                    "slowest rank fwd+bwd (s)": slowest,
-                    "mean rank (s)": sum(times[path]) / n,
-                    "speedup vs whole": whole[path] / slowest,
-                    "speedup vs dense, same N": max(times["dense"]) / slowest,
-                    "computed/visible": (computed if path == "block" else n * plans[0].chunk_len * T) / visible,
-                }
-            )
+                for path in paths:
+                    times[path].append(_time(dense if path == "dense" else block, args.repeats))
+                computed.append(plan.visible_blocks(args.block, args.block).computed_pairs())
+                visible += plan.visible_pairs()
+            for path in paths:
+                slowest = max(times[path])
+                whole.setdefault(path, slowest)
+                rows.append(
+                    {
+                        "CP": n,
+                        "layout": layout if n > 1 else "(whole)",
+                        "path": path,
+                        "slowest rank fwd+bwd (s)": slowest,
+                        "mean rank (s)": sum(times[path]) / n,
+                        "speedup vs whole": whole[path] / slowest,
+                        "speedup / N": whole[path] / slowest / n,
+                        "computed pairs max/mean": max(computed) * n / sum(computed),
+                        "computed/visible": (sum(computed) if path == "block" else n * plans[0].chunk_len * T)
+                        / visible,
+                    }
+                )
     print_table(
         f"attention op fwd+bwd per rank: T={args.seq}, B=1, heads {H}/{Hkv} kv, head dim {D}, documents "
-        f"{lo}..{hi} tokens, block {args.block}, {args.layout} layout, 1 thread",
+        f"{lo}..{hi} tokens, block {args.block}, 1 thread",
         rows,
     )
 

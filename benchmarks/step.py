@@ -14,7 +14,7 @@ import time
 from benchmarks._common import packed_doc_lens, print_table
 
 
-def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: list, steps: int):
+def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: list, steps: int, layout: str):
     import torch
     import torch.distributed as dist
 
@@ -34,7 +34,7 @@ def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: li
         compiled = torch.compile(model, backend=cpcompile.backend(group, inner=inner, attention=attention))
 
         def step():
-            with cpcompile.shard(batch, group) as local:
+            with cpcompile.shard(batch, group, layout=layout) as local:
                 compiled(**local).loss.backward()
 
         barrier = lambda: dist.barrier(group)  # noqa: E731
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--layouts", default="balanced", help="shard's layouts, side by side (e.g. contiguous,balanced)")
+    ap.add_argument("--inners", default="inductor,aot_eager", help="inner compilers, side by side")
     args = ap.parse_args()
     from tests._dist import run_distributed
 
@@ -67,11 +69,14 @@ def main() -> None:
     doc_lens = packed_doc_lens(args.seq, args.batch, lo, hi)
     tokens = args.seq * args.batch
     rows = []
-    eager_s, _ = run_distributed(_worker, 1, "unsharded eager", args.attention, doc_lens, args.steps, timeout_s=900)[0]
+    eager_s, _ = run_distributed(
+        _worker, 1, "unsharded eager", args.attention, doc_lens, args.steps, "contiguous", timeout_s=900
+    )[0]
     rows.append(
         {
             "CP": 1,
             "model": "unsharded eager",
+            "layout": "-",
             "step (ms)": 1e3 * eager_s,
             "tokens/s": tokens / eager_s,
             "vs unsharded eager": 1.0,
@@ -79,13 +84,14 @@ def main() -> None:
         }
     )
     for n in (int(x) for x in args.cp.split(",")):
-        for inner in ("inductor", "aot_eager"):
-            res = run_distributed(_worker, n, inner, args.attention, doc_lens, args.steps, timeout_s=900)
+        for inner, layout in ((i, lay) for i in args.inners.split(",") for lay in args.layouts.split(",")):
+            res = run_distributed(_worker, n, inner, args.attention, doc_lens, args.steps, layout, timeout_s=900)
             step_s = max(r[0] for r in res)
             rows.append(
                 {
                     "CP": n,
                     "model": f"cpcompile inner={inner}",
+                    "layout": layout,
                     "step (ms)": 1e3 * step_s,
                     "tokens/s": tokens / step_s,
                     "vs unsharded eager": eager_s / step_s,

@@ -57,10 +57,11 @@ IGNORE_INDEX = -100
 #: 2, ``balanced`` at most 4): code that handles a rank's tokens run by run (e.g. a sliding-window halo, one
 #: exchange per run) can size itself at compile time. Why 4: two runs (head and tail) balance one document,
 #: but a rank that takes a slice of a long document's expensive tail must fill up with cheap tokens from
-#: elsewhere; with at most 2 runs per rank a long document packed with short ones stays up to 2x imbalanced,
-#: with at most 3 up to 1.2x, with at most 4 the worst of 144 random packed batches (T 4k-16k, N 2-8, block
-#: 128) was 1.08 and 90% were within 1.014 (6 runs: 1.05); BENCHMARKS.md has the measurements. Every run
-#: costs such an exchange one more message, so the bound stays at the smallest value that balances.
+#: elsewhere. Over 60 random packed batches (1-4 rows, 4k-16k tokens, N = 2, 4, 8, block 128), the share of
+#: cases whose slowest rank is within 1.05 of the mean (worst case in brackets) was 78% (1.29) with at most 2
+#: runs per rank, 92% (1.21) with 3, 99% (1.08) with 4 and 99.4% (1.07) with 6 (``benchmarks/layouts.py
+#: --sweep 60``, BENCHMARKS.md). Every run costs such an exchange one more message: 4 is where more runs stop
+#: paying off.
 MAX_RUNS = 4
 
 
