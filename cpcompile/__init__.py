@@ -3,7 +3,7 @@
 Main API::
 
     model = torch.compile(model, backend=cpcompile.backend(cp_group))
-    with cpcompile.shard(batch, cp_group) as local:
+    with cpcompile.shard(batch, cp_group) as local:  # layout="balanced": every rank the same attention work
         out = model(**local)
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
@@ -24,10 +24,12 @@ from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
 from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
-from cpcompile.plan import CPPlan, build_plan
+from cpcompile.plan import MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan
 from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
 
 __all__ = [
+    "MAX_RUNS",
+    "AttentionForm",
     "BackendOptions",
     "CPBackend",
     "CPPlan",
@@ -37,6 +39,7 @@ __all__ = [
     "SiteReport",
     "RankSite",
     "UnsupportedAttentionError",
+    "Workload",
     "backend",
     "build_plan",
     "clip_grad_norm_",
