@@ -151,7 +151,8 @@ def test_sites_compiled_for_a_group_become_its_workload():
 
 def test_shard_balances_the_compiled_forms():
     batch = packed_batch(CASES["packed 256..4096"])
-    with _compat.fake_process_group(1, 4) as group:
+    # fake groups share one name: forget what other tests compiled in this process
+    with mock.patch.dict(runtime._FORMS, clear=True), _compat.fake_process_group(1, 4) as group:
         name = _compat.group_name_of(group)
         runtime.record_attention_form(name, "model.layers.0.self_attn", True, 512, 64)
         with cpcompile.shard(batch, group) as local:
