@@ -27,6 +27,7 @@ from cpcompile.backend import CPBackend, TracedGraph
 from cpcompile.dump import RankDumpWriter, write_json
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
+from cpcompile.pattern import PatternGeometry, attention_pattern_image, pattern_geometry
 from cpcompile.plan import CPPlan, build_plan
 
 __all__ = [
@@ -103,24 +104,23 @@ class RankTotals:
 
 @dataclasses.dataclass(frozen=True)
 class Inspection:
-    """The result of :func:`inspect_model`: the settings, one row per site per traced rank, the graphs."""
+    """The result of :func:`inspect_model`: the settings, one row per site per traced rank, the graphs.
+
+    The batch's sizes and layout (``cp_size``, ``seq_len``, ``padded_len``, ``chunk_len``, ``layout``) are read
+    from :attr:`plan`.
+    """
 
     model: str
     model_class: str
-    cp_size: int
     ranks: tuple[int, ...]
     doc_lens: tuple[tuple[int, ...], ...]
-    seq_len: int
-    padded_len: int
-    chunk_len: int
     dtype: str
     device: str
     #: The options the backend traced with (those a training run with the same options uses).
     options: BackendOptions
-    layout: str
     rows: tuple[RankSite, ...]
     totals: tuple[RankTotals, ...]
-    #: The plan of the global batch (rank 0's view; ``plan.mask(..., rank=r)`` gives any rank's rows).
+    #: The plan of the global batch (rank 0's view; ``plan.token_indices(r)`` gives any rank's tokens).
     plan: CPPlan
     #: Whether the rewritten sites use the packed-document mask (bool-mask form) or plain causal order.
     documents: bool
@@ -130,6 +130,12 @@ class Inspection:
     @property
     def batch_size(self) -> int:
         return len(self.doc_lens)
+
+    cp_size = property(lambda self: self.plan.cp_size, doc="CP group size ``N``.")
+    seq_len = property(lambda self: self.plan.seq_len, doc="Global sequence length ``T`` before padding.")
+    padded_len = property(lambda self: self.plan.padded_len, doc="``T`` padded to a multiple of ``N``.")
+    chunk_len = property(lambda self: self.plan.chunk_len, doc="Tokens per rank, ``T_pad / N``.")
+    layout = property(lambda self: self.plan.layout, doc="The layout's name (:data:`cpcompile.plan.LAYOUTS`).")
 
     def site_table(self) -> str:
         """The per-site table (one row per site; a site that differs between ranks gets one row per rank)."""
@@ -479,16 +485,11 @@ def inspect_model(
     return Inspection(
         model=model,
         model_class=type(net).__name__,
-        cp_size=cp_size,
         ranks=ranks,
         doc_lens=rows_docs,
-        seq_len=seq_len,
-        padded_len=plan.padded_len,
-        chunk_len=plan.chunk_len,
         dtype=model_dtype,
         device=device,
         options=options,
-        layout=layout,
         rows=rows,
         totals=totals,
         plan=plan,
@@ -534,134 +535,6 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
         visible_pairs=plan.visible_pairs(documents=documents, rank=rank),
     )
-
-
-# -- the attention-pattern picture ---------------------------------------------------------------------------
-#: At most this many cells per side of a panel; longer sequences put several tokens in one cell.
-MAX_CELLS = 128
-#: A panel is about this many pixels wide (``pixels_per_cell = max(2, PANEL_PX // cells)``).
-PANEL_PX = 512
-#: Left gutter (rank labels), title band above the panels, legend band below, margin, in pixels.
-GUTTER_PX, TITLE_PX, LEGEND_PX, MARGIN_PX = 56, 24, 24, 16
-
-_PALETTE = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-]
-_MASKED = (236, 236, 236)
-_BACKGROUND = (255, 255, 255)
-_TEXT = (20, 20, 20)
-
-
-@dataclasses.dataclass(frozen=True)
-class PatternGeometry:
-    """Sizes of the attention-pattern PNG (see :func:`pattern_geometry`)."""
-
-    tokens_per_cell: int
-    cells: int
-    pixels_per_cell: int
-    panel: int
-    width: int
-    height: int
-
-
-def pattern_geometry(padded_len: int, batch_size: int) -> PatternGeometry:
-    """The PNG's layout for ``batch_size`` rows of ``padded_len`` tokens.
-
-    ``tokens_per_cell = ceil(T_pad / MAX_CELLS)``, ``cells = ceil(T_pad / tokens_per_cell)``,
-    ``pixels_per_cell = max(2, PANEL_PX // cells)``, ``panel = cells * pixels_per_cell``;
-    ``width = GUTTER_PX + B * (panel + MARGIN_PX)``, ``height = TITLE_PX + panel + LEGEND_PX``.
-    """
-    k = -(-padded_len // MAX_CELLS)
-    cells = -(-padded_len // k)
-    px = max(2, PANEL_PX // cells)
-    panel = cells * px
-    return PatternGeometry(
-        k, cells, px, panel, GUTTER_PX + batch_size * (panel + MARGIN_PX), TITLE_PX + panel + LEGEND_PX
-    )
-
-
-def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int | None = None):
-    """A PIL image of which (query, key) pairs every rank computes under ``plan`` (Pillow required).
-
-    One panel per batch row: rows are global query positions, columns keys, both in token order. A cell is
-    coloured with the colour of the rank that holds its queries (labelled in the left gutter): bright where
-    every pair of the cell attends and the keys are the rank's own (the block on the diagonal), dark where
-    they are keys gathered from other ranks, pale when only some pairs of the cell attend (a cell covers
-    several tokens when ``T_pad > MAX_CELLS``), light gray when none does. Lines mark the ranks' chunks.
-    Sizes: :func:`pattern_geometry`.
-    """
-    try:
-        from PIL import Image, ImageDraw, ImageFont
-    except ImportError as e:
-        raise ImportError("the attention-pattern picture needs Pillow: pip install 'cpcompile[inspect]'") from e
-
-    T, B, N, c = plan.padded_len, plan.batch_size, plan.cp_size, plan.chunk_len
-    geo = pattern_geometry(T, B)
-    k, n, px = geo.tokens_per_cell, geo.cells, geo.pixels_per_cell
-    # every rank's query rows, put in token order
-    slots = torch.cat([plan.mask(documents=documents, window=window, rank=r)[:, 0] for r in range(N)], dim=1)
-    token_owner = torch.empty(T, dtype=torch.long)
-    token_owner[plan.gathered_indices().cpu()] = torch.arange(N).repeat_interleave(c)
-    full = slots[:, torch.argsort(plan.gathered_indices()).cpu()]
-    padded = torch.zeros(B, n * k, n * k, dtype=torch.int32)
-    padded[:, :T, :T] = full.to(torch.int32)
-    valid = torch.zeros(n * k, n * k, dtype=torch.int32)
-    valid[:T, :T] = 1
-    visible = padded.view(B, n, k, n, k).sum(dim=(2, 4))
-    total = valid.view(n, k, n, k).sum(dim=(1, 3))
-    owner = token_owner[torch.arange(n) * k].tolist()  # a cell's colour: the rank of its first token
-    shades = [_shades(_PALETTE[r % len(_PALETTE)]) for r in range(N)]
-
-    image = Image.new("RGB", (geo.width, geo.height), _BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
-    for b in range(B):
-        pixels = bytearray()
-        for i in range(n):
-            own, gathered, pale = shades[owner[i]]
-            for j in range(n):
-                v = int(visible[b, i, j])
-                if v == 0:
-                    pixels += bytes(_MASKED)
-                elif v < int(total[i, j]):
-                    pixels += bytes(pale)
-                else:
-                    pixels += bytes(own if owner[j] == owner[i] else gathered)
-        panel = Image.frombytes("RGB", (n, n), bytes(pixels)).resize((geo.panel, geo.panel), Image.NEAREST)
-        x0, y0 = GUTTER_PX + b * (geo.panel + MARGIN_PX), TITLE_PX
-        image.paste(panel, (x0, y0))
-        for r in range(1, N):
-            edge = round(r * c / k * px)
-            draw.line([(x0, y0 + edge), (x0 + geo.panel - 1, y0 + edge)], fill=(60, 60, 60))
-            draw.line([(x0 + edge, y0), (x0 + edge, y0 + geo.panel - 1)], fill=(170, 170, 170))
-        draw.rectangle([x0 - 1, y0 - 1, x0 + geo.panel, y0 + geo.panel], outline=(60, 60, 60))
-        draw.text((x0, 6), f"row {b}: queries (down) x keys (across)", fill=_TEXT, font=font)
-    draw.text(
-        (GUTTER_PX, TITLE_PX + geo.panel + 6),
-        "bright = own keys | dark = keys gathered from other ranks | pale = cell partly visible | gray = masked",
-        fill=_TEXT,
-        font=font,
-    )
-    band = c / k * px
-    for r in range(N):
-        y = TITLE_PX + r * band + band / 2 - 6
-        if band >= 12:
-            draw.text((6, y), f"rank {r}", fill=_PALETTE[r % len(_PALETTE)], font=font)
-    return image
-
-
-def _shades(color: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(own keys, gathered keys, partly visible) shades of a rank's colour."""
-    return color, tuple(ch * 3 // 5 for ch in color), tuple((ch + 255) // 2 for ch in color)
 
 
 # -- the dump ------------------------------------------------------------------------------------------------

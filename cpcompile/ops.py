@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import threading
+from typing import NoReturn
 
 import torch
 import torch.fx as fx
@@ -64,6 +65,9 @@ class SiteSpec:
     #: Whether the gathered K/V require grad (each is then reduce-scattered in backward).
     needs_grad: bool
 
+
+#: Query rows of the model's mask compared at a time on a site's first call (bounds the check's memory).
+MASK_CHECK_ROWS = 1024
 
 _SITES: dict[str, SiteSpec] = {}
 _SITES_LOCK = threading.Lock()
@@ -159,24 +163,31 @@ def _verify_model_mask_once(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tens
     """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs."""
     if spec.site in _VERIFIED:
         return
-    ours = plan.local_rule_mask(documents=spec.documents, window=spec.window)
-    theirs = model_mask.to(torch.bool).expand_as(ours)
-    if not torch.equal(theirs, ours):
-        b, _, i, j = (theirs != ours).nonzero()[0].tolist()
-        form = (
-            "global causal"
-            + (" same-document" if spec.documents else "")
-            + (f" sliding-window({spec.window})" if spec.window is not None else "")
-        )
-        raise MaskMismatchError(
-            f"the attention mask built by the model at {spec.layer or spec.site} differs from the {form} mask "
-            f"cpcompile applies, as the model's rule gives it on this rank's tokens (first difference: row {b}, "
-            f"local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, expected {bool(ours[b, 0, i, j])}); "
-            "cpcompile refuses to run attention under a different mask. Build a causal mask (packed documents "
-            "marked by position ids that restart at 0; with transformers: attn_implementation='sdpa' and "
-            "use_cache=False), or run this model without context parallelism"
-        )
+    for start in range(0, plan.chunk_len, MASK_CHECK_ROWS):  # a block of query rows at a time: O(rows * c)
+        rows = slice(start, start + MASK_CHECK_ROWS)
+        ours = plan.local_rule_mask(documents=spec.documents, window=spec.window, rows=rows)
+        theirs = model_mask[..., rows, :].to(torch.bool).expand_as(ours)
+        if not torch.equal(theirs, ours):
+            _raise_mask_mismatch(spec, theirs, ours, start)
     _VERIFIED.add(spec.site)
+
+
+def _raise_mask_mismatch(spec: SiteSpec, theirs: torch.Tensor, ours: torch.Tensor, first_row: int) -> NoReturn:
+    """Raise :class:`MaskMismatchError` naming the first differing entry of a block of query rows."""
+    b, _, i, j = (theirs != ours).nonzero()[0].tolist()
+    form = (
+        "global causal"
+        + (" same-document" if spec.documents else "")
+        + (f" sliding-window({spec.window})" if spec.window is not None else "")
+    )
+    raise MaskMismatchError(
+        f"the attention mask built by the model at {spec.layer or spec.site} differs from the {form} mask "
+        f"cpcompile applies, as the model's rule gives it on this rank's tokens (first difference: row {b}, "
+        f"local query {first_row + i}, key {j}: model {bool(theirs[b, 0, i, j])}, expected "
+        f"{bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. Build a causal "
+        "mask (packed documents marked by position ids that restart at 0; with transformers: "
+        "attn_implementation='sdpa' and use_cache=False), or run this model without context parallelism"
+    )
 
 
 def _site_positions(plan: CPPlan, spec: SiteSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

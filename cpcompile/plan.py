@@ -38,6 +38,7 @@ __all__ = [
     "build_plan",
     "document_ids",
     "document_starts",
+    "first_visible",
     "query_blocks",
     "visible",
     "visible_blocks",
@@ -95,6 +96,19 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def first_visible(doc_ids: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, len(q_pos)]``: the global index of the first key visible to each query at ``q_pos``.
+
+    :func:`visible` in interval form, for document ids that are non-decreasing along each row: the keys
+    visible to query ``q`` are exactly the global indices ``[first_visible, q]`` (its document's start, or the
+    window's, whichever is later). Memory is O(B * T), never one entry per (query, key) pair.
+    """
+    lo = document_starts(doc_ids)[:, q_pos]
+    if window is not None:
+        lo = lo.clamp(min=q_pos - window + 1)
+    return lo
 
 
 # -- layouts ----------------------------------------------------------------------------------------------
@@ -185,12 +199,8 @@ def visible_blocks(
     start = torch.tensor(bounds[:-1], device=q_pos.device)
     first_q = q_pos[start]  # [nQ] global index of each block's first query
     last_q = q_pos[torch.tensor(bounds[1:], device=q_pos.device) - 1]
-    doc_start = document_starts(doc_ids)
-    lo = doc_start[:, first_q]
-    full_lo = doc_start[:, last_q]
-    if window is not None:
-        lo = lo.clamp(min=first_q - window + 1)
-        full_lo = full_lo.clamp(min=last_q - window + 1)
+    lo = first_visible(doc_ids, first_q, window)
+    full_lo = first_visible(doc_ids, last_q, window)
     B = doc_ids.shape[0]
     hi = (last_q + 1).expand(B, -1)
     full_hi = (first_q + 1).expand(B, -1)
@@ -291,8 +301,9 @@ class CPPlan:
             self._mask_cache[key] = visible_mask(self.token_indices(r), keys, self.attention_docs(documents), window)
         return self._mask_cache[key]
 
-    def local_rule_mask(self, *, documents: bool, window: int | None = None) -> torch.Tensor:
-        """The ``[B, 1, c, c]`` mask a transformers model builds on this rank's local inputs.
+    def local_rule_mask(self, *, documents: bool, window: int | None = None, rows: slice = slice(None)) -> torch.Tensor:
+        """The ``[B, 1, c, c]`` mask a transformers model builds on this rank's local inputs (``rows``: only
+        those local query rows, ``[B, 1, len(rows), c]``).
 
         The model sees the local tokens as a sequence ``0..c-1`` with this rank's global ``position_ids``: causal
         in local order, a new document wherever the position ids do not step by +1 (between this rank's runs of
@@ -301,7 +312,7 @@ class CPPlan:
         """
         idx = torch.arange(self.chunk_len, device=self.doc_ids.device)
         docs = document_ids(self.local(self.position_ids)) if documents else torch.zeros_like(self.doc_ids[:, idx])
-        return visible_mask(idx, idx, docs, window)
+        return visible_mask(idx[rows], idx, docs, window)
 
     def visible_blocks(
         self, block_q: int, block_k: int, *, documents: bool = True, window: int | None = None, rank: int | None = None
@@ -316,10 +327,7 @@ class CPPlan:
     def visible_pairs(self, *, documents: bool = True, window: int | None = None, rank: int | None = None) -> int:
         """Number of visible (query, key) pairs of ``rank``'s queries, summed over the batch, in O(c) memory."""
         q = self.token_indices(rank)
-        lo = document_starts(self.attention_docs(documents))[:, q]
-        if window is not None:
-            lo = lo.clamp(min=q - window + 1)
-        return int((q + 1 - lo).sum())
+        return int((q + 1 - first_visible(self.attention_docs(documents), q, window)).sum())
 
     def labels_shifted(self, labels: torch.Tensor) -> torch.Tensor:
         """Shift ``[B, T]`` labels left by one over the whole row (transformers' convention), then pad.
