@@ -35,8 +35,8 @@ class BackendOptions:
     #: Attention emitted for every SDPA site. ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the
     #: reference). ``"block"``: ``cpcompile::cp_attention``, which computes only the not fully masked
     #: (query block, key block) pairs and never builds more than a block of the mask; with a CP group of size 1
-    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` elsewhere
-    #: (the CUDA block path, flex_attention or flash-attn varlen, is opt-in until validated on a GPU).
+    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` for every other
+    #: device (the CUDA block path, flex_attention or flash-attn varlen, runs with ``"block"`` only).
     attention: Literal["auto", "dense", "block"] = "auto"
     #: Query and key block size of the block kernel (CPU).
     block_size: int = 128

@@ -105,7 +105,7 @@ def test_schedule_skips_masked_blocks():
     batch = packed_batch([[40, 3, 70, 44], [1, 100, 56]])
     for r in range(4):
         plan = build_plan(batch, 4, r)
-        bounds, sched = block_schedule(plan.doc_ids, plan.token_indices(), torch.arange(plan.padded_len), 8, 16)
+        bounds, sched = block_schedule(plan.visible_blocks(8, 16))
         mask = plan.mask(documents=True)
         covered = torch.zeros_like(mask)
         for b, row in enumerate(sched):
@@ -133,9 +133,7 @@ def test_schedule_skips_masked_blocks():
         computed = visible = 0
         for r in range(n):
             plan = build_plan(batch, n, r)
-            computed += computed_pairs(
-                *block_schedule(plan.doc_ids, plan.token_indices(), torch.arange(plan.padded_len), 128, 128)
-            )
+            computed += computed_pairs(*block_schedule(plan.visible_blocks(128, 128)))
             # query i sees its own document's keys 0..position_ids[i] (positions restart at every document)
             visible += int((plan.local(plan.position_ids) + 1).sum())
         assert visible <= computed <= 1.25 * visible, (n, computed / visible)

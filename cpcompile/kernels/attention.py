@@ -17,8 +17,9 @@ Implementations, chosen by the device of ``q``:
 * CUDA: flash-attn's varlen kernel when ``flash_attn`` is installed and q is fp16/bf16 (one segment per run of
   local queries of one document, keys from the document's start: :func:`varlen_layout`), else
   ``flex_attention`` (compiled) with a ``BlockMask`` whose ``mask_mod`` is :func:`cpcompile.plan.visible`. The
-  backward recomputes that forward under autograd. These paths log a warning on first use until they have been
-  validated on a GPU (``benchmarks/gpu_attention.py``); the varlen layout and flex's mask are checked on CPU.
+  backward recomputes that forward under autograd. Each of these paths logs a warning on its first use that
+  names ``benchmarks/gpu_attention.py`` (which checks it against dense SDPA); their status on GPUs is in
+  BENCHMARKS.md. The varlen layout and flex's mask are checked on CPU.
 
 Fully masked query rows (not produced by plan masks, where every token sees itself) give 0 output and zero
 gradients, like CPU SDPA.
@@ -33,7 +34,7 @@ import math
 import torch
 
 from cpcompile import _compat
-from cpcompile.plan import visible, visible_blocks, visible_mask
+from cpcompile.plan import VisibleBlocks, visible, visible_blocks, visible_mask
 
 __all__ = [
     "SPAN_KEYS",
@@ -61,27 +62,21 @@ class BlockPiece:
     masked: bool
 
 
-def block_schedule(
-    doc_ids: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-    block_q: int,
-    block_k: int,
-    window: int | None = None,
-) -> tuple[list[int], list[list[list[BlockPiece]]]]:
-    """``(q_bounds, schedule)``: the key pieces the CPU kernel visits; ``schedule[b][i]`` for query block ``i``
-    (local queries ``q_bounds[i]:q_bounds[i + 1]``) of row ``b``; keys by position in ascending ``kv_pos``.
+def block_schedule(vb: VisibleBlocks) -> tuple[list[int], list[list[list[BlockPiece]]]]:
+    """``(q_bounds, schedule)``: the key pieces the CPU kernel visits for the block visibility ``vb``
+    (:func:`cpcompile.plan.visible_blocks`); ``schedule[b][i]`` for query block ``i`` (local queries
+    ``q_bounds[i]:q_bounds[i + 1]``) of row ``b``; keys by position in ascending order.
 
-    Key blocks of ``block_k`` that intersect the block's visible interval are visited; those inside the
+    Key blocks of ``vb.block_k`` that intersect the block's visible interval are visited; those inside the
     interval every query sees are merged into unmasked spans of at most ``max(block_k, SPAN_KEYS)`` keys.
     """
-    vb = visible_blocks(doc_ids, q_pos, kv_pos, block_q, block_k, window)
-    K = int(kv_pos.shape[0])
+    block_k = vb.block_k
+    K = vb.kv_len
     span = max(block_k, SPAN_KEYS // block_k * block_k)
     first, end = (t.tolist() for t in vb.key_blocks())
     full_lo, full_hi = vb.full_lo.tolist(), vb.full_hi.tolist()
     schedule = []
-    for b in range(doc_ids.shape[0]):
+    for b in range(len(first)):
         row = []
         for i in range(len(first[b])):
             f, e = first[b][i], end[b][i]
@@ -182,7 +177,7 @@ def _cpu_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     kf, vf = _sorted(order, k.float(), v.float())
-    bounds, schedule = block_schedule(doc_ids, q_pos, ks, block_q, block_k, window)
+    bounds, schedule = block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
     for b in range(B):
         qb = q[b].view(Hkv, R, c, D)
         ob, lb = out[b].view(Hkv, R, c, Dv), lse[b].view(Hkv, R, c)
@@ -223,7 +218,7 @@ def _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     kf, vf = _sorted(order, k.float(), v.float())
-    bounds, schedule = block_schedule(doc_ids, q_pos, ks, block_q, block_k, window)
+    bounds, schedule = block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
     for b in range(B):
         qb, dob = q[b].view(Hkv, R, c, D), dout[b].view(Hkv, R, c, Dv)
         lb, db = lse[b].view(Hkv, R, c), delta[b].view(Hkv, R, c)
@@ -251,7 +246,7 @@ def _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale
     return dq.to(q.dtype), _unsort(order, dk).to(k.dtype), _unsort(order, dv).to(v.dtype)
 
 
-# -- CUDA (not validated on a GPU yet: see the module docstring) -----------------------------------------
+# -- CUDA -------------------------------------------------------------------------------------------------
 _WARNED: set[str] = set()
 
 

@@ -516,8 +516,8 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
 
 
 def _kernel_for(site: SDPASite, attention: str) -> str:
-    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA elsewhere (the CUDA block path is
-    opt-in until validated on a GPU); ``"dense"``/``"block"`` are taken as given."""
+    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA for every other device (the CUDA block
+    path runs with ``"block"`` only); ``"dense"``/``"block"`` are taken as given."""
     if attention != "auto":
         return attention
     q = site.meta(site.query)
