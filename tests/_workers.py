@@ -5,69 +5,40 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests.parity import ParityCase, ParityRunner, run_control
+
 #: The global packed batch of the family parity tests: documents longer than the test windows, T = 64
-#: (chunks of 32 at CP=2, 16 at CP=4), one document crossing every chunk boundary.
-FAMILY_DOCS = [[24, 30, 10], [5, 50, 9]]
+#: (chunks of 32 at CP=2, 22 at CP=3 with 2 padding tokens, 16 at CP=4), one document crossing every chunk
+#: boundary.
+FAMILY_DOCS = ((24, 30, 10), (5, 50, 9))
 
 
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).abs().max())
+def family_case(family: str, **fields) -> ParityCase:
+    """The parity case of a transformers family on :data:`FAMILY_DOCS`, compiled as training should compile it
+    (``config=model.config``, ``fullgraph=True``); ``fields`` override :class:`tests.parity.ParityCase` fields."""
+    defaults = dict(doc_lens=FAMILY_DOCS, batch_seed=1, use_config=True, fullgraph=True)
+    return ParityCase(model=family, **{**defaults, **fields})
 
 
-def parity(
-    family: str,
-    group,
-    *,
-    seed: int = 1,
-    checkpointing: bool = False,
-    fullgraph: bool = True,
-    docs=FAMILY_DOCS,
-    overrides: dict | None = None,
+def parity_worker(
+    rank: int,
+    world_size: int,
+    cases: list[ParityCase],
+    controls: dict[str, tuple[str, ...]] | None = None,
+    profile: bool = False,
 ) -> dict:
-    """Compiled CP forward/backward of ``family`` against the unsharded eager model on the same batch.
-
-    Returns the gathered logits, the summed loss and the CP-summed gradients next to the reference ones.
-    """
-    import cpcompile
-    from cpcompile.testing import packed_batch, tiny_model
-
-    overrides = overrides or {}
-    batch = packed_batch(docs, seed=seed)
-    ref = tiny_model(family, **overrides)
-    out_ref = ref(**batch, use_cache=False)
-    out_ref.loss.backward()
-
-    model = tiny_model(family, **overrides)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
-    cm = torch.compile(model, backend=be, fullgraph=fullgraph)
-    with cpcompile.shard(batch, group) as local:
-        out = cm(**local)
-        out.loss.backward()
-        logits = cpcompile.gather(out.logits)
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    cpcompile.sync_grads(model.parameters(), group)
-    ref_grads = dict(ref.named_parameters())
-    grads = {n: (p.grad, ref_grads[n].grad) for n, p in model.named_parameters()}
-    return {
-        "logits": (logits.detach(), out_ref.logits.detach()),
-        "loss": (loss, out_ref.loss.detach()),
-        "grads": grads,
-        "rewritten": sum(r.action == "rewritten" for r in be.reports),
-        "windows": sorted({r.layer for r in be.reports}),
-    }
-
-
-def families_worker(rank: int, world_size: int, families: list[str], options: dict | None = None) -> dict:
-    """Run :func:`parity` for several families in one spawned group; rank 0's results are compared."""
+    """Run each case (one CP step next to the reference) in one spawned group; every rank returns
+    ``{case.name: (ParityOutcome, {control: how it was caught})}`` for the parent to assert on (``profile``:
+    the outcomes count the step's gloo collectives)."""
     group = dist.new_group(list(range(world_size)))
     results = {}
-    for family in families:
+    for case in cases:
         torch._dynamo.reset()
-        results[family] = parity(family, group, **(options or {}))
-    return results if rank == 0 else {}
+        runner = ParityRunner(case, group)
+        outcome = runner.run(profile=profile)
+        caught = {c: run_control(case, group, c, runner) for c in (controls or {}).get(case.name, ())}
+        results[case.name] = (outcome, caught)
+    return results
 
 
 def _random_docs(gen: torch.Generator, batch_size: int, lo: int, hi: int) -> list[list[int]]:
@@ -81,72 +52,51 @@ def _random_docs(gen: torch.Generator, batch_size: int, lo: int, hi: int) -> lis
 
 
 def compile_behaviour_worker(rank: int, world_size: int, steps: int) -> dict:
-    """Recompilations over ``steps`` random packed lengths, a compiled function, and activation checkpointing."""
-    import cpcompile
-    from cpcompile.testing import packed_batch, tiny_model
+    """Recompilations over ``steps`` random packed lengths, a compiled function, and activation checkpointing:
+    every step's :class:`tests.parity.ParityOutcome` (rank 0) for the parent to assert on."""
+    from cpcompile.testing import packed_batch
 
     group = dist.new_group(list(range(world_size)))
     out: dict = {}
 
-    # 1. variable lengths: count backend invocations (one per compiled graph) and check every step's loss
+    # 1. variable lengths: count backend invocations (one per compiled graph); every step next to the reference
     torch._dynamo.reset()
-    model = tiny_model("llama")
-    ref = tiny_model("llama")
     compiles = []
-    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
 
-    def counting(gm, example_inputs):
-        # one entry per compilation: whether the graph got a symbolic (dynamic) size among its inputs
-        compiles.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
-        return be(gm, example_inputs)
+    def counting(model, be):
+        def backend(gm, example_inputs):
+            # one entry per compilation: whether the graph got a symbolic (dynamic) size among its inputs
+            compiles.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
+            return be(gm, example_inputs)
 
-    cm = torch.compile(model, backend=counting)
+        return torch.compile(model, backend=backend)
+
+    runner = ParityRunner(family_case("llama"), group, compile=counting)
     gen = torch.Generator().manual_seed(123)  # same on every rank: every rank builds the same batches
-    lengths, loss_err = [], 0.0
+    lengths, outcomes = [], []
     for step in range(steps):
         docs = _random_docs(gen, 2, 17, 70)
-        batch = packed_batch(docs, seed=step)
         lengths.append(sum(docs[0]))
-        with cpcompile.shard(batch, group) as local:
-            loss = cm(**local).loss
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        with torch.no_grad():
-            ref_loss = ref(**batch, use_cache=False).loss
-        loss_err = max(loss_err, float((total - ref_loss).abs()))
-    out["compiles"], out["lengths"], out["loss_err"] = len(compiles), lengths, loss_err
+        outcomes.append(runner.run(batch=packed_batch(docs, seed=step)))
+    out["compiles"], out["lengths"], out["steps"] = len(compiles), lengths, outcomes
     out["first_dynamic"] = compiles[0]
 
     # 2. torch.compile of a function that calls the (uncompiled) model, fullgraph
     torch._dynamo.reset()
-    model = tiny_model("qwen3")
-    ref = tiny_model("qwen3")
-    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
 
-    @torch.compile(backend=be, fullgraph=True)
-    def step_fn(m, local):
-        return m(**local).loss
+    def compiled_function(model, be):
+        @torch.compile(backend=be, fullgraph=True)
+        def step_fn(m, local):
+            return m(**local)
 
-    batch = packed_batch(FAMILY_DOCS, seed=3)
-    with cpcompile.shard(batch, group) as local:
-        loss = step_fn(model, local)
-        loss.backward()
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    cpcompile.sync_grads(model.parameters(), group)
-    ref_out = ref(**batch, use_cache=False)
-    ref_out.loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    out["function"] = {
-        "loss": (loss, ref_out.loss.detach()),
-        "grads": {n: (p.grad, ref_grads[n].grad) for n, p in model.named_parameters()},
-        "rewritten": sum(r.action == "rewritten" for r in be.reports),
-    }
+        return lambda **local: step_fn(model, local)
+
+    out["function"] = ParityRunner(family_case("qwen3", batch_seed=3), group, compile=compiled_function).run()
 
     # 3. activation checkpointing of the decoder layers
     torch._dynamo.reset()
-    out["checkpointing"] = parity("llama", group, checkpointing=True, fullgraph=False)
+    case = family_case("llama", checkpointing=True, fullgraph=False)
+    out["checkpointing"] = ParityRunner(case, group).run(profile=True)
     return out if rank == 0 else {}
 
 
