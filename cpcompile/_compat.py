@@ -27,6 +27,7 @@ __all__ = [
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
+    "resolve_group",
     "init_fake_process_group",
     "is_non_member_group",
     "lookup_inner_backend",
@@ -116,6 +117,13 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, t, group=group)
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered under ``group_name`` (torch 2.11-2.13: ``_resolve_process_group``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
 
 
 def group_name_of(group: dist.ProcessGroup) -> str:

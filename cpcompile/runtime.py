@@ -329,6 +329,18 @@ class CommStats:
     reduce_scatters: int = 0
     #: Bytes this rank sends in those reduce-scatters: (N-1) chunks each.
     reduce_scatter_bytes: int = 0
+    #: Number of halo exchanges of sliding-window sites (one for K, one for V per attention call).
+    halo_exchanges: int = 0
+    #: Bytes this rank received in those exchanges (only the keys its queries see that other ranks hold).
+    halo_bytes: int = 0
+    #: Bytes this rank sends back in their backward (the gradients of the keys it received).
+    halo_backward_bytes: int = 0
+
+    def record_halo(self, nbytes: int, needs_grad: bool) -> None:
+        self.halo_exchanges += 1
+        self.halo_bytes += nbytes
+        if needs_grad:
+            self.halo_backward_bytes += nbytes
 
     def record_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()

@@ -72,11 +72,14 @@ class ParityCase:
     expected_form: tuple[str, bool] | None = None
     #: Extra keyword arguments of ``cpcompile.backend`` (options added by later features).
     backend_kwargs: tuple[tuple[str, object], ...] = ()
+    #: The layout ``cpcompile.shard`` distributes the tokens with.
+    layout: str = "contiguous"
 
     @property
     def name(self) -> str:
         T = sum(self.doc_lens[0])
-        return f"{self.model}/B{len(self.doc_lens)}/T{T}/{self.inner}"
+        extra = "".join(f"/{k}={v}" for k, v in self.overrides)
+        return f"{self.model}{extra}/B{len(self.doc_lens)}/T{T}/{self.inner}/{self.layout}"
 
     def build_model(self) -> torch.nn.Module:
         kwargs = dict(self.overrides)
@@ -157,16 +160,19 @@ def assert_parity(outcome: ParityOutcome) -> None:
 
 
 def assert_rewrites(outcome: ParityOutcome, expected_sites: int) -> None:
-    """Exactly ``expected_sites`` SDPA sites rewritten, none refused, and 2 all-gathers (K, V) per site."""
+    """Exactly ``expected_sites`` SDPA sites rewritten, none refused, and K and V exchanged once per site (an
+    all-gather each, or a halo exchange each at sliding-window sites), every exchange with its backward."""
     name = f"{outcome.case.name} CP={outcome.cp_size}"
     rewritten = outcome.actions.count("rewritten")
     assert rewritten == expected_sites, f"{name}: {rewritten} SDPA sites rewritten, expected {expected_sites}"
     assert outcome.counter_delta.get("sdpa_rewritten", 0) == expected_sites, f"{name}: {outcome.counter_delta}"
     assert outcome.counter_delta.get("sdpa_refused", 0) == 0, f"{name}: {outcome.counter_delta}"
     if outcome.cp_size > 1:
-        # one forward step: K and V gathered once per site, each reduce-scattered in backward
-        assert outcome.comm.all_gathers == 2 * expected_sites, f"{name}: {outcome.comm}"
-        assert outcome.comm.reduce_scatters == 2 * expected_sites, f"{name}: {outcome.comm}"
+        # one forward step: K and V exchanged once per site, each with its backward (reduce-scatter or halo return)
+        comm = outcome.comm
+        assert comm.all_gathers + comm.halo_exchanges == 2 * expected_sites, f"{name}: {comm}"
+        assert comm.reduce_scatters == comm.all_gathers, f"{name}: {comm}"
+        assert comm.halo_backward_bytes == comm.halo_bytes, f"{name}: {comm}"
 
 
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -223,7 +229,7 @@ class ParityRunner:
         self.model.zero_grad(set_to_none=True)
         before = dict(cpcompile.counters)
         with _corruption(corrupt):
-            with cpcompile.shard(self.batch, self.group) as local:
+            with cpcompile.shard(self.batch, self.group, layout=self.case.layout) as local:
                 if corrupt == "label_shift":
                     local["shift_labels"] = local["labels"]
                 out = self.compiled(**local)
