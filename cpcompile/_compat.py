@@ -32,6 +32,7 @@ __all__ = [
     "lookup_inner_backend",
     "mark_seq_dynamic",
     "node_module_path",
+    "resolve_group",
     "must_recompute_meta",
     "statically_true",
 ]
@@ -119,6 +120,22 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group registered in this process under ``name`` (:func:`group_name_of`), or ``None``.
+
+    torch 2.11-2.13: ``distributed_c10d._resolve_process_group`` (private; raises ``RuntimeError`` for an unknown
+    name).
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return _resolve_process_group(name)
+    except RuntimeError:
+        return None
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import weakref
 from typing import Literal
 
 import torch
@@ -28,6 +29,8 @@ def _env_dump_dir() -> str | None:
 
 
 _backend_ids = itertools.count()
+#: The live backends of this process by id, for unpickling a backend in the process that pickled it.
+_LIVE_BACKENDS: weakref.WeakValueDictionary[int, CPBackend] = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,6 +84,11 @@ class CPBackend:
 
     Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler.
     ``reports`` lists what was done with every SDPA site of every graph compiled so far.
+
+    ``copy.copy``/``copy.deepcopy`` return the backend itself (wrappers such as Lightning's ``torch.compile`` copy
+    their arguments). A pickle holds the CP group's registered name and the options: unpickled in the same process
+    it is the same backend; in another process, a new backend over the group registered there under that name
+    (``TypeError`` naming the fix when there is none).
     """
 
     def __init__(self, cp_group: dist.ProcessGroup, options: BackendOptions) -> None:
@@ -92,10 +100,24 @@ class CPBackend:
         self.options = options
         self.reports: list[SiteReport] = []
         self._id = next(_backend_ids)
+        _LIVE_BACKENDS[self._id] = self
         self._graphs = itertools.count()
         self._dump = (
             None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
         )
+
+    # Wrappers that copy their arguments (Lightning's torch.compile deep-copies its keyword arguments) get this
+    # backend itself: it holds a process group, which cannot be copied, and its reports must stay in one place.
+    def __copy__(self) -> CPBackend:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CPBackend:
+        return self
+
+    def __reduce__(self):
+        """Pickle by reference: the CP group's registered name and the options (see :func:`_unpickle_backend`)."""
+        fields = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        return (_unpickle_backend, (os.getpid(), self._id, self.group_name, fields))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
@@ -121,6 +143,22 @@ class CPBackend:
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
+
+
+def _unpickle_backend(pid: int, backend_id: int, group_name: str, options: dict) -> CPBackend:
+    """A pickled backend: the same object in the process that pickled it (while it lives), else a new backend with
+    the same options over the process group registered under ``group_name`` in this process."""
+    if pid == os.getpid() and (live := _LIVE_BACKENDS.get(backend_id)) is not None:
+        return live
+    group = _compat.resolve_group(group_name)
+    if group is None:
+        raise TypeError(
+            f"cannot unpickle a cpcompile backend: its CP process group {group_name!r} is not registered in this "
+            "process (a process group cannot travel in a pickle); create the same process groups here first (same "
+            "torch.distributed.new_group / init_device_mesh calls in the same order), or build the backend in this "
+            "process with cpcompile.backend(cp_group)"
+        )
+    return CPBackend(group, BackendOptions(**options))
 
 
 def backend(
