@@ -35,6 +35,8 @@ __all__ = [
     "resolve_group",
     "must_recompute_meta",
     "statically_true",
+    "structured_trace_enabled",
+    "trace_artifact",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
@@ -293,3 +295,25 @@ def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
     specialises the size).
     """
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace log (``TORCH_TRACE=dir``, read by ``tlparse``) is being written.
+
+    torch 2.11-2.13: ``torch._logging._internal.trace_log`` gets a handler only when the trace is on.
+    """
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload_fn) -> None:
+    """Write an artifact named ``name`` to the structured trace (a no-op when it is off).
+
+    ``encoding``: ``"string"`` (``payload_fn`` returns text) or ``"json"`` (it returns a JSON-ready object).
+    Inside a compilation the record carries Dynamo's compile id, so ``tlparse`` lists it under that frame.
+    torch 2.11-2.13: ``torch._logging.trace_structured("artifact", ...)`` (a private module).
+    """
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
+    )

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat, dump
+from cpcompile import _compat, _logging, dump
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group
 
@@ -121,6 +121,8 @@ class CPBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
+        title = f"cpcompile rank {self.cp_rank}/{self.cp_size} of CP group {self.group_name!r}, backend {self._id}"
+        trace = _logging.GraphTrace.start(gm, f"{title}, graph {graph_id}")  # TORCH_LOGS / TORCH_TRACE
         if self._dump is not None:
             title = f"rank {self._dump.rank}, backend {self._id}, graph {graph_id}"
             before, grad_flags = dump.graph_source(gm, f"{title}: as Dynamo traced it"), dump.site_grad_flags(gm)
@@ -137,6 +139,7 @@ class CPBackend:
             config=self.options.config,
         )
         self.reports += reports
+        trace.finish(gm, reports, rank=self.cp_rank, cp_size=self.cp_size)
         if self._dump is not None:
             after = dump.graph_source(gm, f"{title}: after the cpcompile cp_attention pass")
             self._dump.add_graph(before, after, reports, grad_flags)
