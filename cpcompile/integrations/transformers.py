@@ -68,8 +68,8 @@ class ContextParallelMixin:
         cp_backend_kwargs: keyword arguments of :func:`cpcompile.backend` (``inner``, ``attention``,
             ``regather_kv_in_backward``, ...). ``config`` defaults to ``model.config``.
 
-    Launch one process per rank (``torchrun --nproc-per-node N train.py`` or ``accelerate launch``). Training
-    only: evaluation and prediction with a CP model are refused (``eval_strategy`` must be ``"no"``).
+    Launch one process per rank (``torchrun --nproc-per-node N train.py``). Training only: evaluation and prediction
+    with a CP model are refused (``eval_strategy`` must be ``"no"``).
     """
 
     def __init__(self, *args, cp_size: int, cp_backend_kwargs: Mapping | None = None, **kwargs) -> None:
