@@ -79,7 +79,7 @@ def main(argv=None) -> None:
         max_steps=args.steps,
         learning_rate=3e-3,
         warmup_steps=2,
-        logging_steps=5,
+        logging_steps=min(5, args.steps),
         save_strategy="no",
         report_to="none",
         use_cpu=not cuda,
@@ -117,11 +117,13 @@ def main(argv=None) -> None:
             cp_backend_kwargs=backend,
         )
     result = trainer.train()
+    trainer.save_model()  # the model's own weights (state_dict names unchanged by compiling in place)
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print(
             f"{type(trainer).__name__}: dp={world // args.cp} x cp={args.cp}, {args.steps} steps in "
-            f"{result.metrics['train_runtime']:.1f} s; logged loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+            f"{result.metrics['train_runtime']:.1f} s; logged loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+            f"saved to {trainer.args.output_dir}"
         )
 
 

@@ -184,3 +184,27 @@ def test_trainer_fsdp_cp2_matches_one_process(reference, tmp_path):
     runs = _launch(_torchrun(2, "--cp", "2", "--batch", "4", "--fsdp", *_jobs("trainer")), tmp_path)
     assert runs["trainer"]["sharded"], "the Trainer did not shard the model with FSDP"
     _assert_matches(runs["trainer"], reference["trainer"], "Trainer FSDP CP=2")
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL is an optional test dependency (pip install -c constraints.txt trl)")
+def test_sft_example_runs_under_torchrun_and_saves_the_model(tmp_path):
+    example = ROOT / "examples" / "sft_trainer_cp.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(example)]
+    proc = subprocess.run(
+        command + ["--steps", "2", "--batch", "4", "--max-prompt", "16", "--output-dir", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "CPSFTTrainer: dp=1 x cp=2, 2 steps in" in proc.stdout, proc.stdout[-3000:]
+    saved = Path(proc.stdout.rsplit("saved to ", 1)[1].strip())
+    assert saved == tmp_path
+    from transformers import AutoModelForCausalLM
+
+    from cpcompile.testing import tiny_model
+
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    assert reloaded.state_dict().keys() == tiny_model("qwen3", vocab_size=128).state_dict().keys()
