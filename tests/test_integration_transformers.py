@@ -3,14 +3,14 @@
 Each run is launched as users launch training (``python -m torch.distributed.run --standalone --nproc-per-node N``,
 CPU, gloo) and compared with the same trainer class run in one plain process on the same global batches
 (``tests/_hf_trainer_worker.py``): the loss and grad norm the Trainer logs at every step, and the parameters after
-the last step.
+the last step. Batches are taken in order, except in the dp=2 x cp=2 run, which shuffles (the Trainer's default).
 
 Measured on CPU (torch 2.13, transformers 5.24, TRL 1.16, fp32, 2 AdamW steps at lr 1e-3, clipping at 1.0):
 
 | run | logged loss | logged grad norm | parameters |
 | --- | --- | --- | --- |
 | Trainer, CP=2 | <= 4.8e-7 | <= 1.2e-7 | 3.9e-6 |
-| Trainer, dp=2 x cp=2 | <= 4.8e-7 | 0 | 2.9e-6 |
+| Trainer, dp=2 x cp=2, shuffled batches | <= 4.8e-7 | <= 2.4e-7 | 2.0e-5 |
 | SFTTrainer padding-free, 2 micro-batches per step, CP=2 | <= 9.5e-7 | <= 2.4e-7 | 4.2e-6 |
 | negative control: every CP rank's copy counted in the denominator | 2.4 (half the loss) | 0.80 | |
 """
@@ -43,7 +43,7 @@ HAS_TRL = importlib.util.find_spec("trl") is not None
 #: Logged grad norms (~1.3-2.2): fp32 rounding of one reduction order vs another; measured <= 2.4e-7.
 GRAD_NORM_TOL = dict(atol=1e-5, rtol=1e-5)
 #: Parameters after 2 AdamW steps. AdamW divides by sqrt(v) + eps, which magnifies the fp32 rounding of gradient
-#: entries near zero (a flipped sign moves an entry by up to 2 * lr = 2e-3); measured 4.2e-6. A wrong gradient
+#: entries near zero (a flipped sign moves an entry by up to 2 * lr = 2e-3); measured <= 2.0e-5. A wrong gradient
 #: contribution (a missing or averaged CP part) moves the first-step grad norm by a factor, caught above.
 PARAM_TOL = dict(atol=1e-4, rtol=0)
 #: Wall-clock limit of one launch (process start, imports, compiling, the steps).
@@ -131,11 +131,16 @@ def test_sft_trainer_padding_free_cp2_matches_one_process(cp2, reference):
     _assert_matches(cp2["sft"], reference["sft"], "SFTTrainer CP=2")
 
 
-def test_trainer_dp2_cp2_matches_one_process(reference, tmp_path):
-    # 2 replicas of 2 documents each, 2 CP ranks per replica: the same 4 documents per step as the reference
-    runs = _launch(_torchrun(4, "--cp", "2", "--batch", "2", *_jobs("trainer")), tmp_path)
+def test_trainer_dp2_cp2_shuffled_matches_one_process(tmp_path):
+    # 2 replicas of 2 documents each, 2 CP ranks per replica; shuffled by the Trainer's default random sampler:
+    # the replicas' batches of a step together are the one-process run's 4 documents of that step
+    shuffled = ("--sampling", "random", *_jobs("trainer"))
+    runs = _launch(_torchrun(4, "--cp", "2", "--batch", "2", *shuffled), tmp_path / "cp")
+    ref = _launch(
+        [sys.executable, str(WORKER), "--mode", "reference", "--dp", "2", "--batch", "2", *shuffled], tmp_path / "ref"
+    )
     assert runs["trainer"]["world"] == 4
-    _assert_matches(runs["trainer"], reference["trainer"], "Trainer dp=2 x cp=2")
+    _assert_matches(runs["trainer"], ref["trainer"], "Trainer dp=2 x cp=2, shuffled")
 
 
 def test_negative_control_fails_the_same_check(cp2, reference):
