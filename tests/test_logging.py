@@ -17,24 +17,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_COMPILE = """
-import torch, cpcompile
+_IMPORTS = """
+import logging, torch, cpcompile
 from cpcompile import _compat
 from cpcompile.testing import packed_batch, tiny_model
+"""
+#: Compile and run a tiny Qwen3 as rank 0 of 2 (a new backend, so the next run's graphs are backend 1's).
+_RUN = """
 with _compat.fake_process_group(0, 2) as group:
     model = torch.compile(tiny_model("qwen3"), backend=cpcompile.backend(group, inner="aot_eager"))
     with cpcompile.shard(packed_batch([[10, 20, 6]]), group) as local:
         model(**local)
 """
+_COMPILE = _IMPORTS + _RUN
 SUMMARY = "cpcompile rank 0/2 of CP group '0', backend 0, graph 0: 2 SDPA site(s): 2 rewritten"
 GRAPH_AFTER = "after the cpcompile cp_attention pass"
 
 
-def _compile(**env: str) -> subprocess.CompletedProcess:
+def _compile(script: str = _COMPILE, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
     environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE], cwd=ROOT, env={**environ, **env}, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", script], cwd=ROOT, env={**environ, **env}, capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -67,9 +71,12 @@ def test_torch_logs_plus_cpcompile_adds_the_graphs(debug_run):
     assert _lines_with(err, "cpcompile__compat_all_gather_start"), "the rewritten graph gathers K/V"
 
 
-def test_nothing_is_printed_unasked():
-    quiet = _compile().stderr
-    assert "cpcompile" not in quiet, quiet[-3000:]
+def test_nothing_is_printed_unasked_and_set_logs_turns_the_sites_on():
+    # the script compiles one model (backend 0) with no log settings, then calls set_logs and compiles another
+    script = _IMPORTS + _RUN + "torch._logging.set_logs(modules={'cpcompile': logging.INFO})" + _RUN
+    err = _compile(script=script).stderr
+    assert "backend 0" not in err, err[-3000:]
+    assert _lines_with(err, SUMMARY.replace("backend 0", "backend 1")), err[-3000:]
 
 
 def test_torch_trace_holds_the_graphs_and_the_site_table(debug_run, tmp_path):
