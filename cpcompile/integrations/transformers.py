@@ -25,12 +25,13 @@ logging, checkpoints) and changes four things, each an override of a public Trai
   batch) gives the token count of the global batch.
 
 Why the gradients come out right: with ``average_tokens_across_devices`` (the Trainer's default, required here)
-every rank's loss is ``(sum of its chunk's token losses) / (global token count) * world_size``, and DDP or FSDP
-average the gradients over all ``world_size = dp * cp`` ranks. The factor and the average cancel: every gradient is
-the SUM of all ranks' parts, which is the gradient of the global batch's mean loss. A CP rank's part is a partial
-sum over its own tokens, so it is added to the other CP ranks' parts, never averaged with them. The gradients are
-then the same on every rank (DDP) or sharded (FSDP), so the Trainer's clipping sees the single-process norm, and
-its logged loss (the mean over ranks of the scaled per-rank losses) is the global batch's mean loss.
+every rank's loss is ``(sum of its chunk's token losses) / (global token count) * world_size``, and DDP (or FSDP,
+which has not run with CP yet: it warns) averages the gradients over all ``world_size = dp * cp`` ranks. The
+factor and the average cancel: every gradient is the SUM of all ranks' parts, which is the gradient of the global
+batch's mean loss. A CP rank's part is a partial sum over its own tokens, so it is added to the other CP ranks'
+parts, never averaged with them. The gradients are then the same on every rank (DDP) or sharded (FSDP), so the
+Trainer's clipping sees the single-process norm, and its logged loss (the mean over ranks of the scaled per-rank
+losses) is the global batch's mean loss.
 
 Batches must be padding-free: documents packed into rows with ``position_ids`` restarting at 0 per document
 (``transformers.DataCollatorWithFlattening``, TRL's ``padding_free=True`` or ``packing=True``) or rows without
