@@ -12,7 +12,7 @@ import time
 import torch
 
 from benchmarks._common import packed_doc_lens, print_table
-from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dense_cp_attention
+from cpcompile.kernels import cp_attention, dense_cp_attention
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
 
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--layout", default="contiguous", help="the plan's layout (contiguous, head_tail)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lo, hi = (int(x) for x in args.docs.split(","))
@@ -45,7 +46,7 @@ def main() -> None:
     D, H, Hkv = args.head_dim, args.heads, args.kv_heads
     rows, whole = [], {}
     for n in (int(x) for x in args.cp.split(",")):
-        plans = [build_plan(batch, n, r) for r in range(n)]
+        plans = [build_plan(batch, n, r, layout=args.layout) for r in range(n)]
         T = plans[0].padded_len
         k = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
         v = torch.randn(1, Hkv, T, D, generator=g, requires_grad=True)
@@ -54,22 +55,19 @@ def main() -> None:
         for plan in plans:
             q = torch.randn(1, H, plan.chunk_len, D, generator=g, requires_grad=True)
             dout = torch.randn(1, H, plan.chunk_len, D, generator=g)
-            kw = dict(cp_rank=plan.cp_rank, enable_gqa=True)
+            pos = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)  # k, v: all-gathered order
 
-            def dense(q=q, plan=plan, dout=dout, kw=kw):
-                torch.autograd.grad(dense_cp_attention(q, k, v, plan.doc_ids, **kw), (q, k, v), dout)
+            def dense(q=q, pos=pos, dout=dout):
+                torch.autograd.grad(dense_cp_attention(q, k, v, *pos, enable_gqa=True), (q, k, v), dout)
 
-            def block(q=q, plan=plan, dout=dout, kw=kw):
-                out = cp_attention(q, k, v, plan.doc_ids, block_q=args.block, block_k=args.block, **kw)
+            def block(q=q, pos=pos, dout=dout):
+                out = cp_attention(q, k, v, *pos, enable_gqa=True, block_q=args.block, block_k=args.block)
                 torch.autograd.grad(out, (q, k, v), dout)
 
             times["dense"].append(_time(dense, args.repeats))
             times["block"].append(_time(block, args.repeats))
-            c = plan.chunk_len
-            computed += computed_pairs(
-                block_schedule(plan.doc_ids, plan.cp_rank * c, c, args.block, args.block), c, args.block
-            )
-            visible += int(plan.mask(documents=True).sum())
+            computed += plan.visible_blocks(args.block, args.block).computed_pairs()
+            visible += plan.visible_pairs()
         for path in ("dense", "block"):
             slowest = max(times[path])
             whole.setdefault(path, slowest)
@@ -86,7 +84,7 @@ def main() -> None:
             )
     print_table(
         f"attention op fwd+bwd per rank: T={args.seq}, B=1, heads {H}/{Hkv} kv, head dim {D}, documents "
-        f"{lo}..{hi} tokens, block {args.block}, 1 thread",
+        f"{lo}..{hi} tokens, block {args.block}, {args.layout} layout, 1 thread",
         rows,
     )
 

@@ -53,11 +53,11 @@ def check_parity(device, dtype) -> dict:
         T, c = plan.padded_len, plan.chunk_len
         q, dout = (torch.randn(2, 8, c, 64, generator=g).to(device, dtype) for _ in range(2))
         k, v = (torch.randn(2, 2, T, 64, generator=g).to(device, dtype) for _ in range(2))
-        docs = plan.doc_ids.to(device)
+        pos = [t.to(device) for t in (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)]
         outs = []
         for fn in (cp_attention, dense_cp_attention):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = fn(*leaves, docs, cp_rank=rank, enable_gqa=True)
+            out = fn(*leaves, *pos, enable_gqa=True)
             outs.append((out, *torch.autograd.grad(out, leaves, dout)))
         for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
             errors[name] = max(errors.get(name, 0.0), (a.float() - b.float()).abs().max().item())
@@ -76,10 +76,11 @@ def check_flex_forward_on_cpu() -> float:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, plan.chunk_len, 16, generator=g)
     k, v = (torch.randn(2, 2, plan.padded_len, 16, generator=g) for _ in range(2))
-    block_mask = _attention._flex_block_mask(plan.doc_ids, plan.chunk_len, plan.chunk_len, -1)
+    pos = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
+    block_mask = _attention._flex_block_mask(*pos, None)
     with torch.no_grad():
         out = torch.compile(flex_attention)(q, k, v, block_mask=block_mask, scale=0.25, enable_gqa=True)
-    ref = dense_cp_attention(q, k, v, plan.doc_ids, cp_rank=1, scale=0.25, enable_gqa=True)
+    ref = dense_cp_attention(q, k, v, *pos, scale=0.25, enable_gqa=True)
     return (out - ref).abs().max().item()
 
 
@@ -111,17 +112,17 @@ def main() -> None:
     for t_local in (int(x) for x in args.t_local.split(",")):
         batch = packed_batch(packed_doc_lens(args.cp * t_local, 1, lo, hi))
         plan = build_plan(batch, args.cp, args.cp - 1)
-        visible = int((plan.position_ids[:, plan.chunk_slice()] + 1).sum())  # keys 0..pos of its own document
+        visible = plan.visible_pairs()
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, H, t_local, D, generator=g).to(device, dtype).requires_grad_()
         k, v = (
             torch.randn(1, Hkv, plan.padded_len, D, generator=g).to(device, dtype).requires_grad_() for _ in range(2)
         )
         dout = torch.randn_like(q)
-        docs = plan.doc_ids.to(device)
+        pos = [t.to(device) for t in (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)]
 
         def ours():
-            out = cp_attention(q, k, v, docs, cp_rank=plan.cp_rank, enable_gqa=True)
+            out = cp_attention(q, k, v, *pos, enable_gqa=True)
             torch.autograd.grad(out, (q, k, v), dout)
 
         # one causal sequence with the same number of visible pairs: L (L + 1) / 2 = visible

@@ -24,7 +24,7 @@ torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graph
 from cpcompile.backend import BackendOptions, CPBackend, backend
 from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
-from cpcompile.inspect import Inspection, SiteRow, inspect_model, write_dump
+from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
 from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
 from cpcompile.plan import CPPlan, build_plan
@@ -38,7 +38,7 @@ __all__ = [
     "Inspection",
     "MaskMismatchError",
     "SiteReport",
-    "SiteRow",
+    "RankSite",
     "UnsupportedAttentionError",
     "backend",
     "build_plan",

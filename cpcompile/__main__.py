@@ -75,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="meta (default): shapes only; cpu: real tensors, for models whose code reads values",
     )
     p.add_argument("--attn-implementation", default="sdpa", help="for config files (default sdpa)")
+    p.add_argument(
+        "--attention",
+        choices=["auto", "dense", "block"],
+        default="auto",
+        help="the backend's attention option (default auto: dense when tracing on meta, as on CUDA; block on cpu)",
+    )
+    p.add_argument("--layout", default="contiguous", help="shard's layout: contiguous (default) or head_tail")
+    p.add_argument(
+        "--no-config",
+        dest="use_config",
+        action="store_false",
+        help="do not pass the model's transformers config to the backend (training should pass it: windows and "
+        "refusals that come from the config then show)",
+    )
     p.add_argument("--dump", metavar="DIR", help="write graphs, summary.json and attention_pattern.png to DIR")
     p.set_defaults(run=_inspect, subparser=p)
     return parser
@@ -97,6 +111,9 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             dtype=args.dtype,
             device=args.device,
             attn_implementation=args.attn_implementation,
+            attention=args.attention,
+            layout=args.layout,
+            use_config=args.use_config,
         )
     except ValueError as e:
         parser.error(str(e))

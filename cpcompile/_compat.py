@@ -31,9 +31,11 @@ __all__ = [
     "is_non_member_group",
     "lookup_inner_backend",
     "mark_seq_dynamic",
+    "node_module_class",
     "node_module_path",
     "resolve_group",
     "must_recompute_meta",
+    "size_hint",
     "statically_true",
     "structured_trace_enabled",
     "trace_artifact",
@@ -179,6 +181,29 @@ def node_module_path(node: torch.fx.Node) -> str:
         return ""
     path, _cls = list(stack.values())[-1]
     return _clean_module_path(str(path))
+
+
+def node_module_class(node: torch.fx.Node) -> str:
+    """The qualified class name (``transformers.models.llama.modeling_llama.LlamaAttention``) of the module that
+    made ``node``, from Dynamo's ``nn_module_stack`` (torch 2.11-2.13: ``(path, class)`` pairs), or ``""``."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    _path, cls = list(stack.values())[-1]
+    if isinstance(cls, type):
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return str(cls)
+
+
+def size_hint(expr: object) -> int:
+    """The concrete value of a size that may be symbolic: the hint Dynamo recorded for this compilation
+    (torch 2.11-2.13: ``SymInt.node.hint``)."""
+    if isinstance(expr, torch.SymInt):
+        hint = expr.node.hint
+        if hint is None:
+            raise ValueError(f"size {expr} has no hint (a data-dependent size)")
+        return int(hint)
+    return int(expr)
 
 
 def _clean_module_path(path: str) -> str:

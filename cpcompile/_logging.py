@@ -6,7 +6,7 @@
 - ``TORCH_LOGS="+cpcompile"`` (level DEBUG): also the graph before and after the pass (``cpcompile.graphs``).
 - ``TORCH_TRACE=dir`` (then ``tlparse dir/...log``): every compiled graph adds three artifacts under its compile id:
   ``cpcompile_graph_before`` and ``cpcompile_graph_after`` (the code of ``cpcompile.dump.graph_source``) and
-  ``cpcompile_sites`` (JSON: rank, CP size, and one :func:`cpcompile.dump.site_record` per site).
+  ``cpcompile_sites`` (JSON: rank, CP size, and the record of every site, ``SiteReport.to_json``).
 
 torch itself routes ``TORCH_LOGS`` names that are importable modules to the Python loggers of that module tree,
 so the loggers here are plain ``logging`` loggers under ``cpcompile``; nothing is printed unless asked for.
@@ -17,10 +17,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import torch.fx as fx
 from tabulate import tabulate
 
-from cpcompile import _compat, dump
+from cpcompile import _compat
 
 __all__ = ["GraphTrace", "format_sites"]
 
@@ -46,15 +45,15 @@ def _shape(value) -> str:
     return "[" + ",".join(str(s) for s in value) + "]" if isinstance(value, (list, tuple)) else str(value)
 
 
-def format_sites(reports: list, cp_size: int) -> str:
+def format_sites(reports: list) -> str:
     """A text table of site reports (:class:`cpcompile.SiteReport`), one row per site.
 
-    Fields are read from :func:`cpcompile.dump.site_record` (the report's fields plus the bytes one call
-    all-gathers on this rank); a field a report does not have shows as empty.
+    Fields are read from the report's JSON record (``SiteReport.to_json``); a field a report does not have
+    shows as empty. Shapes show symbolic sizes by name (``s27``); the bytes use their values at this compilation.
     """
     rows = []
     for report in reports:
-        record = dump.site_record(report, cp_size)
+        record = report.to_json()
         row = []
         for _title, key in _COLUMNS:
             if key is None:
@@ -68,36 +67,31 @@ def format_sites(reports: list, cp_size: int) -> str:
 
 @dataclasses.dataclass
 class GraphTrace:
-    """The logs and trace artifacts of one graph through the backend: :meth:`start` before the pass, then
-    :meth:`finish` after it. Does nothing (and renders no graph) when no log or trace is listening."""
+    """The logs and trace artifacts of one graph through the backend, titled ``title``."""
 
     title: str
-    before: str | None
 
-    @classmethod
-    def start(cls, gm: fx.GraphModule, title: str) -> GraphTrace:
-        wants_code = graphs_log.isEnabledFor(logging.DEBUG) or _compat.structured_trace_enabled()
-        return cls(title, dump.graph_source(gm, f"{title}: as Dynamo traced it") if wants_code else None)
+    def wants_code(self) -> bool:
+        """Whether a log or trace is listening for the graphs' code (so the backend renders it)."""
+        return graphs_log.isEnabledFor(logging.DEBUG) or _compat.structured_trace_enabled()
 
-    def finish(self, gm: fx.GraphModule, reports: list, *, rank: int, cp_size: int) -> None:
+    def emit(self, before: str, after: str, reports: list, *, rank: int, cp_size: int) -> None:
+        """Log the site table (INFO) and, when :meth:`wants_code`, the graphs (DEBUG) and the trace artifacts.
+
+        ``before``/``after``: the graph's code before and after the pass (``""`` when it was not rendered).
+        """
         if sites_log.isEnabledFor(logging.INFO):
             counts = {a: sum(r.action == a for r in reports) for a in ("rewritten", "refused", "untouched")}
             summary = ", ".join(f"{n} {a}" for a, n in counts.items() if n) or "no attention"
             text = f"{self.title}: {len(reports)} SDPA site(s): {summary}"
-            sites_log.info("%s", f"{text}\n{format_sites(reports, cp_size)}" if reports else text)
-        if self.before is None:
+            sites_log.info("%s", f"{text}\n{format_sites(reports)}" if reports else text)
+        if not (before and self.wants_code()):
             return
-        after = dump.graph_source(gm, f"{self.title}: after the cpcompile cp_attention pass")
-        graphs_log.debug("%s\n%s", self.before, after)
-        _compat.trace_artifact("cpcompile_graph_before", "string", lambda: self.before)
+        graphs_log.debug("%s\n%s", before, after)
+        _compat.trace_artifact("cpcompile_graph_before", "string", lambda: before)
         _compat.trace_artifact("cpcompile_graph_after", "string", lambda: after)
         _compat.trace_artifact(
             "cpcompile_sites",
             "json",
-            lambda: {
-                "title": self.title,
-                "rank": rank,
-                "cp_size": cp_size,
-                "sites": [dump.site_record(r, cp_size) for r in reports],
-            },
+            lambda: {"title": self.title, "rank": rank, "cp_size": cp_size, "sites": [r.to_json() for r in reports]},
         )

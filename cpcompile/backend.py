@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
@@ -13,70 +14,30 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from cpcompile import _compat, _logging, dump
-from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
+from cpcompile.options import BackendOptions
+from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group
 
-__all__ = ["BackendOptions", "CPBackend", "backend"]
-
-_INNER = ("inductor", "aot_eager", "eager")
-_ATTENTION = ("auto", "dense", "block")
-#: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
-DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
-
-
-def _env_dump_dir() -> str | None:
-    return os.environ.get(DUMP_DIR_ENV) or None
-
+__all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
 _backend_ids = itertools.count()
-#: The live backends of this process by id, for unpickling a backend in the process that pickled it.
+#: The live backends of this process by a key of their own, for unpickling a backend in the process that pickled it.
 _LIVE_BACKENDS: weakref.WeakValueDictionary[int, CPBackend] = weakref.WeakValueDictionary()
+_live_keys = itertools.count()
 
 
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class BackendOptions:
-    """Options of :func:`backend`."""
+@dataclasses.dataclass
+class TracedGraph:
+    """One graph a backend in ``trace_only`` mode compiled: its code before and after the pass, its reports."""
 
-    #: Compiler the rewritten graph is handed to: ``inductor`` (default), ``aot_eager`` or ``eager``.
-    inner: Literal["inductor", "aot_eager", "eager"] = "inductor"
-    #: Keep only the local K/V between forward and backward and all-gather them again in backward:
-    #: per attention call, (N-1)/N of the gathered K/V memory saved for one more all-gather of K and V.
-    #: Off by default (communication is usually the scarcer resource). Honoured by inner compilers that
-    #: partition with AOTAutograd (``inductor``, ``aot_eager``).
-    regather_kv_in_backward: bool = False
-    #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
-    #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
-    dump_dir: str | None = dataclasses.field(default_factory=_env_dump_dir)
-    #: Attention emitted for every SDPA site. ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the
-    #: reference). ``"block"``: ``cpcompile::cp_attention``, which computes only the not fully masked
-    #: (query block, key block) pairs and never builds more than a block of the mask; with a CP group of size 1
-    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors, where it is exact, faster and
-    #: bounds memory (BENCHMARKS.md), and ``"dense"`` elsewhere until the CUDA block path (flex_attention,
-    #: flash-attn varlen) has been validated on a GPU.
-    attention: Literal["auto", "dense", "block"] = "auto"
-    #: Query and key block size of the block kernel (CPU).
-    block_size: int = 128
-    #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
-    #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
-    #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
-    config: object | None = None
-
-    def __post_init__(self) -> None:
-        if self.inner not in _INNER:
-            raise ValueError(f"inner={self.inner!r} is not a known inner compiler; choose one of {_INNER}")
-        if self.dump_dir is not None:
-            if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
-                raise ValueError(f"dump_dir={self.dump_dir!r} must be a folder path (str or os.PathLike), or None")
-            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
-        if self.attention not in _ATTENTION:
-            raise ValueError(f"attention={self.attention!r} is not a known attention path; choose one of {_ATTENTION}")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
-        if self.config is not None and not hasattr(self.config, "to_dict"):
-            raise TypeError(
-                f"config must be a transformers PretrainedConfig (model.config) or None, got "
-                f"{type(self.config).__name__}"
-            )
+    #: Global rank of the process that traced it.
+    rank: int
+    graph: int
+    before: str
+    after: str
+    reports: tuple[SiteReport, ...]
+    #: How many times the (unrewritten) graph ran so far.
+    calls: int = 0
 
 
 class CPBackend:
@@ -85,26 +46,40 @@ class CPBackend:
     Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler.
     ``reports`` lists what was done with every SDPA site of every graph compiled so far.
 
+    ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
+    copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
+    (no collective is ever issued). ``name`` prefixes the ids of its sites (default ``backend<n>``).
+
     ``copy.copy``/``copy.deepcopy`` return the backend itself (wrappers such as Lightning's ``torch.compile`` copy
     their arguments). A pickle holds the CP group's registered name and the options: unpickled in the same process
     it is the same backend; in another process, a new backend over the group registered there under that name
     (``TypeError`` naming the fix when there is none).
     """
 
-    def __init__(self, cp_group: dist.ProcessGroup, options: BackendOptions) -> None:
-        self.cp_size, _, self.group_name = check_group(cp_group)
+    def __init__(
+        self,
+        cp_group: dist.ProcessGroup,
+        options: BackendOptions,
+        *,
+        trace_only: bool = False,
+        name: str | None = None,
+    ) -> None:
+        self.cp_size, self.cp_rank, self.group_name = check_group(cp_group)
         self.cp_group = cp_group
-        self.cp_rank = dist.get_rank(cp_group)
-        if self.cp_size > 1:
+        if self.cp_size > 1 and not trace_only:
             _compat.forbid_eager_fallback_on_recompile_limit()
         self.options = options
+        self.trace_only = trace_only
         self.reports: list[SiteReport] = []
-        self._id = next(_backend_ids)
-        _LIVE_BACKENDS[self._id] = self
+        self.traced: list[TracedGraph] = []
+        #: Prefix of the ids of the sites this backend compiles (``backend<n>``, n counting backends per process).
+        self.name = f"backend{next(_backend_ids)}" if name is None else name
         self._graphs = itertools.count()
         self._dump = (
             None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
         )
+        self._key = next(_live_keys)
+        _LIVE_BACKENDS[self._key] = self
 
     # Wrappers that copy their arguments (Lightning's torch.compile deep-copies its keyword arguments) get this
     # backend itself: it holds a process group, which cannot be copied, and its reports must stay in one place.
@@ -117,41 +92,48 @@ class CPBackend:
     def __reduce__(self):
         """Pickle by reference: the CP group's registered name and the options (see :func:`_unpickle_backend`)."""
         fields = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
-        return (_unpickle_backend, (os.getpid(), self._id, self.group_name, fields))
+        return (_unpickle_backend, (os.getpid(), self._key, self.group_name, fields, self.trace_only))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
-        title = f"cpcompile rank {self.cp_rank}/{self.cp_size} of CP group {self.group_name!r}, backend {self._id}"
-        trace = _logging.GraphTrace.start(gm, f"{title}, graph {graph_id}")  # TORCH_LOGS / TORCH_TRACE
-        if self._dump is not None:
-            title = f"rank {self._dump.rank}, backend {self._id}, graph {graph_id}"
-            before, grad_flags = dump.graph_source(gm, f"{title}: as Dynamo traced it"), dump.site_grad_flags(gm)
-        reports = cp_attention_pass(
-            gm,
+        title = f"rank {dist.get_rank()}, graph {graph_id}"
+        trace = _logging.GraphTrace(f"cpcompile {self.name} graph {graph_id}, CP rank {self.cp_rank} of {self.cp_size}")
+        keep_source = self._dump is not None or self.trace_only or trace.wants_code()
+        before = dump.graph_source(gm, f"{title}: as Dynamo traced it") if keep_source else ""
+        target = copy.deepcopy(gm) if self.trace_only else gm
+        ctx = PassContext(
+            options=self.options,
             group_name=self.group_name,
             cp_size=self.cp_size,
-            graph_id=graph_id,
-            site_prefix=f"backend{self._id}/graph{graph_id}",
-            regather_kv=self.options.regather_kv_in_backward,
-            attention=self.options.attention,
             cp_rank=self.cp_rank,
-            block_size=self.options.block_size,
-            config=self.options.config,
+            graph_id=graph_id,
+            site_prefix=f"{self.name}/graph{graph_id}",
+            refuse="report" if self.trace_only else "raise",
         )
+        reports = cp_attention_pass(target, ctx)
         self.reports += reports
-        trace.finish(gm, reports, rank=self.cp_rank, cp_size=self.cp_size)
+        after = dump.graph_source(target, f"{title}: after the cpcompile cp_attention pass") if keep_source else ""
+        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
         if self._dump is not None:
-            after = dump.graph_source(gm, f"{title}: after the cpcompile cp_attention pass")
-            self._dump.add_graph(before, after, reports, grad_flags)
+            self._dump.add_graph(before, after, reports)
+        if self.trace_only:
+            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports))
+            self.traced.append(record)
+
+            def run(*args):
+                record.calls += 1
+                return gm.forward(*args)
+
+            return run
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
 
 
-def _unpickle_backend(pid: int, backend_id: int, group_name: str, options: dict) -> CPBackend:
+def _unpickle_backend(pid: int, key: int, group_name: str, options: dict, trace_only: bool) -> CPBackend:
     """A pickled backend: the same object in the process that pickled it (while it lives), else a new backend with
     the same options over the process group registered under ``group_name`` in this process."""
-    if pid == os.getpid() and (live := _LIVE_BACKENDS.get(backend_id)) is not None:
+    if pid == os.getpid() and (live := _LIVE_BACKENDS.get(key)) is not None:
         return live
     group = _compat.resolve_group(group_name)
     if group is None:
@@ -161,7 +143,7 @@ def _unpickle_backend(pid: int, backend_id: int, group_name: str, options: dict)
             "torch.distributed.new_group / init_device_mesh calls in the same order), or build the backend in this "
             "process with cpcompile.backend(cp_group)"
         )
-    return CPBackend(group, BackendOptions(**options))
+    return CPBackend(group, BackendOptions(**options), trace_only=trace_only)
 
 
 def backend(

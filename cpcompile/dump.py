@@ -11,19 +11,16 @@ One folder per rank, names from a counter, no uuids, so two runs of the same mod
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import threading
 import types
 
-import torch
 import torch.fx as fx
 
-from cpcompile.passes.sdpa_cp import SiteReport, find_sdpa_sites
+from cpcompile.passes.sdpa_cp import SiteReport
 
-__all__ = ["RankDumpWriter", "graph_source", "site_grad_flags", "site_record", "write_json", "writer_for"]
+__all__ = ["RankDumpWriter", "graph_source", "write_json", "writer_for"]
 
 
 def graph_source(gm: fx.GraphModule, title: str) -> str:
@@ -36,7 +33,7 @@ def graph_source(gm: fx.GraphModule, title: str) -> str:
         f"# {title}",
         "# Readable code of a torch.fx GraphModule (print_readable).",
         "import torch",
-        "import cpcompile  # registers torch.ops.cpcompile.plan_mask",
+        "import cpcompile  # registers the torch.ops.cpcompile ops",
     ]
     lines += _global_imports(gm)
     return "\n".join(lines) + "\n\n" + gm.print_readable(print_output=False).rstrip() + "\n"
@@ -68,44 +65,6 @@ def _global_imports(gm: fx.GraphModule) -> list[str]:
     return out
 
 
-def site_grad_flags(gm: fx.GraphModule) -> dict[str, tuple[bool, bool]]:
-    """For every SDPA node of ``gm`` (before the pass): whether its key and value require grad.
-
-    A gathered tensor that requires grad is reduce-scattered in backward, so this decides the backward bytes.
-    """
-    flags = {}
-    for site in find_sdpa_sites(gm):
-        k, v = site.meta(site.key), site.meta(site.value)
-        flags[site.node.name] = (bool(k is not None and k.requires_grad), bool(v is not None and v.requires_grad))
-    return flags
-
-
-def _static_numel(shape: tuple) -> int | None:
-    return math.prod(shape) if all(isinstance(s, int) for s in shape) else None
-
-
-def site_record(report: SiteReport, cp_size: int, needs_grad: tuple[bool, bool] = (False, False)) -> dict:
-    """A JSON-ready record of one site: the report's fields and the bytes one call moves on this rank.
-
-    ``all_gather_bytes_per_call``: bytes this rank receives per call, ``(N - 1) * numel * itemsize`` summed
-    over the gathered shapes (K then V). ``reduce_scatter_bytes_per_call``: bytes it sends in backward, the
-    same amount for every gathered tensor that requires grad. ``None`` when a shape is symbolic.
-    """
-    record = dataclasses.asdict(report)
-    record["gathered_shapes"] = [list(s) for s in report.gathered_shapes]
-    for key in ("q_shape", "k_shape", "v_shape"):
-        record[key] = list(record[key])
-    itemsize = getattr(torch, report.dtype).itemsize if hasattr(torch, report.dtype) else None
-    gathered = [_static_numel(s) for s in report.gathered_shapes]
-    if itemsize is None or any(n is None for n in gathered):
-        record["all_gather_bytes_per_call"] = record["reduce_scatter_bytes_per_call"] = None
-        return record
-    per_tensor = [(cp_size - 1) * n * itemsize for n in gathered]
-    record["all_gather_bytes_per_call"] = sum(per_tensor)
-    record["reduce_scatter_bytes_per_call"] = sum(b for b, g in zip(per_tensor, needs_grad) if g)
-    return record
-
-
 def write_json(path: str, data: object) -> None:
     """Write ``data`` as sorted, indented JSON with a final newline (byte-identical for equal data)."""
     with open(path, "w", encoding="utf-8") as f:
@@ -130,7 +89,6 @@ class RankDumpWriter:
         before: str,
         after: str,
         reports: list[SiteReport],
-        grad_flags: dict[str, tuple[bool, bool]],
         *,
         calls_per_forward: int | None = None,
     ) -> list[str]:
@@ -148,7 +106,7 @@ class RankDumpWriter:
                     "before": names[0],
                     "after": names[1],
                     "calls_per_forward": calls_per_forward,
-                    "sites": [site_record(r, self.cp_size, grad_flags.get(r.node, (False, False))) for r in reports],
+                    "sites": [r.to_json() for r in reports],
                 }
             )
             summary = os.path.join(self.folder, "summary.json")

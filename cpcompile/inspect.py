@@ -1,19 +1,19 @@
 """``cpcompile inspect``: what the backend does to a model, traced in one process without a cluster.
 
 Main API: :func:`inspect_model` (trace the model as every CP rank, run the pass in report mode, collect one
-:class:`SiteRow` per SDPA site) and :func:`write_dump` (graphs before/after, ``summary.json`` and a PNG of each
+:class:`RankSite` per SDPA site) and :func:`write_dump` (graphs before/after, ``summary.json`` and a PNG of each
 rank's attention pattern). The command line is ``cpcompile inspect`` (:mod:`cpcompile.__main__`).
 
 Each rank is traced in this process under a fake process group (no communication) of the CP size, with the
 model and the local batch on the ``meta`` device by default: no weights are allocated and no attention is
-computed; Dynamo traces the model on the shapes alone. The traced graph is copied and the copy rewritten by
-:func:`cpcompile.passes.cp_attention_pass` with ``refuse="report"``, so refused sites are listed instead of
-raised; the untouched graph is what runs (on meta), so no collective is ever issued.
+computed; Dynamo traces the model on the shapes alone, with the same dynamic sequence length as training.
+The backend is the one training builds (:func:`cpcompile.backend`'s :class:`~cpcompile.backend.CPBackend`,
+same options) in its ``trace_only`` mode: every graph is rewritten in a copy with refusals listed instead of
+raised, and the untouched graph is what runs (on meta), so no collective is ever issued.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
 import os
@@ -21,18 +21,18 @@ import re
 from collections.abc import Sequence
 
 import torch
-import torch.fx as fx
 
 from cpcompile import _compat
-from cpcompile.dump import RankDumpWriter, graph_source, site_grad_flags, site_record, write_json
-from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
+from cpcompile.backend import CPBackend, TracedGraph
+from cpcompile.dump import RankDumpWriter, write_json
+from cpcompile.options import BackendOptions
+from cpcompile.passes.sdpa_cp import SiteReport
 from cpcompile.plan import CPPlan, build_plan
 
 __all__ = [
     "Inspection",
+    "RankSite",
     "RankTotals",
-    "SiteRow",
-    "TracedGraph",
     "attention_pattern_image",
     "inspect_model",
     "load_model",
@@ -47,44 +47,43 @@ _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 # -- results -------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class SiteRow:
-    """One SDPA site as traced on one rank, with the bytes it moves (see :func:`cpcompile.dump.site_record`)."""
+class RankSite:
+    """One SDPA site as traced on one rank: the pass's report (sizes resolved) and its graph's calls per forward."""
 
     rank: int
-    graph: int
-    node: str
-    #: Qualified module name from the node's module stack (``model.layers.0.self_attn``).
-    layer: str
-    q_shape: tuple
-    k_shape: tuple
-    v_shape: tuple
-    dtype: str
-    #: Query heads (``q_shape[1]``) and the model's key/value heads (before any ``repeat_kv`` expansion).
-    q_heads: int
-    kv_heads: int
-    #: ``bool-mask`` (mask built in the graph), ``float-mask``, ``is_causal`` or ``none``.
-    mask_form: str
-    enable_gqa: bool
-    #: ``rewritten``, ``refused`` or ``untouched`` (CP size 1).
-    action: str
-    reason: str
-    #: Local K and V shapes all-gathered per call (empty unless rewritten).
-    gathered_shapes: tuple
     #: How many times the site's graph ran in one forward.
     calls_per_forward: int
-    #: Bytes this rank receives per call: ``(N - 1) * numel * itemsize`` summed over ``gathered_shapes``.
-    all_gather_bytes_per_call: int
-    #: ``all_gather_bytes_per_call * calls_per_forward``.
-    all_gather_bytes_per_step: int
-    #: Backward reduce-scatters of one step: one per gathered tensor that requires grad, per call.
-    reduce_scatters_per_step: int
-    #: Bytes this rank sends in those reduce-scatters (like a reduce-scatter on NCCL; gloo all-reduces instead).
-    reduce_scatter_bytes_per_step: int
+    report: SiteReport
 
     @property
-    def mask_found(self) -> str:
-        """The mask form with ``enable_gqa`` appended when set (``is_causal, enable_gqa``)."""
-        return self.mask_form + (", enable_gqa" if self.enable_gqa else "")
+    def all_gather_bytes_per_step(self) -> int:
+        return self.report.all_gather_bytes_per_call * self.calls_per_forward
+
+    @property
+    def reduce_scatters_per_step(self) -> int:
+        """Backward reduce-scatters of one step: one per gathered tensor that requires grad, per call."""
+        return len(self.report.gathered_shapes) * self.report.needs_grad * self.calls_per_forward
+
+    @property
+    def reduce_scatter_bytes_per_step(self) -> int:
+        return self.report.reduce_scatter_bytes_per_call * self.calls_per_forward
+
+    def __getattr__(self, name: str):
+        """The report's fields (``row.layer``, ``row.action``, ...) read through the row."""
+        if name == "report":  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self.report, name)
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "graph": self.report.graph_id,
+            "calls_per_forward": self.calls_per_forward,
+            **self.report.to_json(),
+            "all_gather_bytes_per_step": self.all_gather_bytes_per_step,
+            "reduce_scatters_per_step": self.reduce_scatters_per_step,
+            "reduce_scatter_bytes_per_step": self.reduce_scatter_bytes_per_step,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,19 +102,6 @@ class RankTotals:
 
 
 @dataclasses.dataclass(frozen=True)
-class TracedGraph:
-    """One graph Dynamo traced for one rank: its code before and after the pass and what the pass reported."""
-
-    rank: int
-    graph: int
-    before: str
-    after: str
-    reports: tuple[SiteReport, ...]
-    grad_flags: dict
-    calls_per_forward: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Inspection:
     """The result of :func:`inspect_model`: the settings, one row per site per traced rank, the graphs."""
 
@@ -129,12 +115,16 @@ class Inspection:
     chunk_len: int
     dtype: str
     device: str
-    rows: tuple[SiteRow, ...]
+    #: The options the backend traced with (those a training run with the same options uses).
+    options: BackendOptions
+    layout: str
+    rows: tuple[RankSite, ...]
     totals: tuple[RankTotals, ...]
     #: The plan of the global batch (rank 0's view; ``plan.mask(..., rank=r)`` gives any rank's rows).
     plan: CPPlan
     #: Whether the rewritten sites use the packed-document mask (bool-mask form) or plain causal order.
     documents: bool
+    #: Every graph traced, of every traced rank.
     graphs: tuple[TracedGraph, ...] = dataclasses.field(repr=False)
 
     @property
@@ -155,6 +145,7 @@ class Inspection:
             "heads q/kv",
             "mask found",
             "action",
+            "attention",
             "gathered K, V",
             "AG/call",
             "AG/step",
@@ -166,7 +157,7 @@ class Inspection:
             body.append(
                 [
                     ranks,
-                    row.graph,
+                    row.graph_id,
                     row.layer or "<top level>",
                     _fmt_shape(row.q_shape),
                     _fmt_shapes((row.k_shape, row.v_shape)),
@@ -174,6 +165,7 @@ class Inspection:
                     f"{row.q_heads}/{row.kv_heads}",
                     row.mask_found,
                     action,
+                    (row.kernel or "-") + (f", window {row.window}" if row.window is not None else ""),
                     _fmt_shapes(row.gathered_shapes),
                     _fmt_bytes(row.all_gather_bytes_per_call),
                     _fmt_bytes(row.all_gather_bytes_per_step),
@@ -217,7 +209,8 @@ class Inspection:
         return (
             f"{self.model} ({self.model_class}): CP size {self.cp_size}, batch {self.batch_size} x {self.seq_len} "
             f"tokens{pad} (documents {docs}), {self.chunk_len} tokens per rank, {self.dtype}, traced on "
-            f"{self.device}; {len({(r.graph, r.node) for r in self.rows})} SDPA site(s) in "
+            f"{self.device}, {self.layout} layout, attention={self.options.attention}; "
+            f"{len({(r.graph_id, r.node) for r in self.rows})} SDPA site(s) in "
             f"{len({g.graph for g in self.graphs})} graph(s)"
         )
 
@@ -239,10 +232,10 @@ class Inspection:
             ]
         return "\n".join(lines) + "\n"
 
-    def _merged_rows(self) -> list[tuple[str, SiteRow]]:
-        by_site: dict[tuple[int, str], list[SiteRow]] = {}
+    def _merged_rows(self) -> list[tuple[str, RankSite]]:
+        by_site: dict[tuple[int, str], list[RankSite]] = {}
         for row in self.rows:
-            by_site.setdefault((row.graph, row.node), []).append(row)
+            by_site.setdefault((row.graph_id, row.node), []).append(row)
         out = []
         for rows in by_site.values():
             same = all(dataclasses.replace(r, rank=rows[0].rank) == rows[0] for r in rows)
@@ -254,13 +247,6 @@ class Inspection:
 
     def to_json(self) -> dict:
         """The table's data as plain JSON types (what ``summary.json`` holds, without the file list)."""
-        rows = []
-        for row in self.rows:
-            d = dataclasses.asdict(row)
-            for key in ("q_shape", "k_shape", "v_shape"):
-                d[key] = list(d[key])
-            d["gathered_shapes"] = [list(s) for s in row.gathered_shapes]
-            rows.append(d)
         return {
             "model": self.model,
             "model_class": self.model_class,
@@ -274,7 +260,9 @@ class Inspection:
             "dtype": self.dtype,
             "device": self.device,
             "documents": self.documents,
-            "sites": rows,
+            "layout": self.layout,
+            "attention": self.options.attention,
+            "sites": [row.to_json() for row in self.rows],
             "rank_totals": [dataclasses.asdict(t) for t in self.totals],
         }
 
@@ -388,42 +376,6 @@ def _call_factory(spec: str):
 
 
 # -- tracing -------------------------------------------------------------------------------------------------
-class _Capture:
-    """A Dynamo backend that records every graph, rewrites a copy in report mode and runs the original."""
-
-    def __init__(self, rank: int, cp_size: int, group_name: str) -> None:
-        self.rank, self.cp_size, self.group_name = rank, cp_size, group_name
-        self.graphs: list[dict] = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs):
-        n = len(self.graphs)
-        title = f"rank {self.rank} of {self.cp_size}, graph {n}"
-        entry = {
-            "before": graph_source(gm, f"{title}: as Dynamo traced it"),
-            "grad_flags": site_grad_flags(gm),
-            "calls": 0,
-        }
-        rewritten = copy.deepcopy(gm)
-        entry["reports"] = tuple(
-            cp_attention_pass(
-                rewritten,
-                group_name=self.group_name,
-                cp_size=self.cp_size,
-                graph_id=n,
-                site_prefix=f"inspect/graph{n}",
-                refuse="report",
-            )
-        )
-        entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile cp_attention pass")
-        self.graphs.append(entry)
-
-        def run(*args):
-            entry["calls"] += 1
-            return gm.forward(*args)
-
-        return run
-
-
 def _doc_lens(seq_len: int, doc_lens: Sequence[Sequence[int]] | None, batch_size: int) -> tuple[tuple[int, ...], ...]:
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -456,6 +408,9 @@ def inspect_model(
     dtype: str | None = None,
     device: str = "meta",
     attn_implementation: str = "sdpa",
+    attention: str = "auto",
+    layout: str = "contiguous",
+    use_config: bool = True,
 ) -> Inspection:
     """Trace ``model`` as each CP rank of a group of ``cp_size`` and report what the backend does with it.
 
@@ -470,13 +425,20 @@ def inspect_model(
         device: ``meta`` (default: shapes only, nothing allocated) or ``cpu`` (real tensors, for models whose
             Python code reads tensor values).
         attn_implementation: for config specs, the transformers attention implementation (``sdpa``).
+        attention: the backend's ``attention`` option; ``auto`` resolves by the traced device like in
+            training (``meta`` as on CUDA: dense; ``cpu``: block).
+        layout: the layout :func:`cpcompile.shard` uses (:data:`cpcompile.plan.LAYOUTS`).
+        use_config: pass a transformers model's config to the backend (``backend(..., config=model.config)``),
+            as training should: windows and refusals that come from the config then show.
 
-    The model is called in train mode the way :func:`cpcompile.shard` calls it in training (local chunk,
-    global ``position_ids``, ``shift_labels``, ``use_cache=False``), under a fake process group, once per rank.
-    It needs a process without an initialized default process group, and clears torch.compile's caches
+    The model is called in train mode the way :func:`cpcompile.shard` calls it in training (this rank's tokens,
+    global ``position_ids``, ``shift_labels``, ``use_cache=False``, a dynamic sequence length), under a fake
+    process group, once per rank, through the backend training builds with the same options. It needs a
+    process without an initialized default process group, and clears torch.compile's caches
     (``torch.compiler.reset()``) around every trace. Raises ``ValueError`` for bad arguments,
     ``RuntimeError`` when tracing fails.
     """
+    from cpcompile.plan import LAYOUTS
     from cpcompile.testing import packed_batch
 
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
@@ -493,18 +455,24 @@ def inspect_model(
         raise ValueError(f"ranks={list(ranks)}: expected distinct ranks in [0, {cp_size}) (CP size {cp_size})")
     if device not in ("meta", "cpu"):
         raise ValueError(f"device={device!r}: inspect traces on 'meta' (default) or 'cpu'")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
 
     net = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
-    vocab = int(getattr(getattr(net, "config", None), "vocab_size", 2) or 2)
+    config = getattr(net, "config", None)
+    options = BackendOptions(
+        inner="eager", attention=attention, config=config if use_config and _is_config(config) else None, dump_dir=None
+    )
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
     batch = packed_batch([list(r) for r in rows_docs], vocab_size=vocab, seed=0)
     param = next(iter(net.parameters()), None)
     model_dtype = str(param.dtype if param is not None else torch.get_default_dtype()).removeprefix("torch.")
 
     graphs: list[TracedGraph] = []
     for rank in ranks:
-        graphs += _trace_rank(net, batch, rank, cp_size, device, model)
-    plan = build_plan(batch, cp_size, 0)
-    rows = tuple(_rows(graphs, cp_size))
+        graphs += _trace_rank(net, batch, rank, cp_size, device, model, options, layout)
+    plan = build_plan(batch, cp_size, 0, layout=layout)
+    rows = tuple(RankSite(g.rank, g.calls, report.resolved()) for g in graphs for report in g.reports)
     rewritten_forms = [r.mask_form for r in rows if r.action == "rewritten"]
     documents = not rewritten_forms or rewritten_forms[0] == "bool-mask"
     totals = tuple(_totals(rank, rows, plan, documents) for rank in ranks)
@@ -519,6 +487,8 @@ def inspect_model(
         chunk_len=plan.chunk_len,
         dtype=model_dtype,
         device=device,
+        options=options,
+        layout=layout,
         rows=rows,
         totals=totals,
         plan=plan,
@@ -527,16 +497,17 @@ def inspect_model(
     )
 
 
-def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> list[TracedGraph]:
-    from cpcompile.runtime import shard
+def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str, options, layout) -> list[TracedGraph]:
+    from cpcompile.runtime import current_plan, mark_local_dynamic, shard
 
     with _compat.fake_process_group(rank, cp_size) as group:
-        capture = _Capture(rank, cp_size, _compat.group_name_of(group))
+        tracer = CPBackend(group, options, trace_only=True, name="inspect")
         torch.compiler.reset()
         try:
-            compiled = torch.compile(net, backend=capture)
-            with shard(batch, group, dynamic=False) as local:  # concrete sizes: exact byte counts
+            compiled = torch.compile(net, backend=tracer)
+            with shard(batch, group, layout=layout) as local:
                 local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+                mark_local_dynamic(local, current_plan().chunk_len)  # the moved copies, like shard's own
                 compiled(**local)
         except Exception as e:  # noqa: BLE001 - re-raised with what was being traced
             hint = (
@@ -547,43 +518,10 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> 
             ) from e
         finally:
             torch.compiler.reset()
-    return [
-        TracedGraph(rank, n, g["before"], g["after"], g["reports"], g["grad_flags"], g["calls"])
-        for n, g in enumerate(capture.graphs)
-    ]
+    return tracer.traced
 
 
-def _rows(graphs: list[TracedGraph], cp_size: int):
-    for g in graphs:
-        for rep in g.reports:
-            rec = site_record(rep, cp_size, g.grad_flags.get(rep.node, (False, False)))
-            ag, rs = rec["all_gather_bytes_per_call"] or 0, rec["reduce_scatter_bytes_per_call"] or 0
-            flags = g.grad_flags.get(rep.node, (False, False)) if rep.gathered_shapes else ()
-            yield SiteRow(
-                rank=g.rank,
-                graph=g.graph,
-                node=rep.node,
-                layer=rep.layer,
-                q_shape=rep.q_shape,
-                k_shape=rep.k_shape,
-                v_shape=rep.v_shape,
-                dtype=rep.dtype,
-                q_heads=rep.q_shape[1] if len(rep.q_shape) == 4 else 0,
-                kv_heads=rep.kv_heads,
-                mask_form=rep.mask_form,
-                enable_gqa=rep.enable_gqa,
-                action=rep.action,
-                reason=rep.reason,
-                gathered_shapes=rep.gathered_shapes,
-                calls_per_forward=g.calls_per_forward,
-                all_gather_bytes_per_call=ag,
-                all_gather_bytes_per_step=ag * g.calls_per_forward,
-                reduce_scatters_per_step=sum(flags) * g.calls_per_forward,
-                reduce_scatter_bytes_per_step=rs * g.calls_per_forward,
-            )
-
-
-def _totals(rank: int, rows: tuple[SiteRow, ...], plan: CPPlan, documents: bool) -> RankTotals:
+def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool) -> RankTotals:
     mine = [r for r in rows if r.rank == rank]
     done = [r for r in mine if r.action == "rewritten"]
     return RankTotals(
@@ -594,7 +532,7 @@ def _totals(rank: int, rows: tuple[SiteRow, ...], plan: CPPlan, documents: bool)
         all_gather_bytes=sum(r.all_gather_bytes_per_step for r in done),
         reduce_scatters=sum(r.reduce_scatters_per_step for r in done),
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
-        visible_pairs=int(plan.mask(documents=documents, rank=rank).sum()),
+        visible_pairs=plan.visible_pairs(documents=documents, rank=rank),
     )
 
 
@@ -669,14 +607,18 @@ def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int
     T, B, N, c = plan.padded_len, plan.batch_size, plan.cp_size, plan.chunk_len
     geo = pattern_geometry(T, B)
     k, n, px = geo.tokens_per_cell, geo.cells, geo.pixels_per_cell
-    full = torch.cat([plan.mask(documents=documents, window=window, rank=r)[:, 0] for r in range(N)], dim=1)
+    # every rank's query rows, put in token order
+    slots = torch.cat([plan.mask(documents=documents, window=window, rank=r)[:, 0] for r in range(N)], dim=1)
+    token_owner = torch.empty(T, dtype=torch.long)
+    token_owner[plan.gathered_indices().cpu()] = torch.arange(N).repeat_interleave(c)
+    full = slots[:, torch.argsort(plan.gathered_indices()).cpu()]
     padded = torch.zeros(B, n * k, n * k, dtype=torch.int32)
     padded[:, :T, :T] = full.to(torch.int32)
     valid = torch.zeros(n * k, n * k, dtype=torch.int32)
     valid[:T, :T] = 1
     visible = padded.view(B, n, k, n, k).sum(dim=(2, 4))
     total = valid.view(n, k, n, k).sum(dim=(1, 3))
-    owner = [min(i * k // c, N - 1) for i in range(n)]
+    owner = token_owner[torch.arange(n) * k].tolist()  # a cell's colour: the rank of its first token
     shades = [_shades(_PALETTE[r % len(_PALETTE)]) for r in range(N)]
 
     image = Image.new("RGB", (geo.width, geo.height), _BACKGROUND)
@@ -746,9 +688,7 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
     for rank in inspection.ranks:
         writer = RankDumpWriter(directory, rank, inspection.cp_size)
         for g in (g for g in inspection.graphs if g.rank == rank):
-            written += writer.add_graph(
-                g.before, g.after, list(g.reports), g.grad_flags, calls_per_forward=g.calls_per_forward
-            )
+            written += writer.add_graph(g.before, g.after, list(g.reports), calls_per_forward=g.calls)
     written = list(dict.fromkeys(written))
     png = os.path.join(directory, "attention_pattern.png")
     attention_pattern_image(inspection.plan, documents=inspection.documents).save(png, format="PNG")

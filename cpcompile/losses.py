@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cpcompile.plan import IGNORE_INDEX
-from cpcompile.runtime import _require_active
+from cpcompile.runtime import active_context
 
 __all__ = ["token_logprobs", "token_entropy", "per_sample_mean"]
 
@@ -83,8 +83,8 @@ def per_sample_mean(
         mask: ``[B, c]`` bool or 0/1 weights: which tokens count (e.g. ``local["shift_labels"] != -100``).
         dp_group: the data-parallel group, when the global batch is split over DP ranks.
     """
-    active = _require_active("cpcompile.per_sample_mean")
-    plan = active.plan
+    context = active_context("cpcompile.per_sample_mean")
+    plan = context.plan
     shape = (plan.batch_size, plan.chunk_len)
     for name, t in (("values", values), ("mask", mask)):
         if not isinstance(t, torch.Tensor):
@@ -94,14 +94,13 @@ def per_sample_mean(
                 f"per_sample_mean: {name} has shape {tuple(t.shape)}, expected this rank's chunk [B, c] = "
                 f"{list(shape)}; pass per-token tensors of the active shard context's `local` batch"
             )
-    chunk = plan.chunk_slice()
-    doc = plan.doc_ids[:, chunk].to(values.device)
-    real = (torch.arange(plan.padded_len, device=values.device)[chunk] < plan.seq_len).expand(shape)
+    doc = plan.local(plan.doc_ids).to(values.device)
+    real = (plan.token_indices().to(values.device) < plan.seq_len).expand(shape)
     weight = mask.to(torch.float32) * real
     num_docs = int(plan.doc_ids.max()) + 1
     den = torch.zeros(shape[0], num_docs, device=values.device).scatter_add_(1, doc, weight)
     if plan.cp_size > 1:
-        dist.all_reduce(den, group=active.group)
+        dist.all_reduce(den, group=context.group)
     num = torch.zeros(shape[0], num_docs, device=values.device).scatter_add(1, doc, values.float() * weight)
     present = den > 0
     count = present.sum().to(torch.float32)

@@ -1,32 +1,82 @@
-"""The per-batch context-parallel plan: how a global batch is cut into per-rank chunks.
+"""The per-batch context-parallel plan: which tokens of a global batch every CP rank holds, and who sees whom.
 
 A :class:`CPPlan` is pure tensor bookkeeping with no collectives, so everything in this module can be
 unit-tested in one process. The runtime shim (:mod:`cpcompile.runtime`) builds one plan per batch and the
 compiled graph reads it while it runs.
 
-Layout: the sequence dimension ``T`` of every row is padded to ``T_pad``, a multiple of the CP size ``N``,
-and rank ``r`` holds the contiguous chunk ``[r * c, (r + 1) * c)`` with ``c = T_pad // N``. Padding tokens
-form a separate document (their position ids restart at 0) and carry the ignore label, so they never
-influence a real token.
+Layout: the sequence dimension ``T`` of every row is padded to ``T_pad``, a multiple of the CP size ``N``; rank
+``r`` holds the ``c = T_pad // N`` tokens whose global indices are ``plan.indices[r]`` (ascending), the same
+for every row. Layouts (:data:`LAYOUTS`):
 
-Attention masks follow transformers' index-based definitions exactly: query ``i`` may see key ``j`` iff
-``j <= i`` (global causal order), and, for the document form, both lie in the same document, where a new
-document starts wherever ``position_ids[t] - position_ids[t - 1] != 1``
-(``transformers.masking_utils.find_packed_sequence_indices``); with a sliding window ``w`` additionally
-``j > i - w``.
+* ``"contiguous"``: rank ``r`` holds ``[r * c, (r + 1) * c)``;
+* ``"head_tail"``: the sequence is cut into ``2N`` pieces and rank ``r`` holds piece ``r`` and piece
+  ``2N - 1 - r`` (the classic load-balanced layout for causal attention).
+
+Padding tokens form a separate document (their position ids restart at 0) and carry the ignore label, so they
+never influence a real token. All-gathering a per-token tensor over the CP group puts rank ``r``'s tokens at
+slots ``[r * c, (r + 1) * c)``: the gathered order is ``plan.indices.flatten()``.
+
+Visibility (:func:`visible`, the one rule every attention path applies) follows transformers' index-based
+definitions exactly: query ``i`` may see key ``j`` iff ``j <= i`` (global causal order), and, for the document
+form, both lie in the same document, where a new document starts wherever
+``position_ids[t] - position_ids[t - 1] != 1`` (``transformers.masking_utils.find_packed_sequence_indices``);
+with a sliding window ``w`` additionally ``j > i - w``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "CPPlan", "VisibleBlocks", "document_ids", "build_plan", "visible_blocks"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LAYOUTS",
+    "CPPlan",
+    "VisibleBlocks",
+    "build_plan",
+    "document_ids",
+    "document_starts",
+    "query_blocks",
+    "visible",
+    "visible_blocks",
+    "visible_mask",
+]
 
 #: The label value that transformers' cross entropy ignores.
 IGNORE_INDEX = -100
+
+
+def visible(
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    kv_doc: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """The visibility rule: key at global index ``kv_pos`` is visible to the query at ``q_pos``.
+
+    ``kv_pos <= q_pos`` (causal), ``kv_doc == q_doc`` (same document; skipped when the docs are ``None``) and
+    ``kv_pos > q_pos - window`` (sliding window; ``None``: none). Arguments broadcast like any elementwise op,
+    so the same function builds dense masks, block masks and flex_attention's ``mask_mod``.
+    """
+    m = kv_pos <= q_pos
+    if q_doc is not None:
+        m = m & (kv_doc == q_doc)
+    if window is not None:
+        m = m & (kv_pos > q_pos - window)
+    return m
+
+
+def visible_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, 1, len(q_pos), len(kv_pos)]`` bool mask of :func:`visible` for ``[B, T_pad]`` document ids.
+
+    ``q_pos``/``kv_pos`` are global token indices (any order); ``doc_ids`` all zeros means no document condition.
+    """
+    q_doc = doc_ids[:, q_pos][:, :, None]
+    kv_doc = doc_ids[:, kv_pos][:, None, :]
+    return visible(q_pos[:, None], kv_pos[None, :], q_doc, kv_doc, window)[:, None]
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -39,23 +89,64 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (step != 1).cumsum(-1)
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the global index of the first token of every token's document (docs contiguous per row)."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+# -- layouts ----------------------------------------------------------------------------------------------
+def _contiguous(padded_len: int, cp_size: int, doc_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(padded_len, device=doc_ids.device).view(cp_size, -1)
+
+
+def _head_tail(padded_len: int, cp_size: int, doc_ids: torch.Tensor) -> torch.Tensor:
+    c = padded_len // cp_size
+    head = c // 2  # tokens of each rank's first piece; the second piece has c - head
+    r = torch.arange(cp_size, device=doc_ids.device)[:, None]
+    first = r * head + torch.arange(head, device=doc_ids.device)
+    tail_start = padded_len - (r + 1) * (c - head)
+    second = tail_start + torch.arange(c - head, device=doc_ids.device)
+    return torch.cat([first, second], dim=1)
+
+
+#: Layout name -> ``fn(padded_len, cp_size, doc_ids [B, T_pad]) -> [N, c]`` global indices, ascending per rank.
+LAYOUTS: dict[str, Callable[[int, int, torch.Tensor], torch.Tensor]] = {
+    "contiguous": _contiguous,
+    "head_tail": _head_tail,
+}
+
+
+# -- blocks ---------------------------------------------------------------------------------------------
+def query_blocks(q_pos: torch.Tensor, block_q: int) -> list[int]:
+    """Boundaries ``[0, ..., c]`` of the query blocks of local queries at global indices ``q_pos`` (ascending).
+
+    A block never spans two runs of consecutive indices (so its queries are contiguous tokens, which keeps
+    its visible keys one interval) and holds at most ``block_q`` queries.
+    """
+    c = int(q_pos.shape[0])
+    breaks = [0, *(torch.nonzero(torch.diff(q_pos) != 1).flatten() + 1).tolist(), c]
+    bounds = [s for a, b in zip(breaks, breaks[1:]) for s in range(a, b, block_q)]
+    return [*bounds, c]
+
+
 @dataclasses.dataclass(frozen=True)
 class VisibleBlocks:
     """Which (query block, key block) pairs of one rank's attention hold at least one visible pair.
 
-    Queries are this rank's ``c`` local tokens cut into blocks of ``block_q``; keys are the ``kv_len`` global
-    tokens cut into blocks of ``block_k``. For query block ``i`` of row ``b`` the visible keys form the token
-    interval ``[lo[b, i], hi[b, i])`` (the start of the block's earliest document, or of the window, up to the
-    block's last query), and every query of the block sees every key of ``[full_lo[b, i], full_hi[b, i])``
+    Queries are the local tokens cut at ``q_bounds`` (:func:`query_blocks`); keys are sorted by global index
+    and cut into blocks of ``block_k``. For query block ``i`` of row ``b`` the visible keys are the sorted-key
+    interval ``[lo[b, i], hi[b, i])`` (from the start of the block's earliest document, or of the window, up to
+    the block's last query), and every query of the block sees every key of ``[full_lo[b, i], full_hi[b, i])``
     (empty when ``full_lo >= full_hi``). A key block is computed iff it intersects ``[lo, hi)``; it needs no
     mask iff it lies inside ``[full_lo, full_hi)``. All four are ``[B, num_q_blocks]`` int64 tensors.
     """
 
-    block_q: int
+    q_bounds: tuple[int, ...]
     block_k: int
-    #: Number of local queries (the chunk length).
-    q_len: int
-    #: Number of keys (the padded global length).
+    #: Number of keys.
     kv_len: int
     lo: torch.Tensor
     hi: torch.Tensor
@@ -70,40 +161,49 @@ class VisibleBlocks:
         """Number of (query, key) pairs a kernel computes when it visits exactly the computed block pairs."""
         first, end = self.key_blocks()
         keys = (end * self.block_k).clamp(max=self.kv_len) - first * self.block_k  # [B, nQ]
-        rows = torch.full((self.lo.shape[1],), self.block_q, dtype=torch.long)
-        rows[-1] = self.q_len - self.block_q * (self.lo.shape[1] - 1)
-        return int((keys * rows.to(keys.device)).sum())
+        keys = keys.clamp(min=0)
+        rows = torch.tensor(self.q_bounds, device=keys.device).diff()
+        return int((keys * rows).sum())
 
 
 def visible_blocks(
-    kv_doc: torch.Tensor, q_offset: int, q_len: int, block_q: int, block_k: int, window: int | None = None
+    doc_ids: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    block_q: int,
+    block_k: int,
+    window: int | None = None,
 ) -> VisibleBlocks:
-    """Block visibility of queries ``[q_offset, q_offset + q_len)`` against all keys of ``[B, T]`` doc ids.
+    """Block visibility of queries at global indices ``q_pos`` against keys at ``kv_pos``, both ascending.
 
-    ``kv_doc`` must be non-decreasing along each row (documents are contiguous, as :func:`document_ids`
-    makes them); a constant ``kv_doc`` means no document condition. Semantics are those of
-    :meth:`CPPlan.mask`: key ``j`` visible to query ``i`` iff ``j <= i``, same document and ``j > i - window``.
+    ``doc_ids`` ``[B, T_pad]`` are the document ids by global index (non-decreasing along each row; all zeros:
+    no document condition). Semantics are those of :func:`visible`.
     """
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
-    B, T = kv_doc.shape
-    device = kv_doc.device
-    idx = torch.arange(T, device=device)
-    starts = torch.ones_like(kv_doc, dtype=torch.bool)
-    starts[:, 1:] = kv_doc[:, 1:] != kv_doc[:, :-1]
-    doc_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # [B, T]
-    first_q = torch.arange(0, q_len, block_q, device=device) + q_offset  # [nQ] global index of each block's first query
-    last_q = (first_q + block_q).clamp(max=q_offset + q_len) - 1
+    bounds = query_blocks(q_pos, block_q)
+    start = torch.tensor(bounds[:-1], device=q_pos.device)
+    first_q = q_pos[start]  # [nQ] global index of each block's first query
+    last_q = q_pos[torch.tensor(bounds[1:], device=q_pos.device) - 1]
+    doc_start = document_starts(doc_ids)
     lo = doc_start[:, first_q]
     full_lo = doc_start[:, last_q]
     if window is not None:
         lo = lo.clamp(min=first_q - window + 1)
         full_lo = full_lo.clamp(min=last_q - window + 1)
+    B = doc_ids.shape[0]
     hi = (last_q + 1).expand(B, -1)
     full_hi = (first_q + 1).expand(B, -1)
-    return VisibleBlocks(block_q, block_k, q_len, T, lo, hi.contiguous(), full_lo, full_hi.contiguous())
+
+    def to_keys(p: torch.Tensor) -> torch.Tensor:  # global index -> position in the sorted keys
+        return torch.searchsorted(kv_pos, p.contiguous())
+
+    return VisibleBlocks(
+        tuple(bounds), block_k, int(kv_pos.shape[0]), to_keys(lo), to_keys(hi), to_keys(full_lo), to_keys(full_hi)
+    )
 
 
+# -- the plan ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, eq=False)
 class CPPlan:
     """Everything the shim and the rewritten attention need to know about one global batch.
@@ -111,7 +211,7 @@ class CPPlan:
     Built by :func:`build_plan`; the fields are read-only.
     """
 
-    #: CP group size (number of chunks).
+    #: CP group size (number of ranks).
     cp_size: int
     #: This rank's index inside the CP group.
     cp_rank: int
@@ -121,13 +221,17 @@ class CPPlan:
     seq_len: int
     #: Global sequence length after padding to a multiple of ``cp_size``.
     padded_len: int
+    #: Name of the layout (a key of :data:`LAYOUTS`).
+    layout: str
+    #: ``[cp_size, chunk_len]`` int64: the global indices of the tokens every rank holds, ascending per rank.
+    indices: torch.Tensor
     #: Global position ids, ``[B, padded_len]`` (padding restarts at 0).
     position_ids: torch.Tensor
     #: Global document ids, ``[B, padded_len]`` (padding is its own document).
     doc_ids: torch.Tensor
     #: Name of the CP process group (``""`` when built without a group, e.g. in unit tests).
     group_name: str = ""
-    #: Masks built so far for this batch, keyed by ``(documents, window)``.
+    #: Masks built so far for this batch, keyed by ``(documents, window, rank)``.
     _mask_cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -140,11 +244,13 @@ class CPPlan:
         """Number of padding tokens appended to every row."""
         return self.padded_len - self.seq_len
 
-    def chunk_slice(self, rank: int | None = None) -> slice:
-        """The global token range ``[r*c, (r+1)*c)`` of ``rank`` (this rank by default)."""
-        r = self.cp_rank if rank is None else rank
-        c = self.chunk_len
-        return slice(r * c, (r + 1) * c)
+    def token_indices(self, rank: int | None = None) -> torch.Tensor:
+        """``[c]`` int64: the global indices of the tokens ``rank`` (this rank by default) holds, ascending."""
+        return self.indices[self.cp_rank if rank is None else rank]
+
+    def gathered_indices(self) -> torch.Tensor:
+        """``[T_pad]`` int64: the global index at every slot of a tensor all-gathered over the CP group."""
+        return self.indices.reshape(-1)
 
     # -- slicing ---------------------------------------------------------------------------------------
     def pad(self, t: torch.Tensor, value: int | float | bool) -> torch.Tensor:
@@ -155,57 +261,65 @@ class CPPlan:
         return torch.cat([t, t.new_full(shape, value)], dim=1)
 
     def local(self, t: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-        """This rank's contiguous chunk of an already padded global ``[B, padded_len, ...]`` tensor."""
-        return t[:, self.chunk_slice(rank)].contiguous()
+        """The tokens ``rank`` holds of an already padded global ``[B, padded_len, ...]`` tensor (contiguous)."""
+        return t.index_select(1, self.token_indices(rank).to(t.device))
+
+    def restore_order(self, gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """A tensor gathered over the CP group (``padded_len`` slots along ``dim``) in token order, unpadded."""
+        order = torch.argsort(self.gathered_indices())[: self.seq_len]
+        return gathered.index_select(dim, order.to(gathered.device))
 
     def unpad(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Drop the padding from a gathered ``padded_len`` dimension."""
+        """Drop the padding from a ``padded_len`` dimension in token order."""
         return t.narrow(dim, 0, self.seq_len)
 
     # -- masks -----------------------------------------------------------------------------------------
-    def mask(
-        self, *, documents: bool, window: int | None = None, rank: int | None = None, keys: slice | None = None
-    ) -> torch.Tensor:
-        """Boolean ``[B, 1, c, padded_len]`` mask of the local queries against all keys (True = attend).
+    def attention_docs(self, documents: bool) -> torch.Tensor:
+        """``[B, padded_len]`` document ids for the attention: the plan's, or all zeros without ``documents``."""
+        return self.doc_ids if documents else torch.zeros_like(self.doc_ids)
 
-        Query ``i`` of rank ``r`` sits at global index ``r*c + i``. ``documents`` adds the same-document
-        condition (transformers' packed-document mask); ``window`` a sliding window of that many tokens.
-        ``keys`` restricts the mask to that global key range (e.g. ``chunk_slice()`` for the diagonal block).
-        Full masks of this rank are cached on the plan, so every layer of one step shares them; restricted
-        ones are not cached.
+    def mask(self, *, documents: bool, window: int | None = None, rank: int | None = None) -> torch.Tensor:
+        """Boolean ``[B, 1, c, padded_len]`` mask of ``rank``'s local queries against all keys in token order.
+
+        ``documents`` adds the same-document condition (transformers' packed-document mask); ``window`` a
+        sliding window of that many tokens. Cached on the plan per ``(documents, window, rank)``.
         """
-        key = (documents, window, self.cp_rank if rank is None else rank)
-        cached = self._mask_cache.get(key) if keys is None else None
-        if cached is not None:
-            return cached
-        device = self.position_ids.device
-        keys = slice(None) if keys is None else keys
-        cache = keys == slice(None)
-        q_idx = torch.arange(self.padded_len, device=device)[self.chunk_slice(rank)]
-        kv_idx = torch.arange(self.padded_len, device=device)[keys]
-        m = kv_idx[None, :] <= q_idx[:, None]  # [c, K]
-        if window is not None:
-            m = m & (kv_idx[None, :] > q_idx[:, None] - window)
-        m = m[None].expand(self.batch_size, -1, -1)
-        if documents:
-            doc_q = self.doc_ids[:, self.chunk_slice(rank)]
-            m = m & (doc_q[:, :, None] == self.doc_ids[:, None, keys])
-        m = m[:, None].contiguous()
-        if cache:
-            self._mask_cache[key] = m
-        return m
+        r = self.cp_rank if rank is None else rank
+        key = (documents, window, r)
+        if key not in self._mask_cache:
+            keys = torch.arange(self.padded_len, device=self.doc_ids.device)
+            self._mask_cache[key] = visible_mask(self.token_indices(r), keys, self.attention_docs(documents), window)
+        return self._mask_cache[key]
+
+    def local_rule_mask(self, *, documents: bool, window: int | None = None) -> torch.Tensor:
+        """The ``[B, 1, c, c]`` mask a transformers model builds on this rank's local inputs.
+
+        The model sees the local tokens as a sequence ``0..c-1`` with this rank's global ``position_ids``: causal
+        in local order, a new document wherever the position ids do not step by +1 (between this rank's runs of
+        tokens as well), the window counted in local indices. With the contiguous layout this is the diagonal
+        block of :meth:`mask`. The first call of every rewritten site compares the model's mask with it.
+        """
+        idx = torch.arange(self.chunk_len, device=self.doc_ids.device)
+        docs = document_ids(self.local(self.position_ids)) if documents else torch.zeros_like(self.doc_ids[:, idx])
+        return visible_mask(idx, idx, docs, window)
 
     def visible_blocks(
         self, block_q: int, block_k: int, *, documents: bool = True, window: int | None = None, rank: int | None = None
     ) -> VisibleBlocks:
-        """The (query block, key block) pairs of ``rank``'s attention that are not fully masked.
+        """The (query block, key block) pairs of ``rank``'s attention over all keys that are not fully masked.
 
-        Same visibility as :meth:`mask` with the same ``documents``/``window``, at block granularity; no
-        ``[c, padded_len]`` mask is built.
+        Same visibility as :meth:`mask`, at block granularity; no ``[c, padded_len]`` mask is built.
         """
-        r = self.cp_rank if rank is None else rank
-        kv_doc = self.doc_ids if documents else torch.zeros_like(self.doc_ids)
-        return visible_blocks(kv_doc, r * self.chunk_len, self.chunk_len, block_q, block_k, window)
+        keys = torch.arange(self.padded_len, device=self.doc_ids.device)
+        return visible_blocks(self.attention_docs(documents), self.token_indices(rank), keys, block_q, block_k, window)
+
+    def visible_pairs(self, *, documents: bool = True, window: int | None = None, rank: int | None = None) -> int:
+        """Number of visible (query, key) pairs of ``rank``'s queries, summed over the batch, in O(c) memory."""
+        q = self.token_indices(rank)
+        lo = document_starts(self.attention_docs(documents))[:, q]
+        if window is not None:
+            lo = lo.clamp(min=q - window + 1)
+        return int((q + 1 - lo).sum())
 
     def labels_shifted(self, labels: torch.Tensor) -> torch.Tensor:
         """Shift ``[B, T]`` labels left by one over the whole row (transformers' convention), then pad.
@@ -256,9 +370,10 @@ def build_plan(
     cp_size: int,
     cp_rank: int,
     *,
+    layout: str = "contiguous",
     group_name: str = "",
 ) -> CPPlan:
-    """Validate a global batch and build the plan of chunk ``cp_rank`` of ``cp_size``.
+    """Validate a global batch and build the plan of rank ``cp_rank`` of ``cp_size`` with ``layout``.
 
     Raises ``ValueError``/``TypeError`` for malformed batches (before any collective can run).
     """
@@ -266,6 +381,8 @@ def build_plan(
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
     B, T, device = _check_batch(batch)
     if T < cp_size:
         raise ValueError(
@@ -301,13 +418,16 @@ def build_plan(
         pad_pos = torch.arange(num_pad, device=device, dtype=torch.long).expand(B, num_pad)
         pos = torch.cat([pos, pad_pos], dim=1)
     pos = pos.contiguous()
+    doc_ids = document_ids(pos)
     return CPPlan(
         cp_size=cp_size,
         cp_rank=cp_rank,
         batch_size=B,
         seq_len=T,
         padded_len=padded,
+        layout=layout,
+        indices=LAYOUTS[layout](padded, cp_size, doc_ids).contiguous(),
         position_ids=pos,
-        doc_ids=document_ids(pos),
+        doc_ids=doc_ids,
         group_name=group_name,
     )

@@ -1,9 +1,9 @@
-"""The runtime shim: ``shard`` (slice a global batch for this rank), ``gather`` and the plan-mask op.
+"""The runtime shim: ``shard`` (slice a global batch for this rank), ``gather``, ``comm_stats``, ``sync_grads``.
 
 The compiled graph cannot carry the per-batch layout (FSDP2 splits a model into one graph per layer, and the
 layer graphs never see ``position_ids``), so :func:`shard` activates a :class:`~cpcompile.plan.CPPlan` for the
-duration of a ``with`` block and the rewritten attention reads it at run time through the opaque custom op
-``torch.ops.cpcompile.plan_mask``.
+duration of a ``with`` block and the rewritten graph reads it at run time through the custom ops of
+:mod:`cpcompile.ops` (:func:`active_context` is their way in).
 """
 
 from __future__ import annotations
@@ -17,9 +17,19 @@ import torch
 import torch.distributed as dist
 
 from cpcompile import _compat
-from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
+from cpcompile.plan import IGNORE_INDEX, LAYOUTS, CPPlan, build_plan
 
-__all__ = ["shard", "gather", "current_plan", "sync_grads", "comm_stats", "CommStats", "MaskMismatchError"]
+__all__ = [
+    "CommStats",
+    "MaskMismatchError",
+    "active_context",
+    "check_group",
+    "comm_stats",
+    "current_plan",
+    "gather",
+    "shard",
+    "sync_grads",
+]
 
 
 class MaskMismatchError(RuntimeError):
@@ -27,7 +37,9 @@ class MaskMismatchError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Active:
+class Active:
+    """The active :func:`shard` context: its plan, CP group and collective counts."""
+
     plan: CPPlan
     group: dist.ProcessGroup | None
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
@@ -37,21 +49,17 @@ class _State(threading.local):
     """The shard context that is active in this thread; owned by :func:`shard`."""
 
     def __init__(self) -> None:
-        self.active: _Active | None = None
+        self.active: Active | None = None
         self.last_comm: CommStats | None = None
 
 
 _STATE = _State()
 
-#: Attention sites whose in-graph mask was already compared with the plan's mask, keyed by site id.
-#: Written only by :func:`_verify_site_mask`.
-_VERIFIED_SITES: set[str] = set()
-
 
 def current_plan() -> CPPlan | None:
     """The plan of the innermost active :func:`shard` context of this thread, or ``None``."""
-    active = _STATE.active
-    return None if active is None else active.plan
+    current = _STATE.active
+    return None if current is None else current.plan
 
 
 def check_group(cp_group: object, what: str = "cp_group") -> tuple[int, int, str]:
@@ -87,6 +95,7 @@ def shard(
     hf_kwargs: bool = True,
     check_batch: bool = False,
     dynamic: bool = True,
+    layout: str = "contiguous",
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -110,13 +119,17 @@ def shard(
             few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
+        layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"contiguous"``
+            (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and ``2N-1-r`` of ``2N``).
+            Chosen per batch; changing it between steps does not recompile.
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
     packed batches of changing length compile once with a symbolic length instead of once per length.
 
     Yields:
-        ``local``: this rank's contiguous chunk of every per-token tensor, global ``position_ids``, and with
-        labels ``labels`` (the local chunk), ``shift_labels`` (shifted over the whole row before slicing) and
+        ``local``: this rank's tokens of every per-token tensor (in ascending global order), their global
+        ``position_ids``, and with labels ``labels`` (this rank's tokens), ``shift_labels`` (shifted over the
+        whole row before the tokens are distributed) and
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
     """
     cp_size, cp_rank, group_name = check_group(cp_group)
@@ -132,7 +145,9 @@ def shard(
             "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
-    plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    plan = build_plan(batch, cp_size, cp_rank, layout=layout, group_name=group_name)
     if check_batch and cp_size > 1:
         _check_same_batch(batch, cp_group, cp_rank)
     local = _local_batch(
@@ -144,16 +159,21 @@ def shard(
         hf_kwargs=hf_kwargs,
     )
     if dynamic:
-        for value in local.values():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == plan.chunk_len:
-                _compat.mark_seq_dynamic(value, 1)
-    active = _Active(plan, cp_group)
-    _STATE.active = active
+        mark_local_dynamic(local, plan.chunk_len)
+    context = Active(plan, cp_group)
+    _STATE.active = context
     try:
         yield local
     finally:
         _STATE.active = None
-        _STATE.last_comm = active.comm
+        _STATE.last_comm = context.comm
+
+
+def mark_local_dynamic(local: Mapping[str, object], chunk_len: int) -> None:
+    """Mark the sequence dim (dim 1, of size ``chunk_len``) of every per-token tensor of ``local`` dynamic."""
+    for value in local.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == chunk_len:
+            _compat.mark_seq_dynamic(value, 1)
 
 
 def _local_batch(
@@ -241,14 +261,15 @@ def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_
             )
 
 
-def _require_active(what: str) -> _Active:
-    active = _STATE.active
-    if active is None:
+def active_context(what: str) -> Active:
+    """The active :func:`shard` context of this thread; ``RuntimeError`` naming ``what`` needed it otherwise."""
+    current = _STATE.active
+    if current is None:
         raise RuntimeError(
             f"{what} needs an active CP plan, but no cpcompile.shard context is active; call the model as "
             "`with cpcompile.shard(batch, cp_group) as local: model(**local)`"
         )
-    return active
+    return current
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -268,15 +289,16 @@ class _GatherSeq(torch.autograd.Function):
 
 
 def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """Gather this rank's per-token tensor into the whole sequence, in original order, without padding.
+    """Gather this rank's per-token tensor into the whole sequence, in original token order, without padding.
 
-    ``t`` has this rank's chunk along ``dim`` (e.g. logits ``[B, c, V]``); the result has the global length
-    ``T`` there. Autograd-aware: the backward returns this rank's slice of the incoming gradient, which is
+    ``t`` has this rank's tokens along ``dim`` (e.g. logits ``[B, c, V]``); the result has the global length
+    ``T`` there, whatever the plan's layout. Autograd-aware: the backward returns the incoming gradient of this
+    rank's tokens, which is
     right when every rank computes the same function of the gathered tensor. Call inside the
     :func:`shard` context of the batch.
     """
-    active = _require_active("cpcompile.gather")
-    plan = active.plan
+    current = active_context("cpcompile.gather")
+    plan = current.plan
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"cpcompile.gather expects a tensor, got {type(t).__name__}")
     dim = dim % t.dim()
@@ -286,13 +308,11 @@ def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
             f"length {plan.chunk_len} (global length {plan.seq_len}, CP size {plan.cp_size}); pass the per-token "
             "output of the model called with this shard context's `local` batch and the right `dim`"
         )
-    if plan.cp_size == 1:
-        return plan.unpad(t, dim)
-    full = _GatherSeq.apply(t, dim, active.group, plan.cp_rank, plan.cp_size)
-    return plan.unpad(full, dim)
+    full = t if plan.cp_size == 1 else _GatherSeq.apply(t, dim, current.group, plan.cp_rank, plan.cp_size)
+    return plan.restore_order(full, dim)
 
 
-# -- the op the rewritten graph calls ---------------------------------------------------------------------
+# -- collective counts ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CommStats:
     """Collectives the CP attention issued on this rank for one batch (one ``shard`` context).
@@ -327,126 +347,6 @@ def comm_stats() -> CommStats:
     if _STATE.last_comm is None:
         raise RuntimeError("cpcompile.comm_stats(): no cpcompile.shard context has run in this thread yet")
     return _STATE.last_comm
-
-
-@torch.library.custom_op("cpcompile::plan_mask", mutates_args=())
-def plan_mask(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    needs_grad: bool,
-    model_mask: torch.Tensor | None,
-    site: str,
-    group_name: str,
-    cp_size: int,
-    documents: bool,
-    window: int,
-) -> torch.Tensor:
-    """The active plan's ``[B, 1, c, c * cp_size]`` bool mask for this rank's ``c`` local queries.
-
-    ``k``/``v`` (``[B, Hkv, c, D]``) are the local tensors this attention all-gathers (detached; only their
-    sizes are read: the local length, and the bytes counted in :func:`comm_stats`; ``needs_grad``: they are
-    reduce-scattered in backward).
-
-    ``documents``: add the same-document condition; ``window``: sliding window in tokens (``-1``: none).
-    When ``model_mask`` (the mask the model built on the local chunk) is given, the first call of each
-    ``site`` checks that it equals the diagonal block of the plan's mask and raises
-    :class:`MaskMismatchError` otherwise.
-    """
-    plan = _site_plan(k, v, needs_grad, site, group_name, cp_size)
-    mask = plan.mask(documents=documents, window=None if window < 0 else window)
-    if model_mask is not None and site not in _VERIFIED_SITES:
-        _verify_site_mask(site, model_mask, mask[..., plan.chunk_slice()], documents, window)
-    return mask.clone()
-
-
-def _site_plan(k, v, needs_grad: bool, site: str, group_name: str, cp_size: int) -> CPPlan:
-    """The active plan, checked against the site's group and chunk shape; counts the site's K/V gathers."""
-    active = _require_active(f"the CP attention at {site}")
-    plan = active.plan
-    if plan.group_name != group_name or plan.cp_size != cp_size:
-        raise RuntimeError(
-            f"the CP attention at {site} was compiled for group {group_name!r} of size {cp_size}, but the active "
-            f"shard context uses group {plan.group_name!r} of size {plan.cp_size}; pass the same cp_group to "
-            "cpcompile.backend and cpcompile.shard"
-        )
-    if k.shape[0] != plan.batch_size or k.shape[2] != plan.chunk_len:
-        raise RuntimeError(
-            f"the CP attention at {site} got a chunk of batch {k.shape[0]} and length {k.shape[2]}, but the "
-            f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
-            "with the `local` batch of the active cpcompile.shard context"
-        )
-    if cp_size > 1:
-        active.comm.record_gather(k, cp_size, needs_grad)
-        active.comm.record_gather(v, cp_size, needs_grad)
-    return plan
-
-
-@plan_mask.register_fake
-def _(k, v, needs_grad, model_mask, site, group_name, cp_size, documents, window):
-    return k.new_empty((k.shape[0], 1, k.shape[2], k.shape[2] * cp_size), dtype=torch.bool)
-
-
-@torch.library.custom_op("cpcompile::plan_docs", mutates_args=())
-def plan_docs(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    needs_grad: bool,
-    model_mask: torch.Tensor | None,
-    site: str,
-    group_name: str,
-    cp_size: int,
-    cp_rank: int,
-    documents: bool,
-    window: int,
-) -> torch.Tensor:
-    """The active plan's ``[B, c * cp_size]`` document ids for ``torch.ops.cpcompile.cp_attention``.
-
-    The block-kernel counterpart of :func:`plan_mask`, with the same checks: ``k``/``v`` (detached, local) are
-    counted in :func:`comm_stats`, and the first call of each ``site`` compares ``model_mask`` with the
-    diagonal block of the plan's mask (built alone, never the whole ``[c, c * cp_size]`` mask). Without
-    ``documents`` the ids are all zero (plain global causal attention). ``cp_rank`` is the rank the graph was
-    compiled for; it must be the plan's.
-    """
-    plan = _site_plan(k, v, needs_grad, site, group_name, cp_size)
-    if plan.cp_rank != cp_rank:
-        raise RuntimeError(
-            f"the CP attention at {site} was compiled for CP rank {cp_rank}, but the active shard context is "
-            f"rank {plan.cp_rank} of its group; compile the model in the process that runs it"
-        )
-    if model_mask is not None and site not in _VERIFIED_SITES:
-        w = None if window < 0 else window
-        diagonal = plan.mask(documents=documents, window=w, keys=plan.chunk_slice())
-        _verify_site_mask(site, model_mask, diagonal, documents, window)
-    return _plan_doc_ids(plan, documents)
-
-
-def _plan_doc_ids(plan: CPPlan, documents: bool) -> torch.Tensor:
-    """A fresh copy of the plan's document ids (all zeros without the document condition)."""
-    return plan.doc_ids.clone() if documents else torch.zeros_like(plan.doc_ids)
-
-
-@plan_docs.register_fake
-def _(k, v, needs_grad, model_mask, site, group_name, cp_size, cp_rank, documents, window):
-    return k.new_empty((k.shape[0], k.shape[2] * cp_size), dtype=torch.long)
-
-
-def _verify_site_mask(site: str, model_mask: torch.Tensor, ours: torch.Tensor, documents: bool, window: int):
-    theirs = model_mask.to(torch.bool).expand_as(ours)
-    if not torch.equal(theirs, ours):
-        b, _, i, j = (theirs != ours).nonzero()[0].tolist()
-        form = (
-            "global causal"
-            + (" same-document" if documents else "")
-            + (f" sliding-window({window})" if window >= 0 else "")
-        )
-        raise MaskMismatchError(
-            f"the attention mask built by the model at {site} differs from the {form} mask cpcompile applies "
-            f"across ranks (first difference: row {b}, local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, "
-            f"cpcompile {bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. "
-            "Use a standard causal/packed-document mask (transformers with attn_implementation='sdpa' and "
-            "use_cache=False), or run this model without context parallelism"
-        )
-    _VERIFIED_SITES.add(site)
 
 
 def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:

@@ -231,16 +231,31 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
 
     out["eager_attention"] = _error_of(eager_run)
 
-    # the runtime guard of the window: a mask op whose window differs from the model's mask (window 3 < chunk 8)
+    # the runtime guard of the window: a site whose window differs from the model's mask (window 3 < chunk 8)
+    from cpcompile import ops
+
     q = torch.zeros(2, 4, 8, 16)
     with cpcompile.shard(batch, group):
         plan = cpcompile.current_plan()
-        model_mask = plan.mask(documents=True, window=3)[..., plan.chunk_slice()]
-        op = torch.ops.cpcompile.plan_mask
-        args = (q, q, False, model_mask, f"test-site-{rank}", plan.group_name, world_size, True)
-        out["window_right"] = _error_of(lambda: op(*args, 3))
-        out["window_wrong"] = _error_of(lambda: op(*args[:4], f"test-site-wrong-{rank}", *args[5:], 4))
-        out["window_missing"] = _error_of(lambda: op(*args[:4], f"test-site-none-{rank}", *args[5:], -1))
+        model_mask = plan.mask(documents=True, window=3)[..., plan.token_indices()]
+
+        def site(name, window):
+            spec = ops.SiteSpec(
+                site=f"test-site-{name}-{rank}",
+                layer="test.layer",
+                group_name=plan.group_name,
+                cp_size=world_size,
+                cp_rank=rank,
+                documents=True,
+                window=window,
+                kernel="dense",
+                needs_grad=False,
+            )
+            return lambda: torch.ops.cpcompile.site_plan(q, q, model_mask, ops.register_site(spec))
+
+        out["window_right"] = _error_of(site("right", 3))
+        out["window_wrong"] = _error_of(site("wrong", 4))
+        out["window_missing"] = _error_of(site("none", None))
     # every rank is still in step: one more collective succeeds
     t = torch.ones(1)
     dist.all_reduce(t, group=group)

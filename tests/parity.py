@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile import runtime
+from cpcompile import ops
 from cpcompile.plan import CPPlan
 from cpcompile.testing import FAMILIES, packed_batch, tiny_model
 from tests import _models
@@ -254,19 +254,14 @@ def _corruption(corrupt: Corruption | None):
     if corrupt != "merge_documents":
         yield
         return
-    original = CPPlan.mask
+    original = CPPlan.attention_docs
 
-    def merged(plan, *, documents, window=None, rank=None):
-        return original(plan, documents=False, window=window, rank=rank)
+    def merged(plan, documents):  # the document ids every attention path reads
+        return original(plan, False)
 
-    def merged_docs(plan, documents):  # the block kernel's form of the same corruption
-        return original_docs(plan, False)
-
-    original_docs = runtime._plan_doc_ids
     with (
-        mock.patch.object(CPPlan, "mask", merged),
-        mock.patch.object(runtime, "_plan_doc_ids", merged_docs),
-        mock.patch.object(runtime, "_verify_site_mask", lambda *a: None),
+        mock.patch.object(CPPlan, "attention_docs", merged),
+        mock.patch.object(ops, "_verify_model_mask_once", lambda *a: None),
     ):
         yield
 

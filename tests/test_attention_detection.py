@@ -12,9 +12,11 @@ import copy
 import pytest
 import torch
 
+from cpcompile import ops
 from cpcompile.passes import sdpa_cp
-from cpcompile.passes.sdpa_cp import UnsupportedAttentionError, config_window, cp_attention_pass
+from cpcompile.passes.sdpa_cp import UnsupportedAttentionError, config_window
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
+from tests import _graphs
 
 BATCH_DOCS = [[24, 30, 10], [5, 50, 9]]
 
@@ -38,9 +40,7 @@ def capture_family(family, **overrides):
 
 
 def run_pass(gm, config=None, refuse="raise"):
-    return cp_attention_pass(
-        gm, group_name="unused", cp_size=2, graph_id=0, site_prefix="t", refuse=refuse, config=config
-    )
+    return _graphs.run_pass(gm, refuse=refuse, config=config)
 
 
 def test_eager_attention_is_refused_naming_layer_and_fix():
@@ -56,7 +56,7 @@ def test_eager_attention_is_refused_naming_layer_and_fix():
     reports = run_pass(gm, refuse="report")
     assert reports and all(r.action == "refused" for r in reports)
     # with CP of size 1 nothing is sharded, so nothing is refused
-    assert cp_attention_pass(gm, group_name="unused", cp_size=1, graph_id=0, site_prefix="t") == []
+    assert _graphs.run_pass(gm, cp_size=1) == []
 
 
 def test_attention_dropout_in_training_is_refused():
@@ -89,12 +89,12 @@ def test_sliding_windows_per_layer_from_graph_and_config():
     assert window is None and "20" in reason and "7" in reason, reason
     with pytest.raises(UnsupportedAttentionError, match="sliding window of 20"):
         run_pass(gm, config=wrong)
-    # the rewritten graph passes each site's window to the mask op
+    # the rewritten graph's plan op of each site carries the site's window (in its registered description)
     gm = capture_family("gemma3")
     run_pass(gm, config=config)
-    ops = [n for n in gm.graph.nodes if n.target is torch.ops.cpcompile.plan_mask.default]
-    assert [n.args[-1] for n in ops] == [20, -1]
-    assert [n.args[-2] for n in ops] == [True, True]  # document masks
+    specs = [ops.site_spec(n.args[-1]) for n in gm.graph.nodes if n.target is torch.ops.cpcompile.site_plan.default]
+    assert [s.window for s in specs] == [20, None]
+    assert [s.documents for s in specs] == [True, True]  # document masks
 
 
 def test_mistral_window_on_every_layer():
@@ -127,5 +127,5 @@ def test_sdpa_inside_activation_checkpointing_is_found():
     reports = run_pass(gm)
     assert [r.action for r in reports] == ["rewritten", "rewritten"]
     nested = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule) and m is not gm]
-    ops = [n for m in nested for n in m.graph.nodes if n.target is torch.ops.cpcompile.plan_mask.default]
-    assert len(ops) == 2
+    plan_ops = [n for m in nested for n in m.graph.nodes if n.target is torch.ops.cpcompile.site_plan.default]
+    assert len(plan_ops) == 2

@@ -67,10 +67,12 @@ def test_kernel_matches_sdpa_under_plan_mask(case: Case):
     gqa = case.heads != case.kv_heads
     for plan, q, dout in zip(plans, qs, douts):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        keys = torch.arange(plan.padded_len)  # k/v hold the whole sequence in token order
         out = cp_attention(
             *leaves,
+            plan.token_indices(),
+            keys,
             plan.doc_ids,
-            cp_rank=plan.cp_rank,
             window=case.window,
             enable_gqa=gqa,
             block_q=case.block_q,
@@ -89,7 +91,9 @@ def test_kernel_matches_sdpa_under_plan_mask(case: Case):
             torch.testing.assert_close(got, want.float(), atol=FP32_ATOL, rtol=FP32_RTOL, msg=lambda m: f"{name}: {m}")
 
         # the dense reference path builds exactly the plan's mask (same SDPA call: identical result)
-        dense = dense_cp_attention(q, k, v, plan.doc_ids, cp_rank=plan.cp_rank, window=case.window, enable_gqa=gqa)
+        dense = dense_cp_attention(
+            q, k, v, plan.token_indices(), keys, plan.doc_ids, window=case.window, enable_gqa=gqa
+        )
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         torch.testing.assert_close(dense, want, atol=0, rtol=0)
 
@@ -101,18 +105,19 @@ def test_schedule_skips_masked_blocks():
     batch = packed_batch([[40, 3, 70, 44], [1, 100, 56]])
     for r in range(4):
         plan = build_plan(batch, 4, r)
-        sched = block_schedule(plan.doc_ids, r * plan.chunk_len, plan.chunk_len, 8, 16)
+        bounds, sched = block_schedule(plan.doc_ids, plan.token_indices(), torch.arange(plan.padded_len), 8, 16)
         mask = plan.mask(documents=True)
         covered = torch.zeros_like(mask)
         for b, row in enumerate(sched):
             for i, pieces in enumerate(row):
+                rows = slice(bounds[i], bounds[i + 1])
                 for p in pieces:
-                    covered[b, 0, i * 8 : (i + 1) * 8, p.start : p.end] = True
+                    covered[b, 0, rows, p.start : p.end] = True
                     if not p.masked:  # unmasked pieces must be fully visible
-                        assert bool(mask[b, 0, i * 8 : (i + 1) * 8, p.start : p.end].all())
+                        assert bool(mask[b, 0, rows, p.start : p.end].all())
         assert not bool((mask & ~covered).any()), f"rank {r}: a visible pair is not computed"
         assert int(covered.sum()) < covered.numel() // 2, f"rank {r}: most of the dense mask should be skipped"
-        assert computed_pairs(sched, plan.chunk_len, 8) == plan.visible_blocks(8, 16).computed_pairs()
+        assert computed_pairs(bounds, sched) == plan.visible_blocks(8, 16).computed_pairs()
 
     # packed 16k rows of documents of 256..4096 tokens: computed / visible <= 1.25 at every CP size
     g = torch.Generator().manual_seed(0)
@@ -129,10 +134,10 @@ def test_schedule_skips_masked_blocks():
         for r in range(n):
             plan = build_plan(batch, n, r)
             computed += computed_pairs(
-                block_schedule(plan.doc_ids, r * plan.chunk_len, plan.chunk_len, 128, 128), plan.chunk_len, 128
+                *block_schedule(plan.doc_ids, plan.token_indices(), torch.arange(plan.padded_len), 128, 128)
             )
             # query i sees its own document's keys 0..position_ids[i] (positions restart at every document)
-            visible += int((plan.position_ids[:, plan.chunk_slice()] + 1).sum())
+            visible += int((plan.local(plan.position_ids) + 1).sum())
         assert visible <= computed <= 1.25 * visible, (n, computed / visible)
 
 
@@ -147,7 +152,7 @@ def test_varlen_layout_reproduces_plan_mask(window):
         B, c, T = 2, plan.chunk_len, plan.padded_len
         q = torch.randn(B, 4, c, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(B, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        layout = varlen_layout(plan.doc_ids, r * c, c)
+        layout = varlen_layout(plan.doc_ids, plan.token_indices(), torch.arange(T), window)
         q_flat = q.transpose(1, 2).reshape(B * c, 4, 8)
         out = torch.empty_like(q_flat)
         for s, (b, ks, ke) in enumerate(layout.keys):
@@ -172,14 +177,19 @@ def test_bad_inputs_are_rejected():
     batch = packed_batch([[20, 12]])
     plan = build_plan(batch, 2, 1)
     q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 32, 8)
+    q_pos, kv_pos = plan.token_indices(), torch.arange(32)
     with pytest.raises(ValueError, match="enable_gqa=True"):
-        cp_attention(q, k, k, plan.doc_ids, cp_rank=1)
+        cp_attention(q, k, k, q_pos, kv_pos, plan.doc_ids)
     with pytest.raises(ValueError, match="non-decreasing"):
-        cp_attention(q, k, k, plan.doc_ids.flip(1), cp_rank=1, enable_gqa=True)
-    with pytest.raises(ValueError, match="needs at least 48 keys"):
-        cp_attention(q, k, k, plan.doc_ids, cp_rank=2, enable_gqa=True)
+        cp_attention(q, k, k, q_pos, kv_pos, plan.doc_ids.flip(1), enable_gqa=True)
+    with pytest.raises(ValueError, match="outside"):
+        cp_attention(q, k, k, q_pos + 16, kv_pos, plan.doc_ids, enable_gqa=True)
+    with pytest.raises(ValueError, match="one global index per query"):
+        cp_attention(q, k, k, q_pos[:-1], kv_pos, plan.doc_ids, enable_gqa=True)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        cp_attention(q, k, k, q_pos.flip(0), kv_pos, plan.doc_ids, enable_gqa=True)
     with pytest.raises(ValueError, match="window"):
-        cp_attention(q, k, k, plan.doc_ids, cp_rank=1, window=0, enable_gqa=True)
+        cp_attention(q, k, k, q_pos, kv_pos, plan.doc_ids, window=0, enable_gqa=True)
     with pytest.raises(ValueError, match="attention='flash'"):
         cpcompile.BackendOptions(attention="flash")
     with pytest.raises(ValueError, match="block_size"):
@@ -255,15 +265,14 @@ def test_fake_kernels_match_real_outputs():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     k, v = (torch.randn(1, 34, 2, 8, generator=g).transpose(1, 2) for _ in range(2))
-    args = (1, -1, None, True, 8, 8)
-    out, lse = torch.ops.cpcompile.cp_attention(q, k, v, plan.doc_ids, *args)
+    positions = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
+    args = (None, None, True, 8, 8)
+    out, lse = torch.ops.cpcompile.cp_attention(q, k, v, *positions, *args)
     dout = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     only_fake = ("test_faketensor",)
-    torch.library.opcheck(
-        torch.ops.cpcompile.cp_attention.default, (q, k, v, plan.doc_ids, *args), test_utils=only_fake
-    )
+    torch.library.opcheck(torch.ops.cpcompile.cp_attention.default, (q, k, v, *positions, *args), test_utils=only_fake)
     torch.library.opcheck(
         torch.ops.cpcompile.cp_attention_backward.default,
-        (dout, q, k, v, plan.doc_ids, out, lse, *args),
+        (dout, q, k, v, *positions, out, lse, *args),
         test_utils=only_fake,
     )

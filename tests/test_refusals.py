@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import cpcompile
 from cpcompile import _compat
-from cpcompile.passes import cp_attention_pass
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _models
+from tests._graphs import run_pass
 from tests.parity import GRAD_TOL, LOGITS_TOL, LOSS_TOL
 
 # T = 37, CP = 2: chunks of 19; documents cross the boundary
@@ -124,8 +124,9 @@ def test_window_mask_built_in_the_graph_is_reproduced(world):
         compiled(**local)
     assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
     gm = _captured_rewritten(_models.attention_lm("window"))
-    windows = [n.args[-1] for n in gm.graph.nodes if n.target is torch.ops.cpcompile.plan_mask.default]
-    assert windows == [_models.WINDOW] * 2
+    assert [r.window for r in backend.reports] == [_models.WINDOW] * 2
+    plan_ops = [n for n in gm.graph.nodes if n.target is torch.ops.cpcompile.site_plan.default]
+    assert [cpcompile.ops.site_spec(n.args[-1]).window for n in plan_ops] == [_models.WINDOW] * 2
 
 
 def _captured_rewritten(model) -> torch.fx.GraphModule:
@@ -137,7 +138,7 @@ def _captured_rewritten(model) -> torch.fx.GraphModule:
 
     torch._dynamo.reset()
     torch.compile(model, backend=capture)(**packed_batch(DOCS), use_cache=False)
-    cp_attention_pass(graphs[0], group_name="g", cp_size=2, graph_id=0, site_prefix="t")
+    run_pass(graphs[0], cp_size=2)
     return graphs[0]
 
 

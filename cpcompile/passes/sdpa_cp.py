@@ -4,25 +4,32 @@ find -> check -> rewrite:
 
 * :func:`find_sdpa_sites` walks the graph and returns one :class:`SDPASite` per SDPA call;
 * :func:`check_site` returns a one-line reason when a site cannot be reproduced exactly across ranks;
-* :func:`rewrite_site` replaces the call (pattern below);
-* :func:`cp_attention_pass` is the entry point the backend runs on every graph.
+* :func:`rewrite_site` replaces the call (pattern in its docstring), emitting the ops of :mod:`cpcompile.ops`;
+* :func:`cp_attention_pass` is the entry point the backend runs on every graph, with one :class:`PassContext`.
+
+Refusal messages name the fix in the model's framework: transformers' settings for a transformers model (its
+attention module comes from ``transformers`` or a config was given), plain torch calls otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import numbers
 import operator
 import re
 from collections import Counter
+from typing import Literal
 
 import torch
 import torch.fx as fx
 
-from cpcompile import _compat
-from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
+from cpcompile import _compat, ops
+from cpcompile.options import BackendOptions
 
 __all__ = [
+    "PassContext",
     "SDPASite",
     "SiteReport",
     "UnsupportedAttentionError",
@@ -68,6 +75,8 @@ class SDPASite:
     enable_gqa: object
     #: Qualified name of the module that made the call (``model.layers.0.self_attn``), or ``""``.
     layer: str
+    #: Whether that module is a transformers module (refusals then name transformers' settings).
+    transformers: bool = False
 
     def meta(self, arg: fx.Node | None) -> torch.Tensor | None:
         """The example (fake) tensor Dynamo recorded for ``arg``."""
@@ -91,7 +100,11 @@ class SDPASite:
 
 @dataclasses.dataclass(frozen=True)
 class SiteReport:
-    """What the pass did with one site (read by tests and the inspect tool)."""
+    """What the pass did with one site: the record ``backend.reports``, ``cpcompile inspect`` and dumps show.
+
+    Shapes hold ints, or the symbol's name where the size is symbolic (``sizes`` gives every symbol's value at
+    this compilation, :meth:`resolved` substitutes them); byte counts use those values.
+    """
 
     graph_id: int
     node: str
@@ -100,16 +113,76 @@ class SiteReport:
     k_shape: tuple
     v_shape: tuple
     dtype: str
+    #: ``bool-mask`` (a mask built by the model), ``float-mask``, ``is_causal`` or ``none``.
     mask_form: str
     enable_gqa: bool
-    #: The model's key/value heads: of the ``repeat_kv`` source when SDPA got expanded K/V, else of K.
+    q_heads: int
+    #: The model's key/value heads: of the expansion's source when SDPA got expanded K/V, else of K.
     kv_heads: int
-    #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless rewritten.
-    gathered_shapes: tuple
-    action: str  # "rewritten" | "refused" | "untouched"
+    #: ``rewritten``, ``refused`` or ``untouched`` (CP group of size 1).
+    action: str
     reason: str = ""
     #: Attention the rewrite emitted: ``"dense"`` (SDPA under the plan's mask) or ``"block"`` (cp_attention).
     kernel: str = ""
+    #: Sliding window of the site in tokens (``None``: none).
+    window: int | None = None
+    #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless gathered.
+    gathered_shapes: tuple = ()
+    #: Whether the gathered K/V require grad (then each is reduce-scattered in backward).
+    needs_grad: bool = False
+    #: Bytes this rank receives per call in those all-gathers: ``(N - 1) * numel * itemsize`` of each.
+    all_gather_bytes_per_call: int = 0
+    #: Bytes this rank sends per call in the backward reduce-scatters (as on NCCL; gloo all-reduces instead).
+    reduce_scatter_bytes_per_call: int = 0
+    #: ``(symbol, value)`` of every symbolic size in the shapes, at this compilation.
+    sizes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def mask_found(self) -> str:
+        """The mask form with ``enable_gqa`` appended when set (``is_causal, enable_gqa``)."""
+        return self.mask_form + (", enable_gqa" if self.enable_gqa else "")
+
+    def resolved(self) -> SiteReport:
+        """This report with every symbolic size replaced by its value at this compilation."""
+        values = dict(self.sizes)
+
+        def concrete(shape: tuple) -> tuple:
+            return tuple(values.get(d, d) if isinstance(d, str) else d for d in shape)
+
+        return dataclasses.replace(
+            self,
+            q_shape=concrete(self.q_shape),
+            k_shape=concrete(self.k_shape),
+            v_shape=concrete(self.v_shape),
+            gathered_shapes=tuple(concrete(x) for x in self.gathered_shapes),
+            sizes=(),
+        )
+
+    def to_json(self) -> dict:
+        """The record as plain JSON types (tuples as lists)."""
+        out = dataclasses.asdict(self)
+        for key in ("q_shape", "k_shape", "v_shape"):
+            out[key] = list(out[key])
+        out["gathered_shapes"] = [list(x) for x in self.gathered_shapes]
+        out["sizes"] = dict(self.sizes)
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassContext:
+    """What the pass needs to know about one compilation besides the graph."""
+
+    options: BackendOptions
+    #: CP process group (registered name), its size and this process's rank in it.
+    group_name: str
+    cp_size: int
+    cp_rank: int
+    #: Counter of the graph within its backend.
+    graph_id: int
+    #: Prefix of the site ids of this graph: with the site's layer, node and description, unique in the process.
+    site_prefix: str
+    #: ``"raise"``: refuse with :class:`UnsupportedAttentionError`; ``"report"``: only record (for inspection).
+    refuse: Literal["raise", "report"] = "raise"
 
 
 def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -138,6 +211,7 @@ def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
                 scale=bound["scale"],
                 enable_gqa=bound["enable_gqa"],
                 layer=_compat.node_module_path(node),
+                transformers=_compat.node_module_class(node).startswith("transformers."),
             )
         )
     return sites
@@ -145,13 +219,11 @@ def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
 
 def check_site(site: SDPASite) -> str | None:
     """``None`` when the site can be rewritten exactly, else a one-line reason saying what to do."""
+    no_dropout = "set the model's attention_dropout to 0.0" if site.transformers else "pass dropout_p=0.0"
     if isinstance(site.dropout_p, fx.Node) or not isinstance(site.dropout_p, numbers.Number):
-        return "dropout_p is computed at run time; use a constant 0.0 (attention_dropout=0 or model.eval())"
+        return f"dropout_p is computed at run time; {no_dropout} (or call model.eval())"
     if site.dropout_p != 0.0:
-        return (
-            f"attention dropout p={site.dropout_p} cannot be reproduced across ranks; set the model's "
-            "attention_dropout to 0.0"
-        )
+        return f"attention dropout p={site.dropout_p} cannot be reproduced across ranks; {no_dropout}"
     if not isinstance(site.is_causal, bool) or not isinstance(site.enable_gqa, bool):
         return "is_causal/enable_gqa are computed at run time; cpcompile needs them as constants"
     if site.scale is not None and not isinstance(site.scale, numbers.Number):
@@ -162,9 +234,10 @@ def check_site(site: SDPASite) -> str | None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"expected 4-D [B, H, T, D] query/key/value, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D"
     if not _compat.statically_true(q.shape[2] == k.shape[2]):
+        fix = "call the model with use_cache=False" if site.transformers else "call the model without a KV cache"
         return (
             f"query length {q.shape[2]} differs from key length {k.shape[2]} (cross-attention or a KV cache); "
-            "call the model with use_cache=False and self-attention only"
+            f"{fix} and self-attention only"
         )
     if site.attn_mask is None:
         if site.is_causal is not True:
@@ -179,9 +252,14 @@ def check_site(site: SDPASite) -> str | None:
     if m is None:
         return "the attention mask has no recorded shape"
     if m.dtype != torch.bool:
+        fix = (
+            "use attn_implementation='sdpa' without a custom bias"
+            if site.transformers
+            else "pass a bool attn_mask or is_causal=True"
+        )
         return (
             f"the attention mask is a {m.dtype} additive bias, which cpcompile cannot rebuild for keys of other "
-            "ranks; use a bool mask (transformers attn_implementation='sdpa', no custom bias)"
+            f"ranks; {fix}"
         )
     if m.dim() != 4 or not _compat.statically_true(m.shape[1] == 1):
         return f"expected a [B, 1, T, T] bool mask, got shape {tuple(m.shape)} (per-head masks are not supported)"
@@ -372,28 +450,8 @@ def kv_source(site: SDPASite) -> _KVSource:
     return _KVSource(site.key, site.value, unexpanded=False)
 
 
-def _latest(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
-    """The node of ``nodes`` that comes last in ``graph`` (placeholders count as the last placeholder)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    last_placeholder = max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__, default=None)
-    candidates = [last_placeholder if n.op == "placeholder" else n for n in nodes]
-    return max((n for n in candidates if n is not None), key=order.__getitem__)
-
-
-def rewrite_site(
-    gm: fx.GraphModule,
-    site: SDPASite,
-    *,
-    site_id: str,
-    group_name: str,
-    cp_size: int,
-    window: int | None = None,
-    regather_kv: bool = False,
-    kernel: str = "dense",
-    cp_rank: int = 0,
-    block_size: int = 128,
-) -> fx.Node:
-    """Replace one SDPA call by all-gather-KV attention under the plan's mask.
+def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: PassContext) -> fx.Node:
+    """Replace one SDPA call by all-gather-KV attention under the plan's mask (ops of :mod:`cpcompile.ops`).
 
     Before (transformers: K/V expanded by ``repeat_kv`` to the query heads)::
 
@@ -405,82 +463,48 @@ def rewrite_site(
         k_h = all_gather_start(k_src)          # right after k_src exists: overlaps with the work until attention
         v_h = all_gather_start(v_src)          # right after v_src exists
         ...                                    # e.g. q/k norms and RoPE
-        mask = cpcompile.plan_mask(k_src, v_src (detached; sizes for comm_stats), needs_grad,
-                                   local_mask | None, site_id, group, N, documents, window)
+        q_pos, kv_pos, docs = cpcompile::site_plan(k_src, v_src (detached), local_mask | None, site)
         k_all = all_gather_wait(k_h)           # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
         v_all = all_gather_wait(v_h)
-        out = sdpa(q, k_all, v_all, attn_mask=mask, scale=s, enable_gqa=True)
+        out = sdpa(q, k_all, v_all, attn_mask=visible_mask(q_pos, kv_pos, docs, window), scale=s,
+                   enable_gqa=True)            # spec.kernel == "dense"
+        out = cpcompile::cp_attention(q, k_all, v_all, q_pos, kv_pos, docs, window, s, True, ...)[0]  # "block"
 
     K/V are gathered with their KV heads (``enable_gqa=True`` replaces ``repeat_kv``) when both come from
-    ``repeat_kv``; otherwise the tensors SDPA received are gathered. ``documents`` is True for the bool-mask
-    form (transformers' packed-document mask; the op checks the model's mask against the plan's on first use)
-    and False for ``is_causal=True`` (plain global causal); ``window`` is the site's sliding window in tokens
-    (``None``: none). The collectives are issued before the mask op checks the active plan: a call outside
-    a shard context on every rank still fails on every rank (the gathers complete, the op raises).
-    ``regather_kv`` tags the gathers for recomputation in backward, so only the local K/V are kept between
-    forward and backward (one more all-gather per tensor in backward, N times less K/V memory).
-
-    ``kernel="block"`` replaces the mask and SDPA by ``cpcompile.plan_docs`` (document ids) and
-    ``cpcompile.cp_attention`` (see :func:`_emit_block_attention`); with ``cp_size == 1`` it runs without
-    gathers. ``cp_rank`` is this process's rank in the CP group (the kernel's query offset).
+    ``repeat_kv``; otherwise the tensors SDPA received are gathered. The collectives are issued before
+    ``site_plan`` checks the active plan: a call outside a shard context on every rank still fails on every
+    rank (the gathers complete, the op raises). ``regather_kv_in_backward`` tags the gathers for recomputation
+    in backward, so only the local K/V are kept between forward and backward. With ``cp_size == 1`` (block
+    kernel only) nothing is gathered.
     """
     node = site.node
     graph = node.graph
     src = kv_source(site)
-    started = {}
-    for name, t in (("key", src.key), ("value", src.value)):
-        if cp_size == 1 and kernel == "block":
-            continue  # nothing to gather
-        with graph.inserting_after(_latest(graph, [t])):
-            started[name] = graph.call_function(_compat.all_gather_start, (t, cp_size, group_name))
-    k_meta, v_meta = site.meta(src.key), site.meta(src.value)
-    needs_grad = bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad))
-    if kernel == "block":
-        new, k_all, v_all = _emit_block_attention(
-            graph,
-            node,
-            site,
-            src,
-            started,
-            needs_grad,
-            -1 if window is None else window,
-            site_id=site_id,
-            group_name=group_name,
-            cp_size=cp_size,
-            cp_rank=cp_rank,
-            block_size=block_size,
+    gather = spec.cp_size > 1
+    started = [ops.emit_gather_start(graph, t, spec) for t in (src.key, src.value)] if gather else []
+    with graph.inserting_before(node):
+        positions = ops.emit_site_plan(graph, src.key, src.value, site.attn_mask, spec)
+        k_all, v_all = (
+            (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
+            if gather
+            else (
+                src.key,
+                src.value,
+            )
         )
-    else:
-        with graph.inserting_before(node):
-            refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
-            mask = graph.call_function(
-                torch.ops.cpcompile.plan_mask.default,
-                (
-                    *refs,
-                    needs_grad,
-                    site.attn_mask,
-                    site_id,
-                    group_name,
-                    cp_size,
-                    site.attn_mask is not None,
-                    -1 if window is None else window,
-                ),
-            )
-            k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
-            v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
-            new = graph.call_function(
-                torch.nn.functional.scaled_dot_product_attention,
-                (site.query, k_all, v_all),
-                {
-                    "attn_mask": mask,
-                    "dropout_p": 0.0,
-                    "is_causal": False,
-                    "scale": site.scale,
-                    "enable_gqa": bool(site.enable_gqa) or src.unexpanded,
-                },
-            )
-    if regather_kv and started:
-        for n in (*started.values(), k_all, v_all):
+        new = ops.emit_attention(
+            graph,
+            spec,
+            site.query,
+            k_all,
+            v_all,
+            positions,
+            scale=site.scale,
+            enable_gqa=bool(site.enable_gqa) or src.unexpanded,
+            block_size=ctx.options.block_size,
+        )
+    if ctx.options.regather_kv_in_backward and gather:
+        for n in (*started, k_all, v_all):
             n.meta.update(_compat.must_recompute_meta())
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
@@ -491,48 +515,9 @@ def rewrite_site(
     return new
 
 
-def _emit_block_attention(
-    graph, node, site, src, started, needs_grad, window, *, site_id, group_name, cp_size, cp_rank, block_size
-) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """The ``kernel="block"`` tail of :func:`rewrite_site`; returns the output node and the K/V it attends to::
-
-    docs  = cpcompile.plan_docs(k_src, v_src (detached), needs_grad, local_mask | None, site_id, group, N,
-                                rank, documents, window)          # [B, N*c] document ids
-    k_all, v_all = all_gather_wait(k_h), all_gather_wait(v_h)   # k_src/v_src themselves when N == 1
-    out   = cpcompile.cp_attention(q, k_all, v_all, docs, rank, window, s, enable_gqa, block, block)[0]
-    """
-    with graph.inserting_before(node):
-        refs = [graph.call_method("detach", (n,)) for n in (src.key, src.value)]
-        docs = graph.call_function(
-            torch.ops.cpcompile.plan_docs.default,
-            (
-                *refs,
-                needs_grad,
-                site.attn_mask,
-                site_id,
-                group_name,
-                cp_size,
-                cp_rank,
-                site.attn_mask is not None,
-                window,
-            ),
-        )
-        if started:
-            k_all = graph.call_function(_compat.all_gather_wait, (started["key"],))
-            v_all = graph.call_function(_compat.all_gather_wait, (started["value"],))
-        else:
-            k_all, v_all = src.key, src.value
-        enable_gqa = bool(site.enable_gqa) or src.unexpanded
-        att = graph.call_function(
-            torch.ops.cpcompile.cp_attention.default,
-            (site.query, k_all, v_all, docs, cp_rank, window, site.scale, enable_gqa, block_size, block_size),
-        )
-        return graph.call_function(operator.getitem, (att, 0)), k_all, v_all
-
-
 def _kernel_for(site: SDPASite, attention: str) -> str:
-    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA elsewhere (the CUDA block path has not
-    been validated on a GPU yet); ``"dense"``/``"block"`` are taken as given."""
+    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA elsewhere (the CUDA block path is
+    opt-in until validated on a GPU); ``"dense"``/``"block"`` are taken as given."""
     if attention != "auto":
         return attention
     q = site.meta(site.query)
@@ -555,10 +540,18 @@ def _shape(t: torch.Tensor | None) -> tuple:
     return () if t is None else tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
 
 
-def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", kernel: str = "") -> SiteReport:
+def _sizes(*tensors: torch.Tensor | None) -> tuple[tuple[str, int], ...]:
+    """``(symbol, value)`` of the symbolic sizes of ``tensors`` at this compilation."""
+    found = {str(s): _compat.size_hint(s) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)}
+    return tuple(sorted(found.items()))
+
+
+def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", spec: ops.SiteSpec | None = None):
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
     src = kv_source(site)
     gk, gv = site.meta(src.key), site.meta(src.value)
+    gathered = (gk, gv) if spec is not None and spec.cp_size > 1 else ()
+    gather_bytes = sum((spec.cp_size - 1) * _compat.size_hint(math.prod(t.shape)) * t.element_size() for t in gathered)
     return SiteReport(
         graph_id=graph_id,
         node=site.node.name,
@@ -569,16 +562,18 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", kernel
         dtype=str(q.dtype).removeprefix("torch.") if q is not None else "?",
         mask_form=site.mask_form,
         enable_gqa=bool(site.enable_gqa),
+        q_heads=int(q.shape[1]) if q is not None and q.dim() == 4 else 0,
         kv_heads=int(gk.shape[1]) if gk is not None and gk.dim() == 4 else 0,
-        gathered_shapes=(_shape(gk), _shape(gv)) if action == "rewritten" else (),
         action=action,
         reason=reason,
-        kernel=kernel,
+        kernel=spec.kernel if spec is not None else "",
+        window=spec.window if spec is not None else None,
+        gathered_shapes=tuple(_shape(t) for t in gathered),
+        needs_grad=bool(spec is not None and spec.needs_grad),
+        all_gather_bytes_per_call=gather_bytes,
+        reduce_scatter_bytes_per_call=gather_bytes if spec is not None and spec.needs_grad else 0,
+        sizes=_sizes(q, k, v, gk, gv),
     )
-
-
-def _attn_implementation(config: object) -> str | None:
-    return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
 
 
 def _refused_report(graph_id: int, node: str, layer: str, reason: str) -> SiteReport:
@@ -592,8 +587,8 @@ def _refused_report(graph_id: int, node: str, layer: str, reason: str) -> SiteRe
         dtype="?",
         mask_form="none",
         enable_gqa=False,
+        q_heads=0,
         kv_heads=0,
-        gathered_shapes=(),
         action="refused",
         reason=reason,
     )
@@ -603,68 +598,98 @@ def _refusal(where: str, reason: str) -> UnsupportedAttentionError:
     return UnsupportedAttentionError(f"cpcompile cannot run the attention at {where} across CP ranks: {reason}")
 
 
-def cp_attention_pass(
-    gm: fx.GraphModule,
-    *,
-    group_name: str,
-    cp_size: int,
-    graph_id: int,
-    site_prefix: str,
-    refuse: str = "raise",
-    config: object | None = None,
-    regather_kv: bool = False,
-    attention: str = "dense",
-    cp_rank: int = 0,
-    block_size: int = 128,
-) -> list[SiteReport]:
+def _attn_implementation(config: object) -> str | None:
+    return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
+
+
+def _config_reason(config: object | None) -> str | None:
+    """Why a transformers ``config`` cannot run under CP (non-SDPA attention, soft-capped logits), or ``None``."""
+    if config is None:
+        return None
+    impl = _attn_implementation(config)
+    if impl is not None and impl != "sdpa":
+        return f"the model config uses attn_implementation={impl!r}; set attn_implementation='sdpa'"
+    if getattr(config, "attn_logit_softcapping", None):
+        return (
+            f"the model soft-caps attention logits (attn_logit_softcapping={config.attn_logit_softcapping}), "
+            "which SDPA cannot express; set attn_logit_softcapping=None"
+        )
+    return None
+
+
+def _non_sdpa_reason(node: fx.Node, what: str, config: object | None) -> str:
+    transformers = config is not None or _compat.node_module_class(node).startswith("transformers.")
+    fix = (
+        "set attn_implementation='sdpa'"
+        if transformers
+        else "compute this attention with torch.nn.functional.scaled_dot_product_attention"
+    )
+    return f"it is {what}, not a scaled_dot_product_attention call, and would only see this rank's tokens; {fix}"
+
+
+def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str) -> ops.SiteSpec:
+    """The site's description; its id is ``<prefix>:<layer> (node <name>)#<digest of the description>``, the
+    same in every run for the same graph and options (dumps are deterministic) and different for any change."""
+    k_meta, v_meta = (site.meta(n) for n in (kv_source(site).key, kv_source(site).value))
+    spec = ops.SiteSpec(
+        site="",
+        layer=site.layer,
+        group_name=ctx.group_name,
+        cp_size=ctx.cp_size,
+        cp_rank=ctx.cp_rank,
+        documents=site.attn_mask is not None,
+        window=window,
+        kernel=kernel,
+        needs_grad=bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad)),
+    )
+    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
+    return dataclasses.replace(spec, site=f"{ctx.site_prefix}:{site.where}#{digest}")
+
+
+def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
     """Rewrite every SDPA site of ``gm`` (and of its nested graphs) in place; return one report per site.
 
-    ``refuse="raise"`` raises :class:`UnsupportedAttentionError` for the first site that cannot be rewritten
-    exactly (nothing runs wrong silently); ``refuse="report"`` only records it (for inspection, never for
-    running). ``attention`` (``"dense"``, ``"block"`` or ``"auto"``, see :func:`_kernel_for`) selects the
-    attention emitted. With ``cp_size == 1`` nothing is rewritten, except with ``attention="block"``.
+    ``ctx.refuse == "raise"`` raises :class:`UnsupportedAttentionError` for the first site that cannot be
+    rewritten exactly (nothing runs wrong silently); ``"report"`` only records it (for inspection, never for
+    running). ``ctx.options.attention`` (``"dense"``, ``"block"`` or ``"auto"``, see :func:`_kernel_for`)
+    selects the attention emitted. With ``cp_size == 1`` nothing is rewritten, except with ``attention="block"``.
 
     With CP > 1 the pass also refuses attention that is not an SDPA call (:func:`find_non_sdpa_attention`)
-    and, when the model ``config`` is given, a config whose attention implementation is not ``"sdpa"`` or that
+    and, when the model config is given, a config whose attention implementation is not ``"sdpa"`` or that
     soft-caps attention logits. Sliding windows come from :func:`site_window`. A graph without any attention
     (e.g. an MLP) passes through untouched.
     """
     sites = find_sdpa_sites(gm)
     counters["graphs"] += 1
     counters["sdpa_found"] += len(sites)
+    config = ctx.options.config
     reports: list[SiteReport] = []
-    if cp_size > 1:
-        impl = _attn_implementation(config) if config is not None else None
-        config_reason = None
-        if impl is not None and impl != "sdpa":
-            config_reason = f"the model config uses attn_implementation={impl!r}; set attn_implementation='sdpa'"
-        elif config is not None and getattr(config, "attn_logit_softcapping", None):
-            config_reason = (
-                f"the model soft-caps attention logits (attn_logit_softcapping={config.attn_logit_softcapping}), "
-                "which SDPA cannot express; set attn_logit_softcapping=None"
-            )
-        if config_reason is not None:
-            where = sites[0].where if sites else f"graph {graph_id}"
-            if refuse == "raise":
-                raise _refusal(where, config_reason)
-            reports.append(_refused_report(graph_id, "", "", config_reason))
+
+    def refuse(where: str, reason: str, report: SiteReport) -> None:
+        if ctx.refuse == "raise":
+            raise _refusal(where, reason)
+        reports.append(report)
+
+    if ctx.cp_size > 1:
+        reason = _config_reason(config)
+        if reason is not None:
+            where = sites[0].where if sites else f"graph {ctx.graph_id}"
+            refuse(where, reason, _refused_report(ctx.graph_id, "", "", reason))
         for node, layer, what in find_non_sdpa_attention(gm):
             counters["non_sdpa_attention"] += 1
-            reason = (
-                f"it is {what}, not a scaled_dot_product_attention call, and would only see this rank's chunk "
-                "of the sequence; set attn_implementation='sdpa'"
+            reason = _non_sdpa_reason(node, what, config)
+            refuse(
+                f"{layer or '<top level>'} (node {node.name})",
+                reason,
+                _refused_report(ctx.graph_id, node.name, layer, reason),
             )
-            where = f"{layer or '<top level>'} (node {node.name})"
-            if refuse == "raise":
-                raise _refusal(where, reason)
-            reports.append(_refused_report(graph_id, node.name, layer, reason))
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports
     for site in sites:
-        if cp_size == 1 and attention != "block":
+        if ctx.cp_size == 1 and ctx.options.attention != "block":
             # nothing is rewritten, so the model runs exactly as it is, whatever form its attention takes
-            reports.append(_report(site, graph_id, "untouched", "CP group of size 1"))
+            reports.append(_report(site, ctx.graph_id, "untouched", "CP group of size 1"))
             continue
         reason = check_site(site)
         window = None
@@ -672,26 +697,13 @@ def cp_attention_pass(
             window, reason = site_window(site, config)
         if reason is not None:
             counters["sdpa_refused"] += 1
-            if refuse == "raise":
-                raise _refusal(site.where, reason)
-            reports.append(_report(site, graph_id, "refused", reason))
+            refuse(site.where, reason, _report(site, ctx.graph_id, "refused", reason))
             continue
-        kernel = _kernel_for(site, attention)
-        report = _report(site, graph_id, "rewritten", kernel=kernel)
-        reports.append(report if cp_size > 1 else dataclasses.replace(report, gathered_shapes=()))
+        spec = _site_spec(site, ctx, window, _kernel_for(site, ctx.options.attention))
+        ops.register_site(spec)
+        reports.append(_report(site, ctx.graph_id, "rewritten", spec=spec))
         try:
-            rewrite_site(
-                gm,
-                site,
-                site_id=f"{site_prefix}:{site.where}",
-                group_name=group_name,
-                cp_size=cp_size,
-                window=window,
-                regather_kv=regather_kv,
-                kernel=kernel,
-                cp_rank=cp_rank,
-                block_size=block_size,
-            )
+            rewrite_site(gm, site, spec, ctx)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
         counters["sdpa_rewritten"] += 1

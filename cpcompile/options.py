@@ -1,0 +1,65 @@
+"""The options of :func:`cpcompile.backend`, validated once and passed down to the pass as one frozen object."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+__all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "BackendOptions"]
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+ATTENTION_PATHS = ("auto", "dense", "block")
+#: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
+DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
+
+
+def _env_dump_dir() -> str | None:
+    return os.environ.get(DUMP_DIR_ENV) or None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class BackendOptions:
+    """Options of :func:`cpcompile.backend`."""
+
+    #: Compiler the rewritten graph is handed to: ``inductor`` (default), ``aot_eager`` or ``eager``.
+    inner: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    #: Keep only the local K/V between forward and backward and all-gather them again in backward:
+    #: per attention call, (N-1)/N of the gathered K/V memory saved for one more all-gather of K and V.
+    #: Off by default (communication is usually the scarcer resource). Honoured by inner compilers that
+    #: partition with AOTAutograd (``inductor``, ``aot_eager``).
+    regather_kv_in_backward: bool = False
+    #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
+    #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
+    dump_dir: str | None = dataclasses.field(default_factory=_env_dump_dir)
+    #: Attention emitted for every SDPA site. ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the
+    #: reference). ``"block"``: ``cpcompile::cp_attention``, which computes only the not fully masked
+    #: (query block, key block) pairs and never builds more than a block of the mask; with a CP group of size 1
+    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` elsewhere
+    #: (the CUDA block path, flex_attention or flash-attn varlen, is opt-in until validated on a GPU).
+    attention: Literal["auto", "dense", "block"] = "auto"
+    #: Query and key block size of the block kernel (CPU).
+    block_size: int = 128
+    #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
+    #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
+    #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
+    config: object | None = None
+
+    def __post_init__(self) -> None:
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(f"inner={self.inner!r} is not a known inner compiler; choose one of {INNER_COMPILERS}")
+        if self.dump_dir is not None:
+            if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
+                raise ValueError(f"dump_dir={self.dump_dir!r} must be a folder path (str or os.PathLike), or None")
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(
+                f"attention={self.attention!r} is not a known attention path; choose one of {ATTENTION_PATHS}"
+            )
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
+        if self.config is not None and not hasattr(self.config, "to_dict"):
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig (model.config) or None, got "
+                f"{type(self.config).__name__}"
+            )

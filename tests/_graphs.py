@@ -1,0 +1,29 @@
+"""Running the cpcompile pass on a captured Dynamo graph in one process (no process group needed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from cpcompile.options import BackendOptions
+from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
+
+_runs = itertools.count()
+
+
+def run_pass(gm: torch.fx.GraphModule, *, cp_size: int = 2, refuse: str = "raise", **options) -> list[SiteReport]:
+    """Rewrite ``gm`` in place as rank 0 of a CP group of ``cp_size`` named ``"g"``; ``options``: BackendOptions
+    (default ``attention="dense"``: SDPA stays in the graph, under the plan's mask)."""
+    options.setdefault("dump_dir", None)
+    options.setdefault("attention", "dense")
+    ctx = PassContext(
+        options=BackendOptions(**options),
+        group_name="g",
+        cp_size=cp_size,
+        cp_rank=0,
+        graph_id=0,
+        site_prefix=f"test{next(_runs)}",  # site ids are unique per process
+        refuse=refuse,
+    )
+    return cp_attention_pass(gm, ctx)
