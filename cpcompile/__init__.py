@@ -16,6 +16,9 @@ With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
     cpcompile.fully_shard_dp_cp(model, mesh)
     with cpcompile.shard(rows, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local: ...
     norm = cpcompile.clip_grad_norm_(model.parameters(), 1.0)
+
+Hugging Face ``Trainer`` / TRL ``SFTTrainer``: :mod:`cpcompile.integrations.transformers`. What the backend did, in
+torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graphs), ``TORCH_TRACE`` + ``tlparse``.
 """
 
 from cpcompile.backend import BackendOptions, CPBackend, backend

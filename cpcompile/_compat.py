@@ -34,9 +34,12 @@ __all__ = [
     "mark_seq_dynamic",
     "node_module_class",
     "node_module_path",
+    "resolve_group",
     "must_recompute_meta",
     "size_hint",
     "statically_true",
+    "structured_trace_enabled",
+    "trace_artifact",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
@@ -129,6 +132,22 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group registered in this process under ``name`` (:func:`group_name_of`), or ``None``.
+
+    torch 2.11-2.13: ``distributed_c10d._resolve_process_group`` (private; raises ``RuntimeError`` for an unknown
+    name).
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return _resolve_process_group(name)
+    except RuntimeError:
+        return None
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -309,3 +328,25 @@ def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
     specialises the size).
     """
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace log (``TORCH_TRACE=dir``, read by ``tlparse``) is being written.
+
+    torch 2.11-2.13: ``torch._logging._internal.trace_log`` gets a handler only when the trace is on.
+    """
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload_fn) -> None:
+    """Write an artifact named ``name`` to the structured trace (a no-op when it is off).
+
+    ``encoding``: ``"string"`` (``payload_fn`` returns text) or ``"json"`` (it returns a JSON-ready object).
+    Inside a compilation the record carries Dynamo's compile id, so ``tlparse`` lists it under that frame.
+    torch 2.11-2.13: ``torch._logging.trace_structured("artifact", ...)`` (a private module).
+    """
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
+    )
