@@ -34,7 +34,6 @@ __all__ = [
     "mark_seq_dynamic",
     "node_module_class",
     "node_module_path",
-    "resolve_group",
     "must_recompute_meta",
     "size_hint",
     "statically_true",
@@ -120,13 +119,6 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, t, group=group)
-
-
-def resolve_group(group_name: str) -> dist.ProcessGroup:
-    """The process group registered under ``group_name`` (torch 2.11-2.13: ``_resolve_process_group``)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
 
 
 def group_name_of(group: dist.ProcessGroup) -> str:

@@ -232,8 +232,11 @@ def _(k, site):
 
 def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], spec: SiteSpec) -> torch.Tensor:
     """Exchange the rows of ``send`` (``[sum(send_counts), ...]``, grouped by receiving rank) over the site's group."""
+    group = _compat.resolve_group(spec.group_name)
+    if group is None:
+        raise RuntimeError(f"the CP group {spec.group_name!r} of the attention at {spec.site} is not registered here")
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=_compat.resolve_group(spec.group_name))
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
     return recv
 
 
