@@ -155,6 +155,7 @@ def backend(
     attention: Literal["auto", "dense", "block"] = "auto",
     block_size: int = 128,
     config: object | None = None,
+    halo: bool = True,
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
@@ -177,6 +178,7 @@ def backend(
             compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
         attention: ``auto``, ``dense`` or ``block`` (see :attr:`BackendOptions.attention`).
         block_size: block size of the block attention kernel.
+        halo: exchange only the halo at sliding-window sites (see :attr:`BackendOptions.halo`).
     """
     options: dict = {
         "inner": inner,
@@ -184,6 +186,7 @@ def backend(
         "config": config,
         "attention": attention,
         "block_size": block_size,
+        "halo": halo,
     }
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir

@@ -356,24 +356,34 @@ class CPPlan:
             lo = lo.clamp(min=q - window + 1)
         return int((q + 1 - lo).sum())
 
-    def halo_needs(self, window: int, rank: int | None = None) -> torch.Tensor:
-        """The global indices, ascending, of the keys other ranks hold that ``rank``'s queries see under a
-        sliding ``window`` (causal, same document in some row of the batch): the keys its halo must receive.
+    def keys_needed(
+        self, window: int | None, rank: int | None = None, row: int | None = None, *, documents: bool = True
+    ) -> torch.Tensor:
+        """The global indices, ascending, of the keys other ranks hold that some query of ``rank`` sees (causal,
+        same document unless ``documents=False``, within ``window`` tokens; ``None``: no window) in batch row
+        ``row``, or in any row.
 
         For a run of tokens ``[a, b)`` of the rank these are ``[max(start of a's document, a - window + 1), a)``
-        less the rank's own tokens; at most ``window - 1`` per run.
+        less the rank's own tokens: at most ``window - 1`` per run.
         """
-        if window < 1:
-            raise ValueError(f"window must be a positive number of tokens, got {window}")
-        r = self.cp_rank if rank is None else rank
-        own = self.token_indices(r)
-        starts = document_starts(self.doc_ids).min(dim=0).values  # [T_pad]: the earliest start over the rows
+        if window is not None and window < 1:
+            raise ValueError(f"window must be a positive number of tokens or None, got {window}")
+        own = self.token_indices(rank)
+        starts = document_starts(self.attention_docs(documents))
+        starts = starts.min(dim=0).values if row is None else starts[row]  # the earliest over the rows
         needed = []
         for a, _ in runs(own):
-            lo = max(int(starts[a]), a - window + 1)
+            lo = int(starts[a]) if window is None else max(int(starts[a]), a - window + 1)
             needed.append(torch.arange(lo, a, device=own.device))
         keys = torch.unique(torch.cat(needed)) if needed else own.new_empty(0)
         return keys[~torch.isin(keys, own)]
+
+    def halo_needs(self, window: int, rank: int | None = None) -> torch.Tensor:
+        """The keys the halo of ``rank`` receives under a sliding ``window``: :meth:`keys_needed` in any row (one
+        layout serves every row of the batch, so the halo covers the union of the rows' needs)."""
+        if window is None or window < 1:
+            raise ValueError(f"window must be a positive number of tokens, got {window}")
+        return self.keys_needed(window, rank)
 
     def halo_routing(self, window: int, slots: int) -> HaloRouting:
         """This rank's :class:`HaloRouting` for a sliding ``window`` with ``slots`` halo key slots per rank.
