@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cpcompile import _compat
+from cpcompile import _compat, failsafe
 from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 
 __all__ = ["shard", "gather", "current_plan", "sync_grads", "comm_stats", "CommStats", "MaskMismatchError"]
@@ -106,8 +106,10 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
-        check_batch: verify that every rank of ``cp_group`` passed the same global batch (one all-gather of a
-            few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
+        check_batch: verify that every rank of ``cp_group`` passed the same global batch, and decide the batch
+            validation together: one control round per batch through the group's store (a few int64
+            fingerprints and the validation verdict per rank); ``ValueError`` on every rank naming the
+            differing ranks and key, or the rank whose batch failed validation and why.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
 
@@ -132,25 +134,32 @@ def shard(
             "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
-    plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
-    if check_batch and cp_size > 1:
-        _check_same_batch(batch, cp_group, cp_rank)
-    local = _local_batch(
-        batch,
-        plan,
-        num_items_in_batch=num_items_in_batch,
-        dp_group=dp_group,
-        pad_token_id=pad_token_id,
-        hf_kwargs=hf_kwargs,
-    )
+    comm = CommStats()
+    failsafe.enter_step(cp_group, comm)
+    with failsafe.scope(cp_group, "the batch validation of cpcompile.shard", in_step=True):
+        if check_batch and cp_size > 1:
+            plan = _check_same_batch(batch, cp_group, cp_rank, comm)
+        else:
+            plan = build_plan(batch, cp_size, cp_rank, group_name=group_name)
+        local = _local_batch(
+            batch,
+            plan,
+            num_items_in_batch=num_items_in_batch,
+            dp_group=dp_group,
+            pad_token_id=pad_token_id,
+            hf_kwargs=hf_kwargs,
+        )
     if dynamic:
         for value in local.values():
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == plan.chunk_len:
                 _compat.mark_seq_dynamic(value, 1)
-    active = _Active(plan, cp_group)
+    active = _Active(plan, cp_group, comm)
     _STATE.active = active
     try:
         yield local
+    except BaseException as e:
+        failsafe.on_failure(cp_group, e, where="the `with cpcompile.shard(...)` block", in_step=True)
+        raise
     finally:
         _STATE.active = None
         _STATE.last_comm = active.comm
@@ -211,21 +220,30 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return (b * w).sum()
 
 
-def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int) -> None:
+def _batch_fingerprints(batch: Mapping[str, object]) -> list[int]:
     import hashlib
 
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
-    device = tensors["input_ids"].device
     slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
     slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
     others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
     slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
-    mine = torch.tensor(slots, dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    flat = mine.new_empty(size * mine.numel())
-    _compat.all_gather_into(flat, mine, group)
-    allv = flat.view(size, -1).cpu()
+    return slots
+
+
+def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int, comm: CommStats) -> CPPlan:
+    """Validate the batch and compare its fingerprints across the CP group in one control round."""
+    plan, error, slots = None, None, None
+    try:
+        plan = build_plan(batch, dist.get_world_size(group), cp_rank, group_name=_compat.group_name_of(group))
+        slots = _batch_fingerprints(batch)
+    except (ValueError, TypeError) as e:
+        error = e
+    posts = failsafe.agree(
+        group, "batch", error, what="the batch validation of cpcompile.shard", payload=slots, stats=comm
+    )
+    allv = torch.tensor(posts, dtype=torch.int64)
     names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
     for slot, name in enumerate(names):
         col = allv[:, slot]
@@ -233,12 +251,15 @@ def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_
             groups: dict[int, list[int]] = {}
             for r, v in enumerate(col.tolist()):
                 groups.setdefault(v, []).append(r)
-            raise ValueError(
-                f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
-                f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
-                "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
-                "replica the same data (same sampler seed and DP rank)"
+            raise failsafe.mark_agreed(
+                ValueError(
+                    f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
+                    f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
+                    "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
+                    "replica the same data (same sampler seed and DP rank)"
+                )
             )
+    return plan
 
 
 def _require_active(what: str) -> _Active:
@@ -295,7 +316,7 @@ def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
 # -- the op the rewritten graph calls ---------------------------------------------------------------------
 @dataclasses.dataclass
 class CommStats:
-    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context).
+    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context), and control rounds.
 
     Forward all-gathers are counted as they run; every gathered K/V that needs a gradient adds one
     reduce-scatter of the same size in backward.
@@ -309,6 +330,13 @@ class CommStats:
     reduce_scatters: int = 0
     #: Bytes this rank sends in those reduce-scatters: (N-1) chunks each.
     reduce_scatter_bytes: int = 0
+    #: Control rounds through the CP group's store (never a collective of the group; see
+    #: :mod:`cpcompile.failsafe`): the first-call mask check of each attention site, and one per batch with
+    #: ``shard(check_batch=True)``. None on later steps otherwise.
+    control_rounds: int = 0
+    #: Bytes this rank wrote to and read from the store for them (and, on a group's first step, the few bytes
+    #: that let its peers check that its process is alive).
+    control_bytes: int = 0
 
     def record_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
@@ -317,6 +345,10 @@ class CommStats:
         if needs_grad:
             self.reduce_scatters += 1
             self.reduce_scatter_bytes += nbytes
+
+    def record_control(self, nbytes: int, rounds: int = 1) -> None:
+        self.control_rounds += rounds
+        self.control_bytes += nbytes
 
 
 def comm_stats() -> CommStats:
@@ -361,7 +393,11 @@ def plan_mask(
 
 def _site_plan(k, v, needs_grad: bool, site: str, group_name: str, cp_size: int) -> CPPlan:
     """The active plan, checked against the site's group and chunk shape; counts the site's K/V gathers."""
-    active = _require_active(f"the CP attention at {site}")
+    try:
+        active = _require_active(f"the CP attention at {site}")
+    except RuntimeError as e:  # this rank is outside shard: its peers may be inside, waiting in a collective
+        failsafe.on_failure(group_name, e, where=f"the CP attention at {site} (called outside cpcompile.shard)")
+        raise
     plan = active.plan
     if plan.group_name != group_name or plan.cp_size != cp_size:
         raise RuntimeError(
@@ -431,22 +467,36 @@ def _(k, v, needs_grad, model_mask, site, group_name, cp_size, cp_rank, document
 
 
 def _verify_site_mask(site: str, model_mask: torch.Tensor, ours: torch.Tensor, documents: bool, window: int):
-    theirs = model_mask.to(torch.bool).expand_as(ours)
-    if not torch.equal(theirs, ours):
-        b, _, i, j = (theirs != ours).nonzero()[0].tolist()
-        form = (
-            "global causal"
-            + (" same-document" if documents else "")
-            + (f" sliding-window({window})" if window >= 0 else "")
-        )
-        raise MaskMismatchError(
-            f"the attention mask built by the model at {site} differs from the {form} mask cpcompile applies "
-            f"across ranks (first difference: row {b}, local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, "
-            f"cpcompile {bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. "
-            "Use a standard causal/packed-document mask (transformers with attn_implementation='sdpa' and "
-            "use_cache=False), or run this model without context parallelism"
-        )
+    """Compare the model's mask with the plan's diagonal block; decided together with the other CP ranks."""
+    active = _STATE.active
+    error = _mask_mismatch(site, model_mask, ours, documents, window)
+    failsafe.agree(
+        active.group,
+        "mask",
+        error,
+        what=f"the first-call mask check of the CP attention at {site}",
+        kinds=(MaskMismatchError,),
+        stats=active.comm,
+    )
     _VERIFIED_SITES.add(site)
+
+
+def _mask_mismatch(
+    site: str, model_mask: torch.Tensor, ours: torch.Tensor, documents: bool, window: int
+) -> MaskMismatchError | None:
+    theirs = model_mask.to(torch.bool).expand_as(ours)
+    if torch.equal(theirs, ours):
+        return None
+    b, _, i, j = (theirs != ours).nonzero()[0].tolist()
+    form = "global causal" + (" same-document" if documents else "")
+    form += f" sliding-window({window})" if window >= 0 else ""
+    return MaskMismatchError(
+        f"the attention mask built by the model at {site} differs from the {form} mask cpcompile applies "
+        f"across ranks (first difference: row {b}, local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, "
+        f"cpcompile {bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. "
+        "Use a standard causal/packed-document mask (transformers with attn_implementation='sdpa' and "
+        "use_cache=False), or run this model without context parallelism"
+    )
 
 
 def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
@@ -455,6 +505,11 @@ def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
     gradient of the whole sequence. One flat all-reduce per dtype.
     """
+    with failsafe.scope(cp_group, "cpcompile.sync_grads"):
+        _sum_grads(parameters, cp_group)
+
+
+def _sum_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     grads = [p.grad for p in parameters if p.grad is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
