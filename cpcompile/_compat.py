@@ -29,6 +29,7 @@ __all__ = [
     "group_name_of",
     "group_timeout_s",
     "is_comm_error",
+    "is_peer_exit_error",
     "init_fake_process_group",
     "is_non_member_group",
     "lookup_inner_backend",
@@ -173,6 +174,12 @@ def is_comm_error(exc: BaseException) -> bool:
     if dist_error is not None and isinstance(exc, dist_error):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_ERROR_MARKERS)
+
+
+def is_peer_exit_error(message: str) -> bool:
+    """True for the message of a collective that failed because a peer's process exited (torch 2.13, gloo:
+    "Connection closed by peer" or "Connection reset by peer", seen within about 1 s of a ``SIGKILL``)."""
+    return "Connection closed by peer" in message or "Connection reset by peer" in message
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

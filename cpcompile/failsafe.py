@@ -15,22 +15,29 @@ Main API (``group``: the CP process group):
   and by ``shard(check_batch=True)`` (once per step, batch validation included). One control round each.
 * :func:`on_failure` / :func:`scope` / :func:`fail_together`: any other error in cpcompile's scope (the batch
   validation of ``shard``, the ``with shard(...)`` block, the attention ops called outside ``shard``,
-  ``sync_grads``) is posted to the store. The failing rank waits up to ``report_grace_s`` for the others. If
-  every rank failed at the same point of the same step (same error, same line: a deterministic error such as
-  bad input), each rank re-raises its own error and the group stays usable. Otherwise the group is marked
-  failed and every rank raises :class:`RankFailedError` naming the ranks that failed, their errors and the
-  ranks that died. Nothing is exchanged while nothing fails.
+  ``sync_grads``) is posted to the store, and the failing rank waits up to ``report_grace_s`` for its peers:
+
+  - every rank reports the same error at the same line in the same step (a deterministic error such as bad
+    input): each rank re-raises its own error and the group stays usable;
+  - a peer reports something else (it was released from a collective, or was waiting in a control round) or
+    its process is gone: every rank raises :class:`RankFailedError` naming the ranks that failed with their
+    errors, the ranks that died and the ranks that did not report; the group is marked failed;
+  - otherwise (a peer is still busy, e.g. compiling, or blocked in a collective): the failing rank re-raises
+    its own error with a note, and its next use of the group settles the round, waiting up to the peer
+    timeout, and raises :class:`RankFailedError` unless the peers reported the same error.
+
+  Nothing is exchanged while nothing fails.
 * :func:`enter_step`: called by ``shard``; a group that failed raises again at once instead of issuing
   collectives that could be matched against its peers' stale ones.
 
-Releasing a rank blocked in a collective (measured on torch 2.13, gloo, CPU): ``ProcessGroup.abort()``,
-``shutdown()`` and the gloo backend's ``abort()`` release it neither when the blocked rank calls them (from
-another thread) nor when its peer does. Only the peer's process exiting ("Connection closed by peer", about
-1 s after a ``SIGKILL``) or the collective's own timeout does. Hence:
+Releasing a rank blocked in a collective (measured on torch 2.13, gloo, CPU: ``benchmarks/gloo_release.py``):
+``ProcessGroup.abort()``, ``shutdown()`` and the gloo backend's ``abort()`` release it neither when the
+blocked rank calls them (from another thread) nor when its peer does. Only the peer's process exiting
+("Connection closed by peer", 1 s after a ``SIGKILL``) or the collective's own timeout does. Hence:
 
 * a rank whose process dies (killed, out of memory, or exiting after its error) releases its peers at once;
-  they raise :class:`RankFailedError` saying it died (its process is checked when it ran on the same host;
-  otherwise it is named as a rank that did not report within ``report_grace_s``);
+  they raise :class:`RankFailedError` saying it died (its process is checked when it ran on the same host in
+  the same PID namespace; otherwise it is named as a rank that did not report within ``report_grace_s``);
 * a rank that fails and stays alive (a notebook, a supervisor that catches the error) releases its peers
   only through their collective timeout, the CP group's timeout. ``peer_timeout_s`` (environment variable
   ``CPCOMPILE_PEER_TIMEOUT``) sets it on the CP group (``ProcessGroup.set_timeout``) and bounds the control
@@ -39,7 +46,11 @@ another thread) nor when its peer does. Only the peer's process exiting ("Connec
 What cannot be detected cheaply: a peer that is alive and simply never calls (stuck in its own code, or
 failed outside cpcompile's scope). Its peers wait in their next collective until the CP group's timeout, then
 raise :class:`RankFailedError` naming it as a rank that did not report. Wrap a step's own code (data loading,
-optimizer) in :func:`fail_together` so that its errors are reported to the peers too.
+the optimizer step) in :func:`fail_together` so that its errors reach the peers too. The same holds for a
+peer on another host whose machine dies without closing its connections.
+
+Not run on NCCL yet: the control channel is backend-independent, but how NCCL's watchdog treats a collective
+timeout (it may end the process) has not been measured here.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import math
 import os
 import socket
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -213,6 +225,8 @@ class _Group:
         return _compat.group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
 
 
+#: Backends already warned about by :func:`_group` (untested with fail-together).
+_WARNED: set[str] = set()
 #: Fail-together state of every CP group this process used, by group name; written only by :func:`_group`
 #: and :func:`configure`. A group whose name is reused by a new group gets fresh state.
 _GROUPS: dict[str, _Group] = {}
@@ -224,7 +238,16 @@ def _group(group: dist.ProcessGroup | str) -> _Group:
     state = _GROUPS.get(name)
     if state is None or state.ref() is not pg:
         size = dist.get_world_size(pg)
-        enabled = size > 1 and dist.get_backend(pg) != "fake"
+        backend = dist.get_backend(pg)
+        enabled = size > 1 and backend != "fake"
+        if enabled and backend != "gloo" and backend not in _WARNED:
+            _WARNED.add(backend)
+            warnings.warn(
+                f"cpcompile's fail-together protocol has been run on gloo only, not on {backend}: its control "
+                "rounds go through the group's store whatever the backend, but how this backend ends a timed-out "
+                "collective (NCCL's watchdog may end the process) has not been measured",
+                stacklevel=3,
+            )
         store = dist.PrefixStore("cpcompile/", pg.get_group_store()) if enabled else None
         state = _Group(weakref.ref(pg), name, dist.get_rank(pg), size, store, FailsafeOptions())
         _GROUPS[name] = state
@@ -677,12 +700,15 @@ def _failure_error(state: _Group, records: dict[int, dict], dead: dict[int, str]
     lines += [f"  rank {r} failed in {rec['where']}: {rec['type']}: {rec['message']}" for r, rec in failed.items()]
     lines += [f"  rank {r} died: {why}" for r, why in sorted(dead.items())]
     grace = state.options.report_grace_s
-    lines += [
-        f"  rank {r} did not report within {grace:g} s: it died (a process on another host), or it is alive but "
-        f"not calling (blocked in a collective, which raises after the group's timeout of "
-        f"{state.peer_timeout_s:g} s, or busy in its own code)"
-        for r in silent
-    ]
+    closed = any(rec["kind"] == "comm" and _compat.is_peer_exit_error(rec["message"]) for rec in others.values())
+    if closed:
+        why = "a peer's connection closed, so it most likely died (a process on another host)"
+    else:
+        why = (
+            "it died (a process on another host), or it is alive but not calling (blocked in a collective, "
+            f"which raises after the group's timeout of {state.peer_timeout_s:g} s, or busy in its own code)"
+        )
+    lines += [f"  rank {r} did not report within {grace:g} s: {why}" for r in silent]
     for r, rec in others.items():
         if rec["kind"] == "wait":
             lines.append(f"  rank {r} stopped with them: {rec['message']}")

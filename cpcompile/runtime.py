@@ -120,6 +120,10 @@ def shard(
         ``local``: this rank's contiguous chunk of every per-token tensor, global ``position_ids``, and with
         labels ``labels`` (the local chunk), ``shift_labels`` (shifted over the whole row before slicing) and
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
+
+    An error in the batch validation or in the ``with`` block is reported to the other CP ranks, and a rank
+    that another rank's failure leaves waiting raises :class:`~cpcompile.failsafe.RankFailedError` naming it
+    (:mod:`cpcompile.failsafe`); once that happened on ``cp_group``, ``shard`` raises it again at once.
     """
     cp_size, cp_rank, group_name = check_group(cp_group)
     if dp_group is not None:
