@@ -107,3 +107,25 @@ def test_killed_rank_is_reported_dead(where):
     assert "is gone" in got["message"]
     assert got["seconds"] < (FIRST_CALL_S if where == "before_first_call" else SLACK_S)
     assert results[0]["next"]["rank_failed"]
+
+
+def test_options_are_validated(monkeypatch):
+    from cpcompile import FailsafeOptions, configure_failsafe
+    from cpcompile.failsafe import PEER_TIMEOUT_ENV, REPORT_GRACE_ENV
+
+    monkeypatch.delenv(PEER_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(REPORT_GRACE_ENV, raising=False)
+    assert FailsafeOptions() == FailsafeOptions(peer_timeout_s=None, report_grace_s=5.0)
+    monkeypatch.setenv(PEER_TIMEOUT_ENV, "90")
+    monkeypatch.setenv(REPORT_GRACE_ENV, "2.5")
+    assert FailsafeOptions() == FailsafeOptions(peer_timeout_s=90.0, report_grace_s=2.5)
+    monkeypatch.setenv(PEER_TIMEOUT_ENV, "ten")
+    with pytest.raises(ValueError, match=r"\$CPCOMPILE_PEER_TIMEOUT='ten' is not a number of seconds"):
+        FailsafeOptions()
+    monkeypatch.setenv(PEER_TIMEOUT_ENV, "-1")
+    with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        FailsafeOptions()
+    with pytest.raises(ValueError, match=r"report_grace_s=0 must be a positive number"):
+        FailsafeOptions(peer_timeout_s=1, report_grace_s=0)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        configure_failsafe("cp")
