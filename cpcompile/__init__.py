@@ -22,6 +22,8 @@ torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graph
 """
 
 from cpcompile.backend import BackendOptions, CPBackend, backend
+from cpcompile.failsafe import FailsafeOptions, RankFailedError, fail_together
+from cpcompile.failsafe import configure as configure_failsafe
 from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
@@ -35,8 +37,10 @@ __all__ = [
     "CPBackend",
     "CPPlan",
     "CommStats",
+    "FailsafeOptions",
     "Inspection",
     "MaskMismatchError",
+    "RankFailedError",
     "SiteReport",
     "RankSite",
     "UnsupportedAttentionError",
@@ -44,9 +48,11 @@ __all__ = [
     "build_plan",
     "clip_grad_norm_",
     "comm_stats",
+    "configure_failsafe",
     "counters",
     "current_plan",
     "dp_cp_mesh",
+    "fail_together",
     "fully_shard_dp_cp",
     "gather",
     "init_dp_cp_mesh",

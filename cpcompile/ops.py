@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat
+from cpcompile import _compat, failsafe
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
 from cpcompile.plan import CPPlan, visible_mask
 from cpcompile.runtime import Active, MaskMismatchError, active_context
@@ -130,7 +130,7 @@ def site_plan(
     context = _site_context(spec, k)
     _count_collectives(context, spec, k, v)
     if model_mask is not None:
-        _verify_model_mask_once(spec, context.plan, model_mask)
+        _verify_model_mask_once(spec, context, model_mask)
     return _site_positions(context.plan, spec)
 
 
@@ -148,7 +148,12 @@ def _(k, v, model_mask, site):
 
 def _site_context(spec: SiteSpec, k: torch.Tensor) -> Active:
     """The active shard context, checked against the group, rank and chunk shape the site was compiled for."""
-    context = active_context(f"the CP attention at {spec.layer or spec.site}")
+    try:
+        context = active_context(f"the CP attention at {spec.layer or spec.site}")
+    except RuntimeError as e:  # this rank is outside shard: its peers may be inside, waiting in a collective
+        where = f"the CP attention at {spec.layer or spec.site} (called outside cpcompile.shard)"
+        failsafe.on_failure(spec.group_name, e, where=where)
+        raise
     plan = context.plan
     if plan.group_name != spec.group_name or plan.cp_size != spec.cp_size:
         raise RuntimeError(
@@ -177,28 +182,40 @@ def _count_collectives(context: Active, spec: SiteSpec, k: torch.Tensor, v: torc
         context.comm.record_gather(v, spec.cp_size, spec.needs_grad)
 
 
-def _verify_model_mask_once(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> None:
-    """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs."""
+def _verify_model_mask_once(spec: SiteSpec, context: Active, model_mask: torch.Tensor) -> None:
+    """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs.
+
+    Decided together with the other CP ranks (one control round, :func:`cpcompile.failsafe.agree`): every rank
+    raises the same :class:`MaskMismatchError`, naming the ranks whose mask differs.
+    """
     if spec.site in _VERIFIED:
         return
+    error = _mask_mismatch(spec, context.plan, model_mask)
+    what = f"the first-call mask check of the CP attention at {spec.layer or spec.site}"
+    failsafe.agree(context.group, "mask", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
+    _VERIFIED.add(spec.site)
+
+
+def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> MaskMismatchError | None:
+    """The error describing where ``model_mask`` differs from :meth:`CPPlan.local_rule_mask`, or ``None``."""
     ours = plan.local_rule_mask(documents=spec.documents, window=spec.window)
     theirs = model_mask.to(torch.bool).expand_as(ours)
-    if not torch.equal(theirs, ours):
-        b, _, i, j = (theirs != ours).nonzero()[0].tolist()
-        form = (
-            "global causal"
-            + (" same-document" if spec.documents else "")
-            + (f" sliding-window({spec.window})" if spec.window is not None else "")
-        )
-        raise MaskMismatchError(
-            f"the attention mask built by the model at {spec.layer or spec.site} differs from the {form} mask "
-            f"cpcompile applies, as the model's rule gives it on this rank's tokens (first difference: row {b}, "
-            f"local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, expected {bool(ours[b, 0, i, j])}); "
-            "cpcompile refuses to run attention under a different mask. Build a causal mask (packed documents "
-            "marked by position ids that restart at 0; with transformers: attn_implementation='sdpa' and "
-            "use_cache=False), or run this model without context parallelism"
-        )
-    _VERIFIED.add(spec.site)
+    if torch.equal(theirs, ours):
+        return None
+    b, _, i, j = (theirs != ours).nonzero()[0].tolist()
+    form = (
+        "global causal"
+        + (" same-document" if spec.documents else "")
+        + (f" sliding-window({spec.window})" if spec.window is not None else "")
+    )
+    return MaskMismatchError(
+        f"the attention mask built by the model at {spec.layer or spec.site} differs from the {form} mask "
+        f"cpcompile applies, as the model's rule gives it on this rank's tokens (first difference: row {b}, "
+        f"local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, expected {bool(ours[b, 0, i, j])}); "
+        "cpcompile refuses to run attention under a different mask. Build a causal mask (packed documents "
+        "marked by position ids that restart at 0; with transformers: attn_implementation='sdpa' and "
+        "use_cache=False), or run this model without context parallelism"
+    )
 
 
 def _site_positions(plan: CPPlan, spec: SiteSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
