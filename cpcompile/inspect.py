@@ -120,6 +120,8 @@ class RankTotals:
     #: Halo exchanges (K and V of sliding-window sites) and the bytes received in them, one step.
     halo_exchanges: int
     halo_bytes: int
+    #: Bytes of the K and V its queries see that other ranks hold, one step (``RankSite.needed_bytes_per_call``).
+    needed_bytes: int
     #: Query/key pairs of this rank's rows that the plan's mask lets attend, summed over the batch.
     visible_pairs: int
 
@@ -155,7 +157,8 @@ class Inspection:
         return len(self.doc_lens)
 
     def site_table(self) -> str:
-        """The per-site table (one row per site; a site that differs between ranks gets one row per rank)."""
+        """The per-site table (one row per site, whose byte columns give the largest rank's; a site that differs
+        between ranks gets one row per rank)."""
         from tabulate import tabulate
 
         headers = [
@@ -215,6 +218,7 @@ class Inspection:
             "RS/step",
             "halo exchanges",
             "halo/step",
+            "needed/step",
             "visible (q,k) pairs",
         ]
         body = [
@@ -228,6 +232,7 @@ class Inspection:
                 _fmt_bytes(t.reduce_scatter_bytes),
                 t.halo_exchanges,
                 _fmt_bytes(t.halo_bytes),
+                _fmt_bytes(t.needed_bytes),
                 t.visible_pairs,
             ]
             for t in self.totals
@@ -269,9 +274,14 @@ class Inspection:
             by_site.setdefault((row.graph_id, row.node), []).append(row)
         out = []
         for rows in by_site.values():
-            same = all(dataclasses.replace(r, rank=rows[0].rank) == rows[0] for r in rows)
-            if same:
-                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), rows[0]))
+            same = all(r.report == rows[0].report and r.calls_per_forward == rows[0].calls_per_forward for r in rows)
+            if same:  # one row; the bytes that depend on the rank's tokens: the largest over the ranks
+                largest = dataclasses.replace(
+                    rows[0],
+                    halo_bytes_per_call=max(r.halo_bytes_per_call for r in rows),
+                    needed_bytes_per_call=max(r.needed_bytes_per_call for r in rows),
+                )
+                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), largest))
             else:
                 out += [(str(r.rank), r) for r in rows]
         return out
@@ -579,6 +589,7 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
         halo_exchanges=sum(2 * r.calls_per_forward for r in done if r.exchange == "halo"),
         halo_bytes=sum(r.halo_bytes_per_call * r.calls_per_forward for r in done),
+        needed_bytes=sum(r.needed_bytes_per_call * r.calls_per_forward for r in done),
         visible_pairs=plan.visible_pairs(documents=documents, rank=rank),
     )
 
