@@ -16,9 +16,14 @@ With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
     cpcompile.fully_shard_dp_cp(model, mesh)
     with cpcompile.shard(rows, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local: ...
     norm = cpcompile.clip_grad_norm_(model.parameters(), 1.0)
+
+Hugging Face ``Trainer`` / TRL ``SFTTrainer``: :mod:`cpcompile.integrations.transformers`. What the backend did, in
+torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graphs), ``TORCH_TRACE`` + ``tlparse``.
 """
 
 from cpcompile.backend import BackendOptions, CPBackend, backend
+from cpcompile.failsafe import FailsafeOptions, RankFailedError, fail_together
+from cpcompile.failsafe import configure as configure_failsafe
 from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
@@ -32,8 +37,10 @@ __all__ = [
     "CPBackend",
     "CPPlan",
     "CommStats",
+    "FailsafeOptions",
     "Inspection",
     "MaskMismatchError",
+    "RankFailedError",
     "SiteReport",
     "RankSite",
     "UnsupportedAttentionError",
@@ -41,9 +48,11 @@ __all__ = [
     "build_plan",
     "clip_grad_norm_",
     "comm_stats",
+    "configure_failsafe",
     "counters",
     "current_plan",
     "dp_cp_mesh",
+    "fail_together",
     "fully_shard_dp_cp",
     "gather",
     "init_dp_cp_mesh",

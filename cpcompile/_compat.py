@@ -27,15 +27,21 @@ __all__ = [
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
+    "group_timeout_s",
+    "is_comm_error",
+    "is_peer_exit_error",
     "init_fake_process_group",
     "is_non_member_group",
     "lookup_inner_backend",
     "mark_seq_dynamic",
     "node_module_class",
     "node_module_path",
+    "resolve_group",
     "must_recompute_meta",
     "size_hint",
     "statically_true",
+    "structured_trace_enabled",
+    "trace_artifact",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
@@ -121,6 +127,71 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
 def group_name_of(group: dist.ProcessGroup) -> str:
     """The registered name of a process group (torch 2.11-2.13: ``ProcessGroup.group_name``)."""
     return group.group_name
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group registered in this process under ``name`` (:func:`group_name_of`), or ``None``.
+
+    torch 2.11-2.13: ``distributed_c10d._resolve_process_group`` (private; raises ``RuntimeError`` for an unknown
+    name).
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return _resolve_process_group(name)
+    except RuntimeError:
+        return None
+
+
+def group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The timeout, in seconds, of the collectives of ``group`` (what ``new_group(timeout=)`` or
+    ``ProcessGroup.set_timeout`` set; ``new_group``'s default is 30 min for gloo, 10 min for NCCL).
+
+    Read from the backend's options (torch 2.11-2.13: ``ProcessGroup._get_backend(device).options._timeout``,
+    private); ``torch.distributed.default_pg_timeout`` where no backend exposes it.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+        return timeout.total_seconds()
+    return dist.default_pg_timeout.total_seconds()
+
+
+#: Fragments of the messages of a failed collective (checked on torch 2.13, gloo: a peer's connection closed,
+#: an operation timed out; NCCL raises ``torch.distributed.DistBackendError``).
+_COMM_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "timeout caused pair closure",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "Operation timed out",
+    "gloo/transport",
+    "NCCL error",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """True when ``exc`` comes from a collective that failed (a peer died, or the collective timed out).
+
+    torch 2.13: ``torch.distributed.DistError`` and its subclasses (NCCL, store and network errors); gloo raises a
+    plain ``RuntimeError``: "[.../gloo/transport/tcp/pair.cc] Connection closed by peer" when a peer's
+    process exits; on its collective timeout either "[.../unbound_buffer.cc] Timed out waiting ...ms" or
+    "Application timeout caused pair closure" (both seen on the same test, depending on timing).
+    """
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_ERROR_MARKERS)
+
+
+def is_peer_exit_error(message: str) -> bool:
+    """True for the message of a collective that failed because a peer's process exited (torch 2.13, gloo:
+    "Connection closed by peer" or "Connection reset by peer", seen within about 1 s of a ``SIGKILL``)."""
+    return "Connection closed by peer" in message or "Connection reset by peer" in message
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -301,3 +372,25 @@ def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
     specialises the size).
     """
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace log (``TORCH_TRACE=dir``, read by ``tlparse``) is being written.
+
+    torch 2.11-2.13: ``torch._logging._internal.trace_log`` gets a handler only when the trace is on.
+    """
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload_fn) -> None:
+    """Write an artifact named ``name`` to the structured trace (a no-op when it is off).
+
+    ``encoding``: ``"string"`` (``payload_fn`` returns text) or ``"json"`` (it returns a JSON-ready object).
+    Inside a compilation the record carries Dynamo's compile id, so ``tlparse`` lists it under that frame.
+    torch 2.11-2.13: ``torch._logging.trace_structured("artifact", ...)`` (a private module).
+    """
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
+    )

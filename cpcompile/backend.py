@@ -6,13 +6,14 @@ import copy
 import dataclasses
 import itertools
 import os
+import weakref
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat, dump
+from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group
@@ -20,6 +21,9 @@ from cpcompile.runtime import check_group
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
 _backend_ids = itertools.count()
+#: The live backends of this process by a key of their own, for unpickling a backend in the process that pickled it.
+_LIVE_BACKENDS: weakref.WeakValueDictionary[int, CPBackend] = weakref.WeakValueDictionary()
+_live_keys = itertools.count()
 
 
 @dataclasses.dataclass
@@ -45,6 +49,11 @@ class CPBackend:
     ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
     copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
     (no collective is ever issued). ``name`` prefixes the ids of its sites (default ``backend<n>``).
+
+    ``copy.copy``/``copy.deepcopy`` return the backend itself (wrappers such as Lightning's ``torch.compile`` copy
+    their arguments). A pickle holds the CP group's registered name and the options: unpickled in the same process
+    it is the same backend; in another process, a new backend over the group registered there under that name
+    (``TypeError`` naming the fix when there is none).
     """
 
     def __init__(
@@ -69,11 +78,27 @@ class CPBackend:
         self._dump = (
             None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
         )
+        self._key = next(_live_keys)
+        _LIVE_BACKENDS[self._key] = self
+
+    # Wrappers that copy their arguments (Lightning's torch.compile deep-copies its keyword arguments) get this
+    # backend itself: it holds a process group, which cannot be copied, and its reports must stay in one place.
+    def __copy__(self) -> CPBackend:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CPBackend:
+        return self
+
+    def __reduce__(self):
+        """Pickle by reference: the CP group's registered name and the options (see :func:`_unpickle_backend`)."""
+        fields = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        return (_unpickle_backend, (os.getpid(), self._key, self.group_name, fields, self.trace_only))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
         title = f"rank {dist.get_rank()}, graph {graph_id}"
-        keep_source = self._dump is not None or self.trace_only
+        trace = _logging.GraphTrace(f"cpcompile {self.name} graph {graph_id}, CP rank {self.cp_rank} of {self.cp_size}")
+        keep_source = self._dump is not None or self.trace_only or trace.wants_code()
         before = dump.graph_source(gm, f"{title}: as Dynamo traced it") if keep_source else ""
         target = copy.deepcopy(gm) if self.trace_only else gm
         ctx = PassContext(
@@ -88,6 +113,7 @@ class CPBackend:
         reports = cp_attention_pass(target, ctx)
         self.reports += reports
         after = dump.graph_source(target, f"{title}: after the cpcompile cp_attention pass") if keep_source else ""
+        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
         if self._dump is not None:
             self._dump.add_graph(before, after, reports)
         if self.trace_only:
@@ -104,6 +130,22 @@ class CPBackend:
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
 
 
+def _unpickle_backend(pid: int, key: int, group_name: str, options: dict, trace_only: bool) -> CPBackend:
+    """A pickled backend: the same object in the process that pickled it (while it lives), else a new backend with
+    the same options over the process group registered under ``group_name`` in this process."""
+    if pid == os.getpid() and (live := _LIVE_BACKENDS.get(key)) is not None:
+        return live
+    group = _compat.resolve_group(group_name)
+    if group is None:
+        raise TypeError(
+            f"cannot unpickle a cpcompile backend: its CP process group {group_name!r} is not registered in this "
+            "process (a process group cannot travel in a pickle); create the same process groups here first (same "
+            "torch.distributed.new_group / init_device_mesh calls in the same order), or build the backend in this "
+            "process with cpcompile.backend(cp_group)"
+        )
+    return CPBackend(group, BackendOptions(**options), trace_only=trace_only)
+
+
 def backend(
     cp_group: dist.ProcessGroup,
     *,
@@ -113,6 +155,7 @@ def backend(
     attention: Literal["auto", "dense", "block"] = "auto",
     block_size: int = 128,
     config: object | None = None,
+    halo: bool = True,
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
@@ -135,6 +178,7 @@ def backend(
             compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
         attention: ``auto``, ``dense`` or ``block`` (see :attr:`BackendOptions.attention`).
         block_size: block size of the block attention kernel.
+        halo: exchange only the halo at sliding-window sites (see :attr:`BackendOptions.halo`).
     """
     options: dict = {
         "inner": inner,
@@ -142,6 +186,7 @@ def backend(
         "config": config,
         "attention": attention,
         "block_size": block_size,
+        "halo": halo,
     }
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir

@@ -55,10 +55,27 @@ class RankSite:
     #: How many times the site's graph ran in one forward.
     calls_per_forward: int
     report: SiteReport
+    #: Bytes of K and V this rank receives per call in a halo exchange (``report.exchange == "halo"``), from the
+    #: plan of the inspected batch.
+    halo_bytes_per_call: int = 0
+    #: Bytes of the K and V this rank's queries see that other ranks hold, summed over the batch rows: the least
+    #: any exchange must deliver (an all-gather delivers all of the other ranks' keys by design).
+    needed_bytes_per_call: int = 0
 
     @property
     def all_gather_bytes_per_step(self) -> int:
         return self.report.all_gather_bytes_per_call * self.calls_per_forward
+
+    @property
+    def backward_bytes_per_step(self) -> int:
+        """Bytes this rank sends in backward: reduce-scatters of dK/dV, or the halo keys' gradients returned."""
+        halo_back = self.halo_bytes_per_call * self.calls_per_forward if self.report.needs_grad else 0
+        return self.reduce_scatter_bytes_per_step + halo_back
+
+    @property
+    def received_bytes_per_call(self) -> int:
+        """K and V bytes this rank receives per call, whatever the exchange."""
+        return self.report.all_gather_bytes_per_call + self.halo_bytes_per_call
 
     @property
     def reduce_scatters_per_step(self) -> int:
@@ -84,6 +101,9 @@ class RankSite:
             "all_gather_bytes_per_step": self.all_gather_bytes_per_step,
             "reduce_scatters_per_step": self.reduce_scatters_per_step,
             "reduce_scatter_bytes_per_step": self.reduce_scatter_bytes_per_step,
+            "halo_bytes_per_call": self.halo_bytes_per_call,
+            "halo_bytes_per_step": self.halo_bytes_per_call * self.calls_per_forward,
+            "needed_bytes_per_call": self.needed_bytes_per_call,
         }
 
 
@@ -98,6 +118,11 @@ class RankTotals:
     all_gather_bytes: int
     reduce_scatters: int
     reduce_scatter_bytes: int
+    #: Halo exchanges (K and V of sliding-window sites) and the bytes received in them, one step.
+    halo_exchanges: int
+    halo_bytes: int
+    #: Bytes of the K and V its queries see that other ranks hold, one step (``RankSite.needed_bytes_per_call``).
+    needed_bytes: int
     #: Query/key pairs of this rank's rows that the plan's mask lets attend, summed over the batch.
     visible_pairs: int
 
@@ -138,7 +163,8 @@ class Inspection:
     layout = property(lambda self: self.plan.layout, doc="The layout's name (:data:`cpcompile.plan.LAYOUTS`).")
 
     def site_table(self) -> str:
-        """The per-site table (one row per site; a site that differs between ranks gets one row per rank)."""
+        """The per-site table (one row per site, whose byte columns give the largest rank's; a site that differs
+        between ranks gets one row per rank)."""
         from tabulate import tabulate
 
         headers = [
@@ -152,10 +178,12 @@ class Inspection:
             "mask found",
             "action",
             "attention",
+            "exchange",
             "gathered K, V",
-            "AG/call",
-            "AG/step",
-            "RS/step (bwd)",
+            "recv/call",
+            "needed/call",
+            "recv/step",
+            "bwd/step",
         ]
         body = []
         for ranks, row in self._merged_rows():
@@ -172,10 +200,12 @@ class Inspection:
                     row.mask_found,
                     action,
                     (row.kernel or "-") + (f", window {row.window}" if row.window is not None else ""),
+                    row.exchange.replace("_", "-") or "-",
                     _fmt_shapes(row.gathered_shapes),
-                    _fmt_bytes(row.all_gather_bytes_per_call),
-                    _fmt_bytes(row.all_gather_bytes_per_step),
-                    _fmt_bytes(row.reduce_scatter_bytes_per_step),
+                    _fmt_bytes(row.received_bytes_per_call),
+                    _fmt_bytes(row.needed_bytes_per_call),
+                    _fmt_bytes(row.received_bytes_per_call * row.calls_per_forward),
+                    _fmt_bytes(row.backward_bytes_per_step),
                 ]
             )
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
@@ -192,6 +222,9 @@ class Inspection:
             "AG/step",
             "reduce-scatters (bwd)",
             "RS/step",
+            "halo exchanges",
+            "halo/step",
+            "needed/step",
             "visible (q,k) pairs",
         ]
         body = [
@@ -203,6 +236,9 @@ class Inspection:
                 _fmt_bytes(t.all_gather_bytes),
                 t.reduce_scatters,
                 _fmt_bytes(t.reduce_scatter_bytes),
+                t.halo_exchanges,
+                _fmt_bytes(t.halo_bytes),
+                _fmt_bytes(t.needed_bytes),
                 t.visible_pairs,
             ]
             for t in self.totals
@@ -244,9 +280,14 @@ class Inspection:
             by_site.setdefault((row.graph_id, row.node), []).append(row)
         out = []
         for rows in by_site.values():
-            same = all(dataclasses.replace(r, rank=rows[0].rank) == rows[0] for r in rows)
-            if same:
-                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), rows[0]))
+            same = all(r.report == rows[0].report and r.calls_per_forward == rows[0].calls_per_forward for r in rows)
+            if same:  # one row; the bytes that depend on the rank's tokens: the largest over the ranks
+                largest = dataclasses.replace(
+                    rows[0],
+                    halo_bytes_per_call=max(r.halo_bytes_per_call for r in rows),
+                    needed_bytes_per_call=max(r.needed_bytes_per_call for r in rows),
+                )
+                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), largest))
             else:
                 out += [(str(r.rank), r) for r in rows]
         return out
@@ -478,7 +519,8 @@ def inspect_model(
     for rank in ranks:
         graphs += _trace_rank(net, batch, rank, cp_size, device, model, options, layout)
     plan = build_plan(batch, cp_size, 0, layout=layout)
-    rows = tuple(RankSite(g.rank, g.calls, report.resolved()) for g in graphs for report in g.reports)
+    plans = {r: build_plan(batch, cp_size, r, layout=layout) for r in ranks}
+    rows = tuple(_rank_site(g, report.resolved(), plans[g.rank]) for g in graphs for report in g.reports)
     rewritten_forms = [r.mask_form for r in rows if r.action == "rewritten"]
     documents = not rewritten_forms or rewritten_forms[0] == "bool-mask"
     totals = tuple(_totals(rank, rows, plan, documents) for rank in ranks)
@@ -522,6 +564,19 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str, opt
     return tracer.traced
 
 
+def _rank_site(graph: TracedGraph, report: SiteReport, plan: CPPlan) -> RankSite:
+    """The row of ``report`` on ``graph``'s rank, with the halo and needed bytes of the plan's batch."""
+    if report.action != "rewritten" or plan.cp_size == 1 or len(report.k_shape) != 4:
+        return RankSite(graph.rank, graph.calls, report)
+    itemsize = getattr(torch, report.dtype).itemsize
+    per_token = report.kv_heads * (report.k_shape[3] + report.v_shape[3]) * itemsize  # K and V, one row
+    documents = report.mask_form == "bool-mask"
+    rows = range(plan.batch_size)
+    needed = sum(len(plan.keys_needed(report.window, row=b, documents=documents)) for b in rows) * per_token
+    halo = len(plan.halo_needs(report.window)) * plan.batch_size * per_token if report.exchange == "halo" else 0
+    return RankSite(graph.rank, graph.calls, report, halo_bytes_per_call=halo, needed_bytes_per_call=needed)
+
+
 def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool) -> RankTotals:
     mine = [r for r in rows if r.rank == rank]
     done = [r for r in mine if r.action == "rewritten"]
@@ -533,6 +588,9 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, documents: bool
         all_gather_bytes=sum(r.all_gather_bytes_per_step for r in done),
         reduce_scatters=sum(r.reduce_scatters_per_step for r in done),
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
+        halo_exchanges=sum(2 * r.calls_per_forward for r in done if r.exchange == "halo"),
+        halo_bytes=sum(r.halo_bytes_per_call * r.calls_per_forward for r in done),
+        needed_bytes=sum(r.needed_bytes_per_call * r.calls_per_forward for r in done),
         visible_pairs=plan.visible_pairs(documents=documents, rank=rank),
     )
 

@@ -40,6 +40,10 @@ class BackendOptions:
     attention: Literal["auto", "dense", "block"] = "auto"
     #: Query and key block size of the block kernel (CPU).
     block_size: int = 128
+    #: Sliding-window sites receive only the keys their queries can see from other ranks (a halo of at most
+    #: ``window - 1`` keys before each run of local tokens, :mod:`cpcompile.ops`) instead of all-gathering the
+    #: whole sequence, when the halo is smaller than the all-gather. ``False``: all-gather at every site.
+    halo: bool = True
     #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
     #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
     #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.

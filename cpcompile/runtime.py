@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cpcompile import _compat
+from cpcompile import _compat, failsafe
 from cpcompile.plan import IGNORE_INDEX, LAYOUTS, CPPlan, build_plan
 
 __all__ = [
@@ -115,8 +115,10 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
-        check_batch: verify that every rank of ``cp_group`` passed the same global batch (one all-gather of a
-            few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
+        check_batch: verify that every rank of ``cp_group`` passed the same global batch, and decide the batch
+            validation together: one control round per batch through the group's store (a few int64
+            fingerprints and the validation verdict per rank); ``ValueError`` on every rank naming the
+            differing ranks and key, or the rank whose batch failed validation and why.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
         layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"contiguous"``
@@ -131,6 +133,10 @@ def shard(
         ``position_ids``, and with labels ``labels`` (this rank's tokens), ``shift_labels`` (shifted over the
         whole row before the tokens are distributed) and
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
+
+    An error in the batch validation or in the ``with`` block is reported to the other CP ranks, and a rank
+    that another rank's failure leaves waiting raises :class:`~cpcompile.failsafe.RankFailedError` naming it
+    (:mod:`cpcompile.failsafe`); once that happened on ``cp_group``, ``shard`` raises it again at once.
     """
     cp_size, cp_rank, group_name = check_group(cp_group)
     if dp_group is not None:
@@ -147,23 +153,30 @@ def shard(
         )
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
-    plan = build_plan(batch, cp_size, cp_rank, layout=layout, group_name=group_name)
-    if check_batch and cp_size > 1:
-        _check_same_batch(batch, cp_group, cp_rank)
-    local = _local_batch(
-        batch,
-        plan,
-        num_items_in_batch=num_items_in_batch,
-        dp_group=dp_group,
-        pad_token_id=pad_token_id,
-        hf_kwargs=hf_kwargs,
-    )
+    comm = CommStats()
+    failsafe.enter_step(cp_group, comm)
+    with failsafe.scope(cp_group, "the batch validation of cpcompile.shard", in_step=True):
+        if check_batch and cp_size > 1:
+            plan = _check_same_batch(batch, cp_group, cp_rank, comm, layout)
+        else:
+            plan = build_plan(batch, cp_size, cp_rank, layout=layout, group_name=group_name)
+        local = _local_batch(
+            batch,
+            plan,
+            num_items_in_batch=num_items_in_batch,
+            dp_group=dp_group,
+            pad_token_id=pad_token_id,
+            hf_kwargs=hf_kwargs,
+        )
     if dynamic:
         mark_local_dynamic(local, plan.chunk_len)
-    context = Active(plan, cp_group)
+    context = Active(plan, cp_group, comm)
     _STATE.active = context
     try:
         yield local
+    except BaseException as e:
+        failsafe.on_failure(cp_group, e, where="the `with cpcompile.shard(...)` block", in_step=True)
+        raise
     finally:
         _STATE.active = None
         _STATE.last_comm = context.comm
@@ -231,21 +244,33 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return (b * w).sum()
 
 
-def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int) -> None:
+def _batch_fingerprints(batch: Mapping[str, object]) -> list[int]:
     import hashlib
 
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
-    device = tensors["input_ids"].device
     slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
     slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
     others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
     slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
-    mine = torch.tensor(slots, dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    flat = mine.new_empty(size * mine.numel())
-    _compat.all_gather_into(flat, mine, group)
-    allv = flat.view(size, -1).cpu()
+    return slots
+
+
+def _check_same_batch(
+    batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int, comm: CommStats, layout: str
+) -> CPPlan:
+    """Validate the batch and compare its fingerprints across the CP group in one control round."""
+    plan, error, slots = None, None, None
+    try:
+        size, name = dist.get_world_size(group), _compat.group_name_of(group)
+        plan = build_plan(batch, size, cp_rank, layout=layout, group_name=name)
+        slots = _batch_fingerprints(batch)
+    except (ValueError, TypeError) as e:
+        error = e
+    posts = failsafe.agree(
+        group, "batch", error, what="the batch validation of cpcompile.shard", payload=slots, stats=comm
+    )
+    allv = torch.tensor(posts, dtype=torch.int64)
     names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
     for slot, name in enumerate(names):
         col = allv[:, slot]
@@ -253,12 +278,15 @@ def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_
             groups: dict[int, list[int]] = {}
             for r, v in enumerate(col.tolist()):
                 groups.setdefault(v, []).append(r)
-            raise ValueError(
-                f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
-                f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
-                "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
-                "replica the same data (same sampler seed and DP rank)"
+            raise failsafe.mark_agreed(
+                ValueError(
+                    f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
+                    f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
+                    "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
+                    "replica the same data (same sampler seed and DP rank)"
+                )
             )
+    return plan
 
 
 def active_context(what: str) -> Active:
@@ -315,7 +343,7 @@ def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
 # -- collective counts ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CommStats:
-    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context).
+    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context), and control rounds.
 
     Forward all-gathers are counted as they run; every gathered K/V that needs a gradient adds one
     reduce-scatter of the same size in backward.
@@ -329,6 +357,25 @@ class CommStats:
     reduce_scatters: int = 0
     #: Bytes this rank sends in those reduce-scatters: (N-1) chunks each.
     reduce_scatter_bytes: int = 0
+    #: Number of halo exchanges of sliding-window sites (one for K, one for V per attention call).
+    halo_exchanges: int = 0
+    #: Bytes this rank received in those exchanges (only the keys its queries see that other ranks hold).
+    halo_bytes: int = 0
+    #: Bytes this rank sends back in their backward (the gradients of the keys it received).
+    halo_backward_bytes: int = 0
+    #: Control rounds through the CP group's store (never a collective of the group; see
+    #: :mod:`cpcompile.failsafe`): the first-call mask check of each attention site, and one per batch with
+    #: ``shard(check_batch=True)``. None on later steps otherwise.
+    control_rounds: int = 0
+    #: Bytes this rank wrote to and read from the store for them (and, on a group's first step, the few bytes
+    #: that let its peers check that its process is alive).
+    control_bytes: int = 0
+
+    def record_halo(self, nbytes: int, needs_grad: bool) -> None:
+        self.halo_exchanges += 1
+        self.halo_bytes += nbytes
+        if needs_grad:
+            self.halo_backward_bytes += nbytes
 
     def record_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
@@ -337,6 +384,10 @@ class CommStats:
         if needs_grad:
             self.reduce_scatters += 1
             self.reduce_scatter_bytes += nbytes
+
+    def record_control(self, nbytes: int, rounds: int = 1) -> None:
+        self.control_rounds += rounds
+        self.control_bytes += nbytes
 
 
 def comm_stats() -> CommStats:
@@ -355,6 +406,11 @@ def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
     gradient of the whole sequence. One flat all-reduce per dtype.
     """
+    with failsafe.scope(cp_group, "cpcompile.sync_grads"):
+        _sum_grads(parameters, cp_group)
+
+
+def _sum_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     grads = [p.grad for p in parameters if p.grad is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:

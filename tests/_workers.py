@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -225,3 +228,171 @@ def sleeping_worker(rank: int, world_size: int) -> None:
     import time
 
     time.sleep(3600)
+
+
+# -- fail together: one rank fails, every rank raises -----------------------------------------------------
+#: Packed documents of the fail-together tests: T = 16, chunks of 8 at CP=2. Rank 0's chunk lies inside the
+#: first document of each row; rank 1's chunk holds a document boundary (token 10 of row 0, 12 of row 1).
+FAIL_DOCS = [[10, 6], [12, 4]]
+#: Short waits for the fail-together tests: a rank blocked by a live failed peer raises after PEER_TIMEOUT_S.
+FAIL_PEER_TIMEOUT_S = 4.0
+FAIL_GRACE_S = 1.0
+
+
+def _fail_setup(world_size: int):
+    """A fresh CP group and a compiled tiny LM whose bool mask is causal + same document, from position_ids."""
+    group = dist.new_group(list(range(world_size)))
+    return group, _fail_model(group)
+
+
+def _fail_model(group):
+    import cpcompile
+    from tests import _models
+
+    torch._dynamo.reset()
+    return torch.compile(_models.attention_lm("packed_docs"), backend=cpcompile.backend(group, inner="aot_eager"))
+
+
+def _short_waits(group) -> None:
+    import cpcompile
+
+    options = cpcompile.FailsafeOptions(peer_timeout_s=FAIL_PEER_TIMEOUT_S, report_grace_s=FAIL_GRACE_S)
+    cpcompile.configure_failsafe(group, options)
+
+
+def _step(cm, batch, group, **kw) -> float:
+    import cpcompile
+
+    with cpcompile.shard(batch, group, **kw) as local:
+        loss = cm(**local).loss
+        loss.backward()
+    return float(loss.detach())
+
+
+def _outcome(fn) -> dict:
+    """What ``fn()`` raised: type name, message, isinstance flags and seconds until it raised."""
+    import cpcompile
+
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the parent asserts on the type and message
+        return {
+            "type": type(e).__name__,
+            "message": str(e) + "".join(f"\n{n}" for n in getattr(e, "__notes__", ())),
+            "rank_failed": isinstance(e, cpcompile.RankFailedError),
+            "value_error": isinstance(e, ValueError),
+            "mask_mismatch": isinstance(e, cpcompile.MaskMismatchError),
+            "failed": getattr(e, "failed", None),
+            "dead": getattr(e, "dead", None),
+            "seconds": time.monotonic() - start,
+            "raised_at": time.time(),
+        }
+    return {"type": "none", "message": "", "seconds": time.monotonic() - start}
+
+
+def fail_together_worker(rank: int, world_size: int) -> dict:
+    """Asymmetric failures on live ranks, each on a fresh CP group; returns ``{scenario: outcome}`` per rank."""
+    import cpcompile
+    from cpcompile.testing import packed_batch
+
+    batch = packed_batch(FAIL_DOCS, seed=0)
+    bad = dict(batch, position_ids=batch["position_ids"] - 3) if rank == 1 else batch  # negative on rank 1 only
+    out: dict = {}
+
+    # 1. the model builds its packed-document mask from position_ids that shard was not given: rank 0's diagonal
+    #    block matches cpcompile's causal mask, rank 1's does not (its chunk holds a document boundary)
+    group, cm = _fail_setup(world_size)
+
+    def unshared_positions():
+        with cpcompile.shard({"input_ids": batch["input_ids"], "labels": batch["labels"]}, group) as local:
+            plan = cpcompile.current_plan()
+            cm(**{**local, "position_ids": plan.local(batch["position_ids"])})
+
+    out["mask_mismatch"] = _outcome(unshared_positions)
+    out["mask_mismatch_comm"] = dataclasses.asdict(cpcompile.comm_stats())
+
+    # 2. one rank's batch fails validation, with check_batch: decided in the check's control round
+    group = dist.new_group(list(range(world_size)))
+
+    def enter(b, **kw):
+        with cpcompile.shard(b, group, **kw):
+            pass
+
+    out["bad_batch_checked"] = _outcome(lambda: enter(bad, check_batch=True))
+    out["checked_group_usable"] = _step(_fail_model(group), batch, group, check_batch=True)
+
+    # 3. without check_batch, on the first call: the peer learns it in the first-call mask check's round
+    group, cm = _fail_setup(world_size)
+    out["bad_batch_first_call"] = _outcome(lambda: _step(cm, bad, group))
+    out["bad_batch_first_call_next"] = _outcome(lambda: _step(cm, batch, group))
+
+    # 4. without check_batch, on a later step: the peer is blocked in the first K/V all-gather until the
+    #    group's timeout; the failed rank learns the verdict on its next use of the group
+    group, cm = _fail_setup(world_size)
+    _step(cm, batch, group)
+    _short_waits(group)
+    out["bad_batch_later"] = _outcome(lambda: _step(cm, bad, group))
+    out["bad_batch_later_next"] = _outcome(lambda: _step(cm, batch, group))
+
+    # 5. one rank calls the compiled model outside shard while its peer is inside (first call, later step)
+    for name, warm in (("outside_first_call", False), ("outside_later", True)):
+        group, cm = _fail_setup(world_size)
+        with cpcompile.shard(batch, group) as local:
+            saved = dict(local)
+        if warm:
+            _step(cm, batch, group)
+        _short_waits(group)
+        out[name] = _outcome(lambda: _step(cm, batch, group) if rank == 0 else cm(**saved))
+        out[name + "_next"] = _outcome(lambda: _step(cm, batch, group))
+
+    # 6. rank 1 fails in its own code, outside cpcompile, while rank 0 runs a step: without fail_together its
+    #    peer learns nothing but that it did not come (after the group's timeout); with it, the reason too
+    for name, report in (("own_code_unreported", False), ("own_code_fail_together", True)):
+        group, cm = _fail_setup(world_size)
+        _step(cm, batch, group)
+        _short_waits(group)
+
+        def data_loader_fails():
+            raise RuntimeError("the data loader of rank 1 failed")
+
+        def own_code():
+            if rank == 0:
+                _step(cm, batch, group)
+            elif report:
+                with cpcompile.fail_together(group):
+                    data_loader_fails()
+            else:
+                data_loader_fails()
+
+        out[name] = _outcome(own_code)
+        if rank == 1:  # stay alive (a notebook) until rank 0 has raised, so that it cannot see this process exit
+            time.sleep(FAIL_PEER_TIMEOUT_S + FAIL_GRACE_S + 2)
+        out[name + "_next"] = _outcome(lambda: _step(cm, batch, group))
+    return out
+
+
+def killed_rank_worker(rank: int, world_size: int, where: str) -> dict | None:
+    """Rank 1 kills its own process (``SIGKILL``) ``where``: "between_forward_and_backward" of a later step, or
+    "before_first_call" (its peer then waits in the first-call mask check's control round)."""
+    import os
+    import signal
+
+    import cpcompile
+    from cpcompile.testing import packed_batch
+
+    batch = packed_batch(FAIL_DOCS, seed=0)
+    group, cm = _fail_setup(world_size)
+    if where == "between_forward_and_backward":
+        _step(cm, batch, group)
+
+    def step():
+        with cpcompile.shard(batch, group) as local:
+            if rank == 1 and where == "before_first_call":
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = cm(**local).loss
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+
+    return {"killed": _outcome(step), "next": _outcome(step)}

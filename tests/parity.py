@@ -139,7 +139,8 @@ class ParityCase:
         extra = "".join(
             f"/{v}" for v, default in ((self.attention, "auto"), (self.layout, "contiguous")) if v != default
         )
-        return f"{self.model}/B{len(self.doc_lens)}/T{T}/{self.inner}{extra}"
+        settings = "".join(f"/{k}={v}" for k, v in self.overrides)
+        return f"{self.model}{settings}/B{len(self.doc_lens)}/T{T}/{self.inner}{extra}"
 
     def build_model(self) -> torch.nn.Module:
         kwargs = dict(self.overrides)
@@ -352,7 +353,8 @@ def failing_quantities(outcome: ParityOutcome) -> list[str]:
 
 
 def assert_rewrites(outcome: ParityOutcome, expected_sites: int) -> None:
-    """Exactly ``expected_sites`` SDPA sites rewritten, none refused, and 2 all-gathers (K, V) per site."""
+    """Exactly ``expected_sites`` SDPA sites rewritten, none refused, and K and V exchanged once per site (an
+    all-gather each, or a halo exchange each at sliding-window sites), every exchange with its backward."""
     name = outcome.name
     rewritten = outcome.actions.count("rewritten")
     assert rewritten == expected_sites, f"{name}: {rewritten} SDPA sites rewritten, expected {expected_sites}"
@@ -361,12 +363,15 @@ def assert_rewrites(outcome: ParityOutcome, expected_sites: int) -> None:
     if outcome.case.attention != "auto":
         assert set(outcome.kernels) == {outcome.case.attention}, f"{name}: attention emitted {outcome.kernels}"
     if outcome.cp_size > 1:
-        # one step: K and V gathered once per site (again in backward where activation checkpointing recomputes
-        # the layer), each reduce-scattered once in backward
+        # one step: K and V exchanged once per site (an all-gather each, or a halo exchange each at sliding-window
+        # sites; again in backward where activation checkpointing recomputes the layer), each with its backward
+        # (reduce-scatter or halo return)
+        comm = outcome.comm
         runs = 2 if outcome.case.checkpointing else 1
-        assert outcome.comm.all_gathers == 2 * expected_sites * runs, f"{name}: {outcome.comm}"
-        if not outcome.case.checkpointing:  # comm_stats counts a recomputed gather's reduce-scatter once more
-            assert outcome.comm.reduce_scatters == 2 * expected_sites, f"{name}: {outcome.comm}"
+        assert comm.all_gathers + comm.halo_exchanges == 2 * expected_sites * runs, f"{name}: {comm}"
+        if not outcome.case.checkpointing:  # comm_stats counts a recomputed exchange's backward once more
+            assert comm.reduce_scatters == comm.all_gathers, f"{name}: {comm}"
+            assert comm.halo_backward_bytes == comm.halo_bytes, f"{name}: {comm}"
 
 
 class ParityRunner:

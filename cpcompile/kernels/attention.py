@@ -125,9 +125,11 @@ def _check(q, k, v, q_pos, kv_pos, doc_ids, window, enable_gqa, block_q, block_k
             f"{tuple(doc_ids.shape)}; pass CPPlan.doc_ids (or zeros for plain causal attention)"
         )
     T = doc_ids.shape[1]
-    for name, pos in (("q_pos", q_pos), ("kv_pos", kv_pos)):
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= T):
-            raise ValueError(f"cp_attention: {name} holds indices outside [0, {T}) of doc_ids")
+    for name, pos, low in (("q_pos", q_pos, 0), ("kv_pos", kv_pos, -1)):
+        if pos.numel() and (int(pos.min()) < low or int(pos.max()) >= T):
+            raise ValueError(
+                f"cp_attention: {name} holds indices outside [{low}, {T}) of doc_ids (-1: an empty key slot)"
+            )
     if c > 1 and bool((q_pos[1:] <= q_pos[:-1]).any()):
         raise ValueError("cp_attention: q_pos must be strictly ascending (the plan's token indices of one rank)")
     if H % k.shape[1] or (not enable_gqa and H != k.shape[1]):
@@ -164,7 +166,8 @@ def _unsort(order: torch.Tensor | None, t: torch.Tensor, dim: int = 2) -> torch.
 
 def _block_mask(doc_row, q_pos, kv_pos, window) -> torch.Tensor:
     """``[len(q_pos), len(kv_pos)]`` bool mask of one row (:func:`cpcompile.plan.visible`)."""
-    return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], doc_row[kv_pos][None, :], window)
+    kv_doc = doc_row[kv_pos.clamp(min=0)]
+    return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], kv_doc[None, :], window)
 
 
 # -- CPU ------------------------------------------------------------------------------------------------
@@ -264,7 +267,7 @@ def _warn_unvalidated(path: str) -> None:
 def _flex_block_mask(q_pos, kv_pos, doc_ids, window):
     def mask_mod(b, h, q_idx, kv_idx):
         qp, kp = q_pos[q_idx], kv_pos[kv_idx]
-        return visible(qp, kp, doc_ids[b, qp], doc_ids[b, kp], window)
+        return visible(qp, kp, doc_ids[b, qp], doc_ids[b, kp.clamp(min=0)], window)
 
     return _compat.flex_block_mask(mask_mod, doc_ids.shape[0], q_pos.shape[0], kv_pos.shape[0], doc_ids.device)
 
@@ -469,7 +472,7 @@ def cp_attention(
         k, v: ``[B, Hkv, K, D]`` / ``[B, Hkv, K, Dv]``, e.g. the whole padded sequence all-gathered.
         q_pos: ``[c]`` int64, strictly ascending: the queries' global indices (``CPPlan.token_indices()``).
         kv_pos: ``[K]`` int64: the keys' global indices in the order of ``k``/``v`` (any order; e.g.
-            ``CPPlan.gathered_indices()`` after an all-gather).
+            ``CPPlan.gathered_indices()`` after an all-gather); ``-1`` marks an empty slot (never attended).
         doc_ids: ``[B, T_pad]`` integer document ids by global index, non-decreasing per row
             (``CPPlan.doc_ids``; all zeros for plain causal attention).
         window: sliding window in tokens (``None``: none).
