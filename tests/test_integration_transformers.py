@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parity import LOSS_TOL
+from tests.parity import LOSS_TOL, NORM_TOL, TRAINER_PARAM_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_hf_trainer_worker.py"
@@ -40,12 +40,6 @@ pytestmark = [
 ]
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
-#: Logged grad norms (~1.3-2.2): fp32 rounding of one reduction order vs another; measured <= 2.4e-7.
-GRAD_NORM_TOL = dict(atol=1e-5, rtol=1e-5)
-#: Parameters after 2 AdamW steps. AdamW divides by sqrt(v) + eps, which magnifies the fp32 rounding of gradient
-#: entries near zero (a flipped sign moves an entry by up to 2 * lr = 2e-3); measured <= 2.0e-5. A wrong gradient
-#: contribution (a missing or averaged CP part) moves the first-step grad norm by a factor, caught above.
-PARAM_TOL = dict(atol=1e-4, rtol=0)
 #: Wall-clock limit of one launch (process start, imports, compiling, the steps).
 LAUNCH_TIMEOUT_S = 600
 
@@ -113,11 +107,12 @@ def _assert_matches(run: dict, ref: dict, what: str) -> None:
         msg = f"{what}, step {theirs['step']}"
         torch.testing.assert_close(mine["loss"], theirs["loss"], **LOSS_TOL, msg=lambda m: f"{msg} loss: {m}")
         torch.testing.assert_close(
-            mine["grad_norm"], theirs["grad_norm"], **GRAD_NORM_TOL, msg=lambda m: f"{msg} grad_norm: {m}"
+            mine["grad_norm"], theirs["grad_norm"], **NORM_TOL, msg=lambda m: f"{msg} grad_norm: {m}"
         )
     assert run["params"].keys() == ref["params"].keys()
     for name, value in ref["params"].items():
-        torch.testing.assert_close(run["params"][name], value, **PARAM_TOL, msg=lambda m: f"{what}, {name}: {m}")
+        got = run["params"][name]
+        torch.testing.assert_close(got, value, **TRAINER_PARAM_TOL, msg=lambda m: f"{what}, {name}: {m}")
 
 
 def test_trainer_cp2_matches_one_process(cp2, reference):
