@@ -23,9 +23,19 @@ from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, SiteRow, inspect_model, write_dump
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
-from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
+from cpcompile.passes import PositionReport, SiteReport, UnsupportedAttentionError, UnsupportedPositionError, counters
 from cpcompile.plan import CPPlan, build_plan
-from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
+from cpcompile.runtime import (
+    CommStats,
+    MaskMismatchError,
+    comm_stats,
+    current_plan,
+    default_pad_value,
+    gather,
+    real_tokens,
+    shard,
+    sync_grads,
+)
 
 __all__ = [
     "BackendOptions",
@@ -34,21 +44,25 @@ __all__ = [
     "CommStats",
     "Inspection",
     "MaskMismatchError",
+    "PositionReport",
     "SiteReport",
     "SiteRow",
     "UnsupportedAttentionError",
+    "UnsupportedPositionError",
     "backend",
     "build_plan",
     "clip_grad_norm_",
     "comm_stats",
     "counters",
     "current_plan",
+    "default_pad_value",
     "dp_cp_mesh",
     "fully_shard_dp_cp",
     "gather",
     "init_dp_cp_mesh",
     "inspect_model",
     "per_sample_mean",
+    "real_tokens",
     "shard",
     "sync_grads",
     "token_entropy",

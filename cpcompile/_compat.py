@@ -15,6 +15,11 @@ from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "autograd_inside_custom_op",
+    "free_symbols",
+    "is_higher_order_op",
+    "is_module_state",
+    "sym_expr",
+    "sym_hint",
     "flex_attention_with_lse",
     "flex_block_mask",
     "SDPA_TARGETS",
@@ -276,3 +281,56 @@ def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
     specialises the size).
     """
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def free_symbols(value: object) -> frozenset:
+    """The sympy symbols a SymInt/SymFloat/SymBool, a tensor's sizes or a nest of them depend on (``frozenset()``
+    for plain values). torch 2.11-2.13: ``torch.fx.experimental.symbolic_shapes.free_symbols``."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
+
+    if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor, list, tuple)):
+        return frozenset()
+    return frozenset(_free_symbols(value))
+
+
+def sym_hint(value: object) -> int | None:
+    """The concrete value a SymInt had when the graph was traced (an int is its own hint; ``None`` when unknown).
+    torch 2.11-2.13: ``torch.fx.experimental.symbolic_shapes.optimization_hint``."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, torch.SymInt):
+        return None
+    try:
+        return int(optimization_hint(value))
+    except Exception:  # noqa: BLE001 - an unbacked or hint-less symbol has no hint
+        return None
+
+
+def is_module_state(node: torch.fx.Node) -> bool:
+    """True for a Dynamo graph input that is a parameter or buffer of an ``nn.Module`` (not a value passed by the
+    caller). torch 2.11-2.13 (``inline_inbuilt_nn_modules``) lifts module state into placeholders and records
+    ``_dynamo_static_input_type`` in their ``tensor_dict`` metadata; a ``Parameter`` example value is state too."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "placeholder":
+        return False
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    return "_dynamo_static_input_type" in (node.meta.get("tensor_dict") or {})
+
+
+def is_higher_order_op(target: object) -> bool:
+    """True for a higher-order operator (a call of a nested graph, e.g. activation checkpointing's
+    ``tag_activation_checkpoint``). torch 2.11-2.13: ``torch._ops.HigherOrderOperator``."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def sym_expr(value: object) -> object:
+    """The sympy expression of a SymInt/SymFloat/SymBool (torch 2.11-2.13: ``SymNode.expr``); other values as
+    they are."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return value

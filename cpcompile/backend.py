@@ -12,13 +12,15 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from cpcompile import _compat, dump
+from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
-from cpcompile.runtime import check_group
+from cpcompile.runtime import check_group, current_plan
 
 __all__ = ["BackendOptions", "CPBackend", "backend"]
 
 _INNER = ("inductor", "aot_eager", "eager")
 _ATTENTION = ("auto", "dense", "block")
+_POSITIONS = ("rewrite", "off")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
 DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
 
@@ -57,6 +59,11 @@ class BackendOptions:
     #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
     #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
     config: object | None = None
+    #: Positions the model computes from the local sequence length (``arange(T)``, ``table[:T]``; see
+    #: :mod:`cpcompile.passes.positions`). ``"rewrite"`` (default): made global, or refused at compile time.
+    #: ``"off"``: left as the model computes them, so every rank but the first gets the positions of tokens
+    #: ``[0, c)``: silently wrong for such models; only for measuring what the rewrite changes.
+    positions: Literal["rewrite", "off"] = "rewrite"
 
     def __post_init__(self) -> None:
         if self.inner not in _INNER:
@@ -69,6 +76,8 @@ class BackendOptions:
             raise ValueError(f"attention={self.attention!r} is not a known attention path; choose one of {_ATTENTION}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
+        if self.positions not in _POSITIONS:
+            raise ValueError(f"positions={self.positions!r} is not a known mode; choose one of {_POSITIONS}")
         if self.config is not None and not hasattr(self.config, "to_dict"):
             raise TypeError(
                 f"config must be a transformers PretrainedConfig (model.config) or None, got "
@@ -79,8 +88,9 @@ class BackendOptions:
 class CPBackend:
     """A ``(GraphModule, example_inputs) -> callable`` compiler; build it with :func:`backend`.
 
-    Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler.
-    ``reports`` lists what was done with every SDPA site of every graph compiled so far.
+    Every Dynamo graph goes through :func:`cpcompile.passes.positions_pass` (CP > 1),
+    :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler. ``reports`` lists what was done with
+    every SDPA site of every graph compiled so far, ``position_reports`` with every position source.
     """
 
     def __init__(self, cp_group: dist.ProcessGroup, options: BackendOptions) -> None:
@@ -91,17 +101,33 @@ class CPBackend:
             _compat.forbid_eager_fallback_on_recompile_limit()
         self.options = options
         self.reports: list[SiteReport] = []
+        self.position_reports: list[PositionReport] = []
         self._id = next(_backend_ids)
         self._graphs = itertools.count()
         self._dump = (
             None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
         )
 
+    def __deepcopy__(self, memo: dict) -> CPBackend:
+        """The backend itself: it is a handle on a process group and on the reports of what it compiled.
+
+        Wrappers that deep-copy ``torch.compile``'s arguments (Lightning's, which litgpt imports) would otherwise
+        fail on the process group (``TypeError: cannot pickle 'ProcessGroup'``).
+        """
+        return self
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
         if self._dump is not None:
             title = f"rank {self._dump.rank}, backend {self._id}, graph {graph_id}"
             before, grad_flags = dump.graph_source(gm, f"{title}: as Dynamo traced it"), dump.site_grad_flags(gm)
+        positions: list[PositionReport] = []
+        if self.cp_size > 1 and self.options.positions == "rewrite":
+            plan = current_plan()
+            prefix = f"backend{self._id}/graph{graph_id}"
+            chunk_len = plan.chunk_len if plan is not None else None
+            positions = positions_pass(gm, chunk_len=chunk_len, graph_id=graph_id, site_prefix=prefix)
+            self.position_reports += positions
         reports = cp_attention_pass(
             gm,
             group_name=self.group_name,
@@ -116,8 +142,8 @@ class CPBackend:
         )
         self.reports += reports
         if self._dump is not None:
-            after = dump.graph_source(gm, f"{title}: after the cpcompile cp_attention pass")
-            self._dump.add_graph(before, after, reports, grad_flags)
+            after = dump.graph_source(gm, f"{title}: after the cpcompile positions and cp_attention passes")
+            self._dump.add_graph(before, after, reports, grad_flags, positions=positions)
         if self.options.inner == "eager":
             return gm.forward
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
@@ -132,6 +158,7 @@ def backend(
     attention: Literal["auto", "dense", "block"] = "auto",
     block_size: int = 128,
     config: object | None = None,
+    positions: Literal["rewrite", "off"] = "rewrite",
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
 
@@ -154,6 +181,9 @@ def backend(
             compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
         attention: ``auto``, ``dense`` or ``block`` (see :attr:`BackendOptions.attention`).
         block_size: block size of the block attention kernel.
+        positions: ``"rewrite"`` (default) makes positions the model computes from the local sequence length
+            global, or refuses them at compile time; ``"off"`` leaves them as they are (silently wrong for such
+            models; see :attr:`BackendOptions.positions`).
     """
     options: dict = {
         "inner": inner,
@@ -161,6 +191,7 @@ def backend(
         "config": config,
         "attention": attention,
         "block_size": block_size,
+        "positions": positions,
     }
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir

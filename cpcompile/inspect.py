@@ -8,7 +8,10 @@ Each rank is traced in this process under a fake process group (no communication
 model and the local batch on the ``meta`` device by default: no weights are allocated and no attention is
 computed; Dynamo traces the model on the shapes alone. The traced graph is copied and the copy rewritten by
 :func:`cpcompile.passes.cp_attention_pass` with ``refuse="report"``, so refused sites are listed instead of
-raised; the untouched graph is what runs (on meta), so no collective is ever issued.
+raised; the untouched graph is what runs (on meta), so no collective is ever issued. The copy first goes
+through :func:`cpcompile.passes.positions_pass` (report mode), whose rows list every position source the model
+computes from the local sequence length. The trace has concrete sizes (exact byte counts), so position sources
+are found by their size, the chunk length; training compiles with a symbolic length (``shard``'s default).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.dump import RankDumpWriter, graph_source, site_grad_flags, site_record, write_json
+from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.plan import CPPlan, build_plan
+from cpcompile.runtime import current_plan
 
 __all__ = [
     "Inspection",
@@ -113,6 +118,8 @@ class TracedGraph:
     reports: tuple[SiteReport, ...]
     grad_flags: dict
     calls_per_forward: int
+    #: What the positions pass did with every position source of the graph.
+    positions: tuple[PositionReport, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +228,20 @@ class Inspection:
             f"{len({g.graph for g in self.graphs})} graph(s)"
         )
 
+    def position_table(self) -> str:
+        """One row per position source (a source found alike on several ranks gets one row)."""
+        from tabulate import tabulate
+
+        rows: dict[tuple, list[int]] = {}
+        for g in self.graphs:
+            for p in g.positions:
+                rows.setdefault((g.graph, p.layer or "<top level>", p.node, p.kind, p.action, p.reason), []).append(
+                    g.rank
+                )
+        body = [[_fmt_ranks(ranks, self.cp_size), *key] for key, ranks in rows.items()]
+        headers = ["ranks", "graph", "layer", "node", "kind", "action", "reason"]
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
     def report(self) -> str:
         """The text ``cpcompile inspect`` prints."""
         lines = [self.headline(), ""]
@@ -236,6 +257,13 @@ class Inspection:
                 "",
                 "per rank, one step (forward all-gathers, backward reduce-scatters):",
                 self.rank_table(),
+            ]
+        if any(g.positions for g in self.graphs):
+            lines += [
+                "",
+                "positions computed from the local sequence length (rewritten to global token indices, left to "
+                "the attention mask, unchanged, or refused):",
+                self.position_table(),
             ]
         return "\n".join(lines) + "\n"
 
@@ -275,6 +303,7 @@ class Inspection:
             "device": self.device,
             "documents": self.documents,
             "sites": rows,
+            "positions": [{"rank": g.rank, **dataclasses.asdict(p)} for g in self.graphs for p in g.positions],
             "rank_totals": [dataclasses.asdict(t) for t in self.totals],
         }
 
@@ -404,6 +433,18 @@ class _Capture:
             "calls": 0,
         }
         rewritten = copy.deepcopy(gm)
+        plan = current_plan()
+        entry["positions"] = tuple(
+            positions_pass(
+                rewritten,
+                chunk_len=plan.chunk_len if plan is not None else None,
+                graph_id=n,
+                site_prefix=f"inspect/graph{n}",
+                refuse="report",
+            )
+            if self.cp_size > 1
+            else ()
+        )
         entry["reports"] = tuple(
             cp_attention_pass(
                 rewritten,
@@ -414,7 +455,7 @@ class _Capture:
                 refuse="report",
             )
         )
-        entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile cp_attention pass")
+        entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile positions and cp_attention passes")
         self.graphs.append(entry)
 
         def run(*args):
@@ -548,7 +589,7 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str) -> 
         finally:
             torch.compiler.reset()
     return [
-        TracedGraph(rank, n, g["before"], g["after"], g["reports"], g["grad_flags"], g["calls"])
+        TracedGraph(rank, n, g["before"], g["after"], g["reports"], g["grad_flags"], g["calls"], g["positions"])
         for n, g in enumerate(capture.graphs)
     ]
 
@@ -731,7 +772,8 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         summary.json              settings, every site row of every traced rank, per-rank totals, file list
         attention_pattern.png     every rank's (query, key) pattern under the plan (attention_pattern_image)
         rank{r}/graph{n}_before.py  graph n as Dynamo traced it for rank r (runnable print_readable code)
-        rank{r}/graph{n}_after.py   the same graph after the cp_attention pass (refused sites left as they were)
+        rank{r}/graph{n}_after.py   the same graph after the positions and cp_attention passes (refused sites
+                                  left as they were)
         rank{r}/summary.json      what the pass did in rank r's graphs (the schema the backend's dump_dir writes)
 
     for every traced rank ``r`` and graph ``n``.
@@ -747,7 +789,12 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         writer = RankDumpWriter(directory, rank, inspection.cp_size)
         for g in (g for g in inspection.graphs if g.rank == rank):
             written += writer.add_graph(
-                g.before, g.after, list(g.reports), g.grad_flags, calls_per_forward=g.calls_per_forward
+                g.before,
+                g.after,
+                list(g.reports),
+                g.grad_flags,
+                calls_per_forward=g.calls_per_forward,
+                positions=g.positions,
             )
     written = list(dict.fromkeys(written))
     png = os.path.join(directory, "attention_pattern.png")

@@ -146,6 +146,22 @@ class CPPlan:
         c = self.chunk_len
         return slice(r * c, (r + 1) * c)
 
+    def token_indices(self, rank: int | None = None) -> torch.Tensor:
+        """The global token index of every local token of ``rank`` (this rank by default): int64 ``[c]``.
+
+        Index ``i`` of the result is the position in the padded global sequence of the ``i``-th token this
+        rank holds; indices ``>= seq_len`` are padding. Position sources the pass rewrites read these indices
+        at run time (``torch.ops.cpcompile.token_positions``), so they follow the plan's layout.
+        """
+        r = self.cp_rank if rank is None else rank
+        c = self.chunk_len
+        return torch.arange(r * c, (r + 1) * c, device=self.position_ids.device, dtype=torch.long)
+
+    def real_tokens(self, rank: int | None = None) -> torch.Tensor:
+        """Bool ``[B, c]``: True where ``rank``'s local token is a token of the batch, False on padding."""
+        real = self.token_indices(rank) < self.seq_len
+        return real.expand(self.batch_size, -1).contiguous()
+
     # -- slicing ---------------------------------------------------------------------------------------
     def pad(self, t: torch.Tensor, value: int | float | bool) -> torch.Tensor:
         """Pad the sequence dim (dim 1) of a global ``[B, T, ...]`` tensor to ``padded_len`` with ``value``."""
