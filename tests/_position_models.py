@@ -13,8 +13,12 @@ libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, model
 * :func:`arange_rope`: RoPE computed in the graph from ``arange(T)`` (``outer`` with the inverse frequencies);
 * :func:`learned_positions`: learned absolute positions ``wpe(arange(0, T))`` (nanoGPT);
 * :func:`explicit_positions`: the same RoPE table indexed with the ``position_ids`` it is given (needs no rewrite);
+* :func:`all_forms`: one layer of each of the first four forms's attention and learned positions at the embedding:
+  one compile covers every form (the inductor CP=4 case);
 * :func:`mixed_positions`: positions from ``ones_like(input_ids).cumsum(-1) - 1``, which mixes along the sequence
   before it meets the data: refused;
+* :func:`llama_without_positions`: a transformers Llama called without ``position_ids``, which then computes
+  them from ``cache_position = arange(past, past + T)`` in the graph;
 * :func:`torchtitan_llama3` and :func:`litgpt_gpt`: the real packages' models (optional test dependencies,
   installed by ``scripts/setup.sh``), called as ``model(tokens)``.
 """
@@ -30,9 +34,11 @@ import torch.nn.functional as F
 
 from tests._models import causal_lm_loss
 
-#: Forms of :class:`PositionLM`; the first five are made exact by cpcompile, the others are refused.
-FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions", "mixed_positions")
-#: Forms only used by the refusal tests (each mixes positions, or uses the length, in its own way).
+#: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
+FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
+#: Attention form of each layer of the ``all_forms`` model (which adds learned positions at the embedding).
+ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions")
+#: Forms cpcompile refuses (each mixes positions, or uses the length, in its own way).
 REFUSED_FORMS = (
     "mixed_positions",
     "arange_cumsum",
@@ -135,24 +141,25 @@ class PositionLM(nn.Module):
         max_len: int = 128,
     ) -> None:
         super().__init__()
-        if form not in FORMS + REFUSED_FORMS:
-            raise ValueError(f"unknown position form {form!r}; known: {FORMS + REFUSED_FORMS}")
+        if form not in (*FORMS, "all_forms", *REFUSED_FORMS):
+            raise ValueError(f"unknown position form {form!r}; known: {(*FORMS, 'all_forms', *REFUSED_FORMS)}")
         self.form = form
+        layer_forms = ALL_FORMS_LAYERS if form == "all_forms" else (form,) * layers
         self.embed = nn.Embedding(vocab, hidden)
-        if form in ("learned_positions", "mixed_positions", *REFUSED_FORMS):
+        if form in ("learned_positions", "all_forms", *REFUSED_FORMS):
             self.wpe = nn.Embedding(max_len, hidden)
-        if form == "lit_style":
+        if "lit_style" in layer_forms:
             freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden // heads))
             emb = torch.cat((freqs, freqs), dim=-1)
             self.register_buffer("cos", emb.cos(), persistent=False)
             self.register_buffer("sin", emb.sin(), persistent=False)
-        self.layers = nn.ModuleList(Block(form, hidden, heads, kv_heads, max_len) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(f, hidden, heads, kv_heads, max_len) for f in layer_forms)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
         """Absolute position embeddings ``[B or 1, T, hidden]`` of the learned / refused forms."""
         T = ids.shape[1]
-        if self.form == "learned_positions":  # nanoGPT
+        if self.form in ("learned_positions", "all_forms"):  # nanoGPT
             return self.wpe(torch.arange(0, T, dtype=torch.long, device=ids.device))
         if self.form == "mixed_positions":
             return self.wpe(torch.ones_like(ids).cumsum(-1) - 1)
@@ -181,7 +188,7 @@ class PositionLM(nn.Module):
         x = self.embed(input_ids)
         if hasattr(self, "wpe"):
             x = x + self._positions(input_ids)
-        rope = (self.cos[:T].unsqueeze(0), self.sin[:T].unsqueeze(0)) if self.form == "lit_style" else None
+        rope = (self.cos[:T].unsqueeze(0), self.sin[:T].unsqueeze(0)) if hasattr(self, "cos") else None
         for layer in self.layers:
             x = layer(x, rope, position_ids)
         logits = self.head(x)
@@ -217,8 +224,89 @@ def explicit_positions(*, seed: int = 0, **kwargs) -> PositionLM:
     return position_lm("explicit_positions", seed=seed, **kwargs)
 
 
+def all_forms(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("all_forms", seed=seed, **kwargs)
+
+
 def mixed_positions(*, seed: int = 0, **kwargs) -> PositionLM:
     return position_lm("mixed_positions", seed=seed, **kwargs)
+
+
+#: Position forms of :class:`PositionOnlyLM` (each rewritten by cpcompile).
+POSITION_ONLY_FORMS = (
+    "arange",  # wpe(arange(T))
+    "arange_offset",  # wpe(arange(3, 3 + T))
+    "arange_step_float",  # arange(0, 2T, 2, dtype=float) * w
+    "table_slice",  # wpe.weight[:T]
+    "table_offset",  # wpe.weight[2:2 + T]
+    "table_narrow",  # wpe.weight.narrow(0, 1, T)
+    "table_columns",  # a [hidden, max_len] table sliced along dim 1, then transposed
+    "table_none_index",  # wpe.weight[None, 0:T]
+    "complex_table",  # a complex cache[0:T], view_as_real, flattened
+)
+
+
+class PositionOnlyLM(nn.Module):
+    """Token embedding + a position term of ``form`` + LM head, no attention: the local rows of a rank must equal
+    the whole model's rows of that rank's tokens, which one process can check for any rank."""
+
+    def __init__(self, form: str, *, vocab: int = 64, hidden: int = 16, max_len: int = 80) -> None:
+        super().__init__()
+        if form not in POSITION_ONLY_FORMS:
+            raise ValueError(f"unknown form {form!r}; known: {POSITION_ONLY_FORMS}")
+        self.form = form
+        self.embed = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(max_len, hidden)
+        self.columns = nn.Parameter(torch.randn(hidden, max_len))
+        freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
+        self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        T, dev, w = ids.shape[1], ids.device, self.wpe.weight
+        if self.form == "arange":
+            return self.wpe(torch.arange(T, device=dev))
+        if self.form == "arange_offset":
+            return self.wpe(torch.arange(3, 3 + T, device=dev))
+        if self.form == "arange_step_float":
+            return torch.arange(0, 2 * T, 2, device=dev, dtype=torch.float32)[:, None] * w[0] / 50
+        if self.form == "table_slice":
+            return w[:T]
+        if self.form == "table_offset":
+            return w[2 : 2 + T]
+        if self.form == "table_narrow":
+            return w.narrow(0, 1, T)
+        if self.form == "table_columns":
+            return self.columns[:, :T].t()
+        if self.form == "table_none_index":
+            return w[None, 0:T]
+        return torch.view_as_real(self.cache[0:T]).flatten(1)
+
+    def forward(self, input_ids, **unused):
+        return self.head(self.embed(input_ids) + self._positions(input_ids))
+
+
+def position_only_lm(form: str, *, seed: int = 0, **kwargs) -> PositionOnlyLM:
+    torch.manual_seed(seed)
+    return PositionOnlyLM(form, **kwargs).train()
+
+
+class WithoutPositions(nn.Module):
+    """A transformers causal LM called without ``position_ids`` (it derives them from the sequence length)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = model.model.layers
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def llama_without_positions(*, seed: int = 0) -> WithoutPositions:
+    from cpcompile.testing import tiny_model
+
+    return WithoutPositions(tiny_model("llama", seed=seed))
 
 
 # -- the real packages -------------------------------------------------------------------------------------
@@ -334,16 +422,22 @@ def package_missing(name: str) -> str | None:
 __all__ = [
     "FORMS",
     "REFUSED_FORMS",
+    "ALL_FORMS_LAYERS",
+    "POSITION_ONLY_FORMS",
     "PositionLM",
+    "PositionOnlyLM",
     "TokensLM",
+    "all_forms",
     "arange_rope",
     "explicit_positions",
     "learned_positions",
     "lit_style",
+    "llama_without_positions",
     "litgpt_gpt",
     "mixed_positions",
     "package_missing",
     "position_lm",
+    "position_only_lm",
     "titan_style",
     "torchtitan_llama3",
 ]

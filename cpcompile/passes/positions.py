@@ -149,6 +149,8 @@ class PositionCheck:
 
     action: Literal["rewrite", "refuse", "mask", "unchanged"]
     reason: str = ""
+    #: Refused only because the graph has no symbol for the length (the fix then also names dynamic shapes).
+    static: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +400,11 @@ def _length_values(n: fx.Node, name: str, seq: SequenceLength) -> list[fx.Node]:
 def _arange_source(n: fx.Node, facts: GraphFacts, layer: str) -> PositionSource | None:
     seq = facts.seq
     args = list(n.args)
-    start, end, step = (0, args[0], 1) if len(args) == 1 else (*args[:2], args[2] if len(args) > 2 else 1)
+    start, end, step = 0, None, 1
+    if len(args) == 1:
+        end = args[0]
+    elif args:
+        start, end, step = args[0], args[1], args[2] if len(args) > 2 else 1
     start, end, step = n.kwargs.get("start", start), n.kwargs.get("end", end), n.kwargs.get("step", step)
     shape = _shape(n)
     length = shape[0] if shape else None
@@ -420,6 +426,11 @@ def _slice_source(n: fx.Node, name: str, facts: GraphFacts, layer: str) -> Posit
     base = n.args[0] if n.args else None
     base_shape, out_shape = _shape(base), _shape(n)
     if base_shape is None or out_shape is None or base in facts.data:
+        return None
+    if name == "select":  # table.select(dim, i): a row picked by an index computed from the length?
+        index = _arg(n, 2, "index")
+        if _is_seq_scalar(index, seq):
+            return PositionSource(n, "length", layer, facts, problem="an index computed from the local sequence length")
         return None
     if name == "narrow":
         dim, start, length = (_arg(n, 1, "dim"), _arg(n, 2, "start"), _arg(n, 3, "length"))
@@ -480,6 +491,8 @@ def _slice_source(n: fx.Node, name: str, facts: GraphFacts, layer: str) -> Posit
 
 def _classify(n: fx.Node, facts: GraphFacts) -> PositionSource | None:
     seq, name = facts.seq, _op_name(n)
+    if _leaves_graph(n):
+        return None  # a call of a nested graph: its body is searched on its own
     layer = _compat.node_module_path(n)
     length_values = _length_values(n, name, seq)
     if n in facts.data:
@@ -488,9 +501,9 @@ def _classify(n: fx.Node, facts: GraphFacts) -> PositionSource | None:
         return None
     if name == "arange":
         return _arange_source(n, facts, layer)
-    if name in ("getitem", "narrow"):
+    if name in ("getitem", "narrow", "select"):
         found = _slice_source(n, name, facts, layer)
-        if found is not None or name == "narrow":
+        if found is not None or name != "getitem":
             return found
     if length_values:
         return PositionSource(n, "length", layer, facts, problem="the local sequence length used as a value")
@@ -795,8 +808,9 @@ def positions_pass(
     """Find, check and rewrite every position source of ``gm`` in place; return one report per source.
 
     ``chunk_len`` is the active plan's chunk length (identifies the length's symbol; in a static graph, the
-    sizes that stand for it). ``refuse="raise"`` raises :class:`UnsupportedPositionError` at the first source
-    that cannot be made exact; ``refuse="report"`` only records it (inspection, never for running). In a
+    sizes that stand for it). ``refuse="raise"`` raises :class:`UnsupportedPositionError` for the first source
+    that cannot be made exact, before rewriting anything; ``refuse="report"`` only records it (inspection,
+    never for running). In a
     static graph (no symbol for the length) a source that would be rewritten is refused instead, since its
     size may be a constant that merely equals the chunk length; with ``refuse="report"`` it is rewritten as a
     dynamic graph would be, and the report says it was found by its size.
@@ -806,29 +820,31 @@ def positions_pass(
         return []
     sources = find_position_sources(gm, seq)
     counters["position_sources_found"] += len(sources)
-    reports, done = [], Counter()
+    decided: list[tuple[PositionSource, PositionCheck]] = []
     for src in sources:
         check = check_source(src)
-        action, reason = check.action, check.reason
-        static = action == "rewrite" and seq.static
-        if static:
+        if check.action == "rewrite" and seq.static:
             if refuse == "raise":
-                action, reason = "refuse", _static_reason(seq)
+                check = PositionCheck("refuse", _static_reason(seq), static=True)
             else:
-                reason = f"found by its size ({seq.chunk_len}) in a static trace"
-        if action == "refuse":
-            counters["position_sources_refused"] += 1
-            if refuse == "raise":
-                raise _refusal(src, reason, static)
-            reports.append(PositionReport(graph_id, src.node.name, src.layer, src.kind, "refused", reason))
-            continue
+                check = PositionCheck("rewrite", f"found by its size ({seq.chunk_len}) in a static trace")
+        decided.append((src, check))
+    refused = [(src, check) for src, check in decided if check.action == "refuse"]
+    counters["position_sources_refused"] += len(refused)
+    if refused and refuse == "raise":  # before anything is rewritten: the graph is left as it was
+        src, check = refused[0]
+        raise _refusal(src, check.reason, check.static)
+    reports, done = [], Counter()
+    for src, check in decided:
+        action, reason = check.action, check.reason
         if action == "rewrite":
             try:
                 rewrite_source(src, f"{site_prefix}:{src.where}")
             except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
                 raise RuntimeError(f"cpcompile positions pass failed while rewriting {src.where}: {e}") from e
-            action = "rewritten"
-        counters[f"position_sources_{action}"] += 1
+        action = {"rewrite": "rewritten", "refuse": "refused"}.get(action, action)
+        if action != "refused":
+            counters[f"position_sources_{action}"] += 1
         done[action] += 1
         reports.append(PositionReport(graph_id, src.node.name, src.layer, src.kind, action, reason))
     if done["rewritten"]:
