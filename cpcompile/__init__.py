@@ -8,6 +8,10 @@ Main API::
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
 
+Positions the model computes from the local sequence length (``arange(T)``, ``rope_cache[:T]``) are made global
+in the graph, or refused at compile time (:mod:`cpcompile.passes.positions`, ``backend.position_reports``).
+Hand-written losses mask padding with :func:`real_tokens`.
+
 What the backend does to a model, without a cluster: ``cpcompile inspect`` (:func:`inspect_model`).
 
 With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::

@@ -38,6 +38,7 @@ __all__ = [
     "mark_seq_dynamic",
     "node_module_path",
     "must_recompute_meta",
+    "op_overload_name",
     "statically_true",
 ]
 
@@ -334,3 +335,11 @@ def sym_expr(value: object) -> object:
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return value.node.expr
     return value
+
+
+def op_overload_name(target: object) -> str | None:
+    """The operator name of an ``OpOverload`` graph target (``aten::index_select.default`` -> ``index_select``),
+    else ``None``. torch 2.11-2.13: ``torch._ops.OpOverload`` and its ``_schema``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return None

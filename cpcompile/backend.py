@@ -160,7 +160,8 @@ def backend(
     config: object | None = None,
     positions: Literal["rewrite", "off"] = "rewrite",
 ) -> CPBackend:
-    """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
+    """A torch.compile backend that runs every SDPA call of the model as context-parallel attention and makes
+    the positions the model computes from the local sequence length global (or refuses them).
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
     ``with cpcompile.shard(batch, cp_group) as local: model(**local)``.

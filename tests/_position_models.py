@@ -243,6 +243,9 @@ POSITION_ONLY_FORMS = (
     "table_columns",  # a [hidden, max_len] table sliced along dim 1, then transposed
     "table_none_index",  # wpe.weight[None, 0:T]
     "complex_table",  # a complex cache[0:T], view_as_real, flattened
+    "interleaved_rope",  # outer(arange(T), inv_freq).repeat_interleave(2, dim=-1).cos() (GPT-J-style pairs)
+    "full_slice",  # wpe(arange(T)[:T]): a slice that keeps every position
+    "checkpointed",  # wpe.weight[:T] inside an activation-checkpointed function (a nested graph)
 )
 
 
@@ -260,6 +263,7 @@ class PositionOnlyLM(nn.Module):
         self.columns = nn.Parameter(torch.randn(hidden, max_len))
         freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
         self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        self.register_buffer("inv_freq", _rope_inv_freq(hidden), persistent=False)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
@@ -280,6 +284,15 @@ class PositionOnlyLM(nn.Module):
             return self.columns[:, :T].t()
         if self.form == "table_none_index":
             return w[None, 0:T]
+        if self.form == "interleaved_rope":
+            t = torch.arange(T, device=dev).type_as(self.inv_freq)
+            return torch.outer(t, self.inv_freq).repeat_interleave(2, dim=-1).cos()
+        if self.form == "full_slice":
+            return self.wpe(torch.arange(T, device=dev)[:T])
+        if self.form == "checkpointed":
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(lambda i: w[: i.shape[1]] * 2.0, ids, use_reentrant=False)
         return torch.view_as_real(self.cache[0:T]).flatten(1)
 
     def forward(self, input_ids, **unused):

@@ -25,7 +25,7 @@ Measured max abs differences (torch 2.13 CPU, fp32; tolerances 1e-5 logits/loss,
 | arange_rope | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
 | learned_positions | 4 | aot_eager | 4.8e-7 | 0 | 2.2e-8 | |
 | explicit_positions | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 2.6e-8 | |
-| all_forms | 4 | inductor | | | | |
+| all_forms | 4 | inductor | 7.2e-7 | 0 | 4.5e-8 | (measured once: 3.4 / 1.6e-2 / 9.1e-2) |
 | titan_style | 2 | inductor | 4.8e-7 | 0 | 2.2e-8 | |
 | lit_style | 2 | inductor | 4.8e-7 | 4.8e-7 | 1.9e-8 | |
 | arange_rope | 2 | inductor | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
@@ -71,8 +71,9 @@ MODELS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "expli
 def _case(name: str, inner: str = "aot_eager", **overrides) -> ParityCase:
     return ParityCase(
         model=f"tests._position_models:{name}",
-        # without position_ids a transformers model sees one document per row (its mask must match the plan's)
-        doc_lens=((37,), (37,)) if name == "llama_without_positions" else DOCS,
+        # without position_ids a transformers model sees one document per row, padding included, while the plan
+        # makes padding its own document: its mask matches the plan's (checked at run time) only without padding
+        doc_lens=((38,), (38,)) if name == "llama_without_positions" else DOCS,
         inner=inner,
         overrides=tuple(overrides.items()),
         expected_sites=len(pm.ALL_FORMS_LAYERS) if name == "all_forms" else 2,
@@ -133,9 +134,8 @@ def test_position_models_cp2_inductor():
 def test_position_models_cp4_inductor():
     """Every form in one model (one layer per form, learned positions at the embedding): one inductor compile
     per rank instead of five, and the check fails if any form is wrong on any rank."""
-    results = run_distributed(_worker, 4, [_case("all_forms", "inductor")], True, timeout_s=TIMEOUT_S)
+    results = run_distributed(_worker, 4, [_case("all_forms", "inductor")], False, timeout_s=TIMEOUT_S)
     _report_and_check(results[0])
-    assert len(results[0][0]["controls"]) == 1
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)

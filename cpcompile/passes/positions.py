@@ -20,7 +20,9 @@ sources*) in a Dynamo graph and, for each one:
 find -> check -> rewrite: :func:`sequence_length` (how the local length appears in the graph),
 :func:`find_position_sources` (typed :class:`PositionSource` matches), :func:`check_source` (a
 :class:`PositionCheck` with a one-line reason), :func:`rewrite_source`; :func:`positions_pass` is the entry point
-the backend runs on every graph when the CP group has more than one rank.
+the backend runs on every graph when the CP group has more than one rank. ``cpcompile.counters`` counts
+``position_sources_found`` and, by what became of them, ``position_sources_rewritten``, ``_refused``, ``_mask``
+and ``_unchanged``.
 
 *Sharded data* are the graph inputs whose shape contains the local length (token ids, hidden states of a
 per-layer graph, the global ``position_ids`` that ``shard`` passes) and everything computed from their values;
@@ -187,8 +189,9 @@ def _op_name(n: fx.Node) -> str:
         return n.op
     if n.target is operator.getitem:
         return "getitem"
-    if isinstance(n.target, torch._ops.OpOverload):
-        return n.target._schema.name.split("::")[-1]
+    overload = _compat.op_overload_name(n.target)
+    if overload is not None:
+        return overload
     return getattr(n.target, "__name__", str(n.target))
 
 
@@ -469,7 +472,8 @@ def _slice_source(n: fx.Node, name: str, facts: GraphFacts, layer: str) -> Posit
             out_d += 1
         in_d += 1
     if not sliced:
-        if uses_length:
+        # a table indexed by the length; a base with a sequence dim is position computation, checked where used
+        if uses_length and not _has_seq(base, seq):
             return PositionSource(n, "length", layer, facts, problem="an index computed from the local sequence length")
         return None
     (i, e, in_d, out_d), problem = sliced[0], ""
@@ -624,13 +628,37 @@ def _check_getitem(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> s
             d += len(shape) - consumed
             continue
         if d < len(shape) and seq.involves(shape[d]):
-            full = isinstance(e, slice) and e == slice(None, None, None)
-            if not full:
+            if not _is_full_slice(e, shape[d]):
                 return f"indexes the sequence dim of a position-derived value with {e!r} (a shift or a selection)"
         if isinstance(e, fx.Node) and isinstance(_val(e), torch.Tensor) and _val(e).dtype == torch.bool:
             return "indexes a position-derived value with a boolean mask"
         d += 1
     return None
+
+
+def _is_full_slice(e: object, size: object) -> bool:
+    """Whether index entry ``e`` keeps every element of a dim of ``size`` in order (``:``, ``0:T``, ``:T``)."""
+    if not isinstance(e, slice) or e.start not in (None, 0) or e.step not in (None, 1):
+        return False
+    stop = _val(e.stop) if isinstance(e.stop, fx.Node) else e.stop
+    return stop is None or _compat.statically_true(stop >= size)
+
+
+def _check_repeat(u: fx.Node, t: fx.Node, name: str, seq: SequenceLength) -> str | None:
+    """``repeat_interleave`` along a dim that is not the sequence; ``repeat`` by 1 along the sequence dims."""
+    shape = _shape(t)
+    if name == "repeat_interleave":
+        dim = _arg(u, 2, "dim")
+        if isinstance(dim, int) and dim % len(shape) not in _seq_dims(t, seq):
+            return None
+        return "repeat_interleave repeats positions along the sequence (or flattens it)"
+    sizes = list(u.args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = list(sizes[0])
+    lead = len(sizes) - len(shape)
+    if lead >= 0 and all(sizes[lead + d] == 1 for d in _seq_dims(t, seq)):
+        return None
+    return "repeat repeats positions along the sequence"
 
 
 def _check_lookup(u: fx.Node, t: fx.Node, name: str, facts: GraphFacts, tainted: set) -> str | None:
@@ -684,6 +712,8 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
         return f"{name} joins position-derived values along the sequence"
     if name in _REDUCE:
         return _check_reduce(u, t, name, seq)
+    if name in ("repeat", "repeat_interleave") and u.args and u.args[0] is t:
+        return _check_repeat(u, t, name, seq)
     if name in _MATMUL:
         return _check_matmul(u, name, seq)
     return f"{name} is not known to keep the values of different positions apart"
