@@ -88,8 +88,8 @@ class BackendOptions:
 class CPBackend:
     """A ``(GraphModule, example_inputs) -> callable`` compiler; build it with :func:`backend`.
 
-    Every Dynamo graph goes through :func:`cpcompile.passes.positions_pass` (CP > 1),
-    :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler. ``reports`` lists what was done with
+    Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass`,
+    :func:`cpcompile.passes.positions_pass` (CP > 1) and then the inner compiler. ``reports`` lists what was done with
     every SDPA site of every graph compiled so far, ``position_reports`` with every position source.
     """
 
@@ -121,13 +121,6 @@ class CPBackend:
         if self._dump is not None:
             title = f"rank {self._dump.rank}, backend {self._id}, graph {graph_id}"
             before, grad_flags = dump.graph_source(gm, f"{title}: as Dynamo traced it"), dump.site_grad_flags(gm)
-        positions: list[PositionReport] = []
-        if self.cp_size > 1 and self.options.positions == "rewrite":
-            plan = current_plan()
-            prefix = f"backend{self._id}/graph{graph_id}"
-            chunk_len = plan.chunk_len if plan is not None else None
-            positions = positions_pass(gm, chunk_len=chunk_len, graph_id=graph_id, site_prefix=prefix)
-            self.position_reports += positions
         reports = cp_attention_pass(
             gm,
             group_name=self.group_name,
@@ -141,8 +134,15 @@ class CPBackend:
             config=self.options.config,
         )
         self.reports += reports
+        positions: list[PositionReport] = []
+        if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals come first
+            plan = current_plan()
+            prefix = f"backend{self._id}/graph{graph_id}"
+            chunk_len = plan.chunk_len if plan is not None else None
+            positions = positions_pass(gm, chunk_len=chunk_len, graph_id=graph_id, site_prefix=prefix)
+            self.position_reports += positions
         if self._dump is not None:
-            after = dump.graph_source(gm, f"{title}: after the cpcompile positions and cp_attention passes")
+            after = dump.graph_source(gm, f"{title}: after the cpcompile cp_attention and positions passes")
             self._dump.add_graph(before, after, reports, grad_flags, positions=positions)
         if self.options.inner == "eager":
             return gm.forward

@@ -8,7 +8,7 @@ Each rank is traced in this process under a fake process group (no communication
 model and the local batch on the ``meta`` device by default: no weights are allocated and no attention is
 computed; Dynamo traces the model on the shapes alone. The traced graph is copied and the copy rewritten by
 :func:`cpcompile.passes.cp_attention_pass` with ``refuse="report"``, so refused sites are listed instead of
-raised; the untouched graph is what runs (on meta), so no collective is ever issued. The copy first goes
+raised; the untouched graph is what runs (on meta), so no collective is ever issued. The copy then goes
 through :func:`cpcompile.passes.positions_pass` (report mode), whose rows list every position source the model
 computes from the local sequence length. The trace has concrete sizes (exact byte counts), so position sources
 are found by their size, the chunk length; training compiles with a symbolic length (``shard``'s default).
@@ -433,6 +433,16 @@ class _Capture:
             "calls": 0,
         }
         rewritten = copy.deepcopy(gm)
+        entry["reports"] = tuple(
+            cp_attention_pass(
+                rewritten,
+                group_name=self.group_name,
+                cp_size=self.cp_size,
+                graph_id=n,
+                site_prefix=f"inspect/graph{n}",
+                refuse="report",
+            )
+        )
         plan = current_plan()
         entry["positions"] = tuple(
             positions_pass(
@@ -445,17 +455,7 @@ class _Capture:
             if self.cp_size > 1
             else ()
         )
-        entry["reports"] = tuple(
-            cp_attention_pass(
-                rewritten,
-                group_name=self.group_name,
-                cp_size=self.cp_size,
-                graph_id=n,
-                site_prefix=f"inspect/graph{n}",
-                refuse="report",
-            )
-        )
-        entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile positions and cp_attention passes")
+        entry["after"] = graph_source(rewritten, f"{title}: after the cpcompile cp_attention and positions passes")
         self.graphs.append(entry)
 
         def run(*args):
@@ -772,7 +772,7 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         summary.json              settings, every site row of every traced rank, per-rank totals, file list
         attention_pattern.png     every rank's (query, key) pattern under the plan (attention_pattern_image)
         rank{r}/graph{n}_before.py  graph n as Dynamo traced it for rank r (runnable print_readable code)
-        rank{r}/graph{n}_after.py   the same graph after the positions and cp_attention passes (refused sites
+        rank{r}/graph{n}_after.py   the same graph after the cp_attention and positions passes (refused sites
                                   left as they were)
         rank{r}/summary.json      what the pass did in rank r's graphs (the schema the backend's dump_dir writes)
 

@@ -144,6 +144,21 @@ def test_static_graph_of_transformers_model_runs(world):
     assert {r.action for r in backend.position_reports} == {"mask"}
 
 
+def test_one_token_per_rank(world):
+    """T = N: Dynamo specialises the chunk length 1, so the graph is static and every broadcast dim has the chunk
+    length; a transformers model still compiles (its aranges only build the mask), a range of the length does not."""
+    batch = packed_batch([[2], [2]])
+    backend = cpcompile.backend(world, inner="aot_eager")
+    with cpcompile.shard(batch, world) as local:
+        torch.compile(tiny_model("llama"), backend=backend)(**local)
+    assert {r.action for r in backend.position_reports} == {"mask"}
+    torch._dynamo.reset()
+    compiled = torch.compile(pm.position_lm("learned_positions"), backend=cpcompile.backend(world, inner="aot_eager"))
+    with pytest.raises(cpcompile.UnsupportedPositionError, match=r"static sequence length \(1 tokens per rank"):
+        with cpcompile.shard(batch, world) as local:
+            compiled(**local)
+
+
 # -- refusals --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "form, node_words, reason_words",

@@ -182,6 +182,11 @@ def _is_tensorish(n: object) -> bool:
     return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v))
 
 
+def _may_be_tensor(n: object) -> bool:
+    """A tensor, or a node without a recorded value (inserted by an earlier pass): it may carry data."""
+    return isinstance(n, fx.Node) and (_val(n) is None or _is_tensorish(n))
+
+
 def _op_name(n: fx.Node) -> str:
     if n.op == "call_method":
         return str(n.target)
@@ -197,6 +202,19 @@ def _op_name(n: fx.Node) -> str:
 
 def _is_sdpa(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _compat.SDPA_TARGETS
+
+
+def _mask_args(u: fx.Node) -> tuple[object, tuple]:
+    """``(mask, other tensor args)`` of an op that consumes the model's attention mask: SDPA's ``attn_mask``, or
+    the ``model_mask`` (argument 3) that the attention pass hands to ``cpcompile::plan_mask``/``plan_docs``, which
+    check it against the plan's mask at run time. ``(None, ())`` for any other op."""
+    if _is_sdpa(u):
+        bound = dict(zip(("query", "key", "value", "attn_mask"), u.args))
+        bound.update({k: v for k, v in u.kwargs.items() if k in ("query", "key", "value", "attn_mask")})
+        return bound.get("attn_mask"), tuple(bound.get(k) for k in ("query", "key", "value"))
+    if u.op == "call_function" and u.target in _PLAN_MASK_OPS and len(u.args) > 3:
+        return u.args[3], tuple(u.args[:3])
+    return None, ()
 
 
 def _leaves_graph(n: fx.Node) -> bool:
@@ -282,6 +300,8 @@ _REDUCE = {
     "diff": (1, "dim", -1),
 }  # fmt: skip
 _CONCAT = {"cat", "concat", "concatenate"}
+#: The attention pass's ops that receive the model's own mask (to check it against the plan's).
+_PLAN_MASK_OPS = (torch.ops.cpcompile.plan_mask.default, torch.ops.cpcompile.plan_docs.default)
 _MATMUL = {"matmul", "mm", "bmm", "linear", "einsum"}
 
 
@@ -298,8 +318,8 @@ def _value_inputs(n: fx.Node) -> list[fx.Node]:
         return []
     if name in _FIRST_ONLY:
         first = n.args[0] if n.args else None
-        return [first] if isinstance(first, fx.Node) and _is_tensorish(first) else []
-    return [i for i in n.all_input_nodes if _is_tensorish(i)]
+        return [first] if _may_be_tensor(first) else []
+    return [i for i in n.all_input_nodes if _may_be_tensor(i)]
 
 
 def _mutated(n: fx.Node) -> fx.Node | None:
@@ -370,10 +390,9 @@ def graph_facts(gm: fx.GraphModule, seq: SequenceLength) -> GraphFacts:
 
 
 def _mask_use(n: fx.Node, u: fx.Node, seq: SequenceLength, mask_only: set) -> bool:
-    if _is_sdpa(u):
-        bound = dict(zip(("query", "key", "value", "attn_mask"), u.args))
-        bound.update({k: v for k, v in u.kwargs.items() if k in ("query", "key", "value", "attn_mask")})
-        return bound.get("attn_mask") is n and all(bound.get(k) is not n for k in ("query", "key", "value"))
+    mask, others = _mask_args(u)
+    if mask is not None or others:
+        return mask is n and all(o is not n for o in others)
     if _leaves_graph(u):
         return len(_seq_dims(n, seq)) >= 2  # a pairwise [.., T, T] value: the receiving graph checks its mask
     if n not in _value_inputs(u):
@@ -511,6 +530,8 @@ def _classify(n: fx.Node, facts: GraphFacts) -> PositionSource | None:
             return found
     if length_values:
         return PositionSource(n, "length", layer, facts, problem="the local sequence length used as a value")
+    if seq.static and seq.chunk_len == 1:
+        return None  # one token per rank: every broadcast dim has the chunk length; only aranges and slices count
     if not _has_seq(n, seq) or any(_has_seq(i, seq) for i in _value_inputs(n)):
         return None  # no sequence dim, or one it inherits from a value it reads (followed from that value)
     if name in _FACTORIES:
@@ -529,7 +550,7 @@ def find_position_sources(gm: fx.GraphModule, seq: SequenceLength) -> list[Posit
     for g in _graph_modules(gm):
         facts = graph_facts(g, seq)
         for n in g.graph.nodes:
-            if n.op in ("call_function", "call_method") and _is_tensorish(n):
+            if n.op in ("call_function", "call_method") and n.users and _is_tensorish(n):  # unused: no effect
                 found = _classify(n, facts)
                 if found is not None:
                     sources.append(found)
@@ -688,8 +709,8 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
     seq = facts.seq
     if _leaves_graph(u):
         return None  # handed on as a per-token tensor
-    if _is_sdpa(u):
-        return "is used as the query, key or value of scaled_dot_product_attention"
+    if _mask_args(u)[1]:
+        return "is used as the query, key or value of the attention"
     name = _op_name(u)
     base = name.rstrip("_") if _is_inplace(name) and name != "setitem" else name
     if base in _ELEMENTWISE or name in _INPLACE_OPERATORS or base in _LAYOUT:
