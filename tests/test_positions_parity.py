@@ -3,12 +3,12 @@ the same model run whole in one process on the same global batch.
 
 T = 37 is not a multiple of 2 or 4, so the last rank holds padding tokens, whose global indices (>= T) are
 clamped into the tables. Every case asserts the logits, the summed loss and every summed gradient
-(``tests.parity`` tolerances), both SDPA sites rewritten, and the position sources the backend reports. The
+(``tests.parity`` tolerances), every SDPA site rewritten, and the position sources the backend reports. The
 negative control compiles the same model with ``cpcompile.backend(..., positions="off")``: the parity check must
 fail (``explicit_positions`` takes its positions as input and needs no rewrite, so it has no control).
 
-Inductor runs every model at CP=2; at CP=4 (four processes on the CI's two cores, about five times the compile
-time) one model that combines every form (``all_forms``: a layer per RoPE form, learned positions at the
+Inductor runs every model at CP=2; at CP=4 (four processes on the CI's two cores; measured 120-200 s per model on a
+busy machine) one model that combines every form (``all_forms``: a layer per RoPE form, learned positions at the
 embedding, one layer taking explicit positions) stands for the five.
 
 Measured max abs differences (torch 2.13 CPU, fp32; tolerances 1e-5 logits/loss, 1e-6 gradients):
@@ -20,11 +20,14 @@ Measured max abs differences (torch 2.13 CPU, fp32; tolerances 1e-5 logits/loss,
 | arange_rope | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | 9.5e-2 / 1.5e-3 / 2.1e-3 |
 | learned_positions | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 2.2e-8 | 3.3 / 1.0e-1 / 9.9e-2 |
 | explicit_positions | 2 | aot_eager | 4.8e-7 | 9.5e-7 | 3.0e-8 | - |
+| learned_positions, 37 rows (padding clamped) | 2 | aot_eager | 4.8e-7 | 0 | 3.7e-8 | 3.3 / 4.8e-2 / 9.3e-2 |
+| transformers Llama without position_ids, T=38 | 2 | aot_eager | 2.1e-7 | 4.8e-7 | 3.0e-8 | 3.1e-3 / 1.0e-5 / 6.2e-4 |
 | titan_style | 4 | aot_eager | 3.6e-7 | 0 | 2.2e-8 | |
 | lit_style | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
 | arange_rope | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
 | learned_positions | 4 | aot_eager | 4.8e-7 | 0 | 2.2e-8 | |
 | explicit_positions | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 2.6e-8 | |
+| learned_positions, 37 rows (3 padding tokens clamped) | 4 | aot_eager | 7.2e-7 | 0 | 3.7e-8 | |
 | all_forms | 4 | inductor | 7.2e-7 | 0 | 4.5e-8 | (measured once: 3.4 / 1.6e-2 / 9.1e-2) |
 | titan_style | 2 | inductor | 4.8e-7 | 0 | 2.2e-8 | |
 | lit_style | 2 | inductor | 4.8e-7 | 4.8e-7 | 1.9e-8 | |

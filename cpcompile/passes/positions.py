@@ -10,7 +10,8 @@ sources*) in a Dynamo graph and, for each one:
   ``torch.ops.cpcompile.token_positions``), ``table[a:a+T]`` / ``narrow`` become an ``index_select`` of the
   table at those indices; whatever the model then computes element-wise from them follows;
 * leaves it to the attention mask (**mask**) when every use ends in an SDPA ``attn_mask`` (the attention pass
-  replaces those masks and checks them against the plan at run time);
+  replaces those masks and checks them against the plan at run time; the backend runs this pass after it, so
+  the model's mask then feeds ``cpcompile::plan_mask``/``plan_docs``);
 * leaves it **unchanged** when it holds the same value at every position (``ones(T)``) and is only used
   element-wise;
 * **refuses** it (:class:`UnsupportedPositionError` at compile time) when it mixes positions along the sequence
@@ -162,8 +163,8 @@ class PositionReport:
     graph_id: int
     node: str
     layer: str
-    kind: str
-    action: str  # "rewritten" | "refused" | "mask" | "unchanged"
+    kind: Kind
+    action: Action
     reason: str = ""
 
 
