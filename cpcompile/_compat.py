@@ -38,6 +38,7 @@ __all__ = [
     "mark_seq_dynamic",
     "node_module_path",
     "must_recompute_meta",
+    "op_argument_names",
     "op_overload_name",
     "statically_true",
 ]
@@ -342,4 +343,12 @@ def op_overload_name(target: object) -> str | None:
     else ``None``. torch 2.11-2.13: ``torch._ops.OpOverload`` and its ``_schema``."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.split("::")[-1]
+    return None
+
+
+def op_argument_names(target: object, namespace: str) -> tuple[str, ...] | None:
+    """The argument names of an ``OpOverload`` graph target of ``namespace`` (e.g. a ``cpcompile::`` custom op),
+    else ``None``. torch 2.11-2.13: ``OpOverload.namespace`` and ``_schema.arguments``."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == namespace:
+        return tuple(a.name for a in target._schema.arguments)
     return None

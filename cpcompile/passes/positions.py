@@ -11,7 +11,7 @@ sources*) in a Dynamo graph and, for each one:
   table at those indices; whatever the model then computes element-wise from them follows;
 * leaves it to the attention mask (**mask**) when every use ends in an SDPA ``attn_mask`` (the attention pass
   replaces those masks and checks them against the plan at run time; the backend runs this pass after it, so
-  the model's mask then feeds ``cpcompile::plan_mask``/``plan_docs``);
+  the model's mask then feeds the ``model_mask`` argument of a ``cpcompile::`` op);
 * leaves it **unchanged** when it holds the same value at every position (``ones(T)``) and is only used
   element-wise;
 * **refuses** it (:class:`UnsupportedPositionError` at compile time) when it mixes positions along the sequence
@@ -207,15 +207,19 @@ def _is_sdpa(n: fx.Node) -> bool:
 
 def _mask_args(u: fx.Node) -> tuple[object, tuple]:
     """``(mask, other tensor args)`` of an op that consumes the model's attention mask: SDPA's ``attn_mask``, or
-    the ``model_mask`` (argument 3) that the attention pass hands to ``cpcompile::plan_mask``/``plan_docs``, which
-    check it against the plan's mask at run time. ``(None, ())`` for any other op."""
+    the ``model_mask`` argument of the ``cpcompile::`` op to which the attention pass hands the model's mask (to
+    check it against the plan's at run time). ``(None, ())`` for any other op."""
     if _is_sdpa(u):
         bound = dict(zip(("query", "key", "value", "attn_mask"), u.args))
         bound.update({k: v for k, v in u.kwargs.items() if k in ("query", "key", "value", "attn_mask")})
         return bound.get("attn_mask"), tuple(bound.get(k) for k in ("query", "key", "value"))
-    if u.op == "call_function" and u.target in _PLAN_MASK_OPS and len(u.args) > 3:
-        return u.args[3], tuple(u.args[:3])
-    return None, ()
+    names = _compat.op_argument_names(u.target, "cpcompile") if u.op == "call_function" else None
+    if names is None or "model_mask" not in names:
+        return None, ()
+    bound = dict(zip(names, u.args))
+    bound.update(u.kwargs)
+    others = tuple(v for k, v in bound.items() if k != "model_mask" and isinstance(v, fx.Node))
+    return bound.get("model_mask"), others
 
 
 def _leaves_graph(n: fx.Node) -> bool:
@@ -301,8 +305,6 @@ _REDUCE = {
     "diff": (1, "dim", -1),
 }  # fmt: skip
 _CONCAT = {"cat", "concat", "concatenate"}
-#: The attention pass's ops that receive the model's own mask (to check it against the plan's).
-_PLAN_MASK_OPS = (torch.ops.cpcompile.plan_mask.default, torch.ops.cpcompile.plan_docs.default)
 _MATMUL = {"matmul", "mm", "bmm", "linear", "einsum"}
 
 
