@@ -46,7 +46,7 @@ LOSS_TOL = dict(atol=1e-5, rtol=1e-6)
 #: Gradients are small (|g| ~1e-3..1e-1): an absolute 1e-6 keeps the relative check meaningful.
 GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 
-Corruption = Literal["label_shift", "merge_documents"]
+Corruption = Literal["label_shift", "merge_documents", "positions_off"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,8 @@ class ParityCase:
     backend_kwargs: tuple[tuple[str, object], ...] = ()
     #: The layout ``cpcompile.shard`` distributes the tokens with.
     layout: str = "contiguous"
+    #: ``(kind, action)`` of every position source the backend must report, in order; None: not checked.
+    expected_positions: tuple[tuple[str, str], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -127,6 +129,8 @@ class ParityOutcome:
     cp_grads: dict[str, torch.Tensor]
     #: (mask form, enable_gqa) of every site this runner's backend compiled so far.
     forms: list[tuple[str, bool]]
+    #: (kind, action) of every position source this runner's backend reported so far.
+    positions: list[tuple[str, str]]
     #: What cpcompile did: SiteReport actions of every graph this runner's backend compiled so far, counter
     #: deltas of this step (compiles happen on the first step only), collectives of this step.
     actions: list[str]
@@ -248,6 +252,7 @@ class ParityRunner:
             cp_grads=grads,
             actions=[r.action for r in self.backend.reports],
             forms=[(r.mask_form, r.enable_gqa) for r in self.backend.reports],
+            positions=[(r.kind, r.action) for r in self.backend.position_reports],
             counter_delta={k: v - before.get(k, 0) for k, v in cpcompile.counters.items()},
             comm=dataclasses.replace(comm),
             seconds=time.perf_counter() - start,
@@ -279,7 +284,8 @@ def check_case(
 
     Returns a summary (max errors, seconds, and for each control whether the parity check caught it and the
     error it caused) for the parent test, which must assert that every control was caught.
-    ``runner_kwargs`` go to :class:`ParityRunner`.
+    ``runner_kwargs`` go to :class:`ParityRunner`. The ``positions_off`` control compiles the case again with
+    ``cpcompile.backend(..., positions="off")`` (positions left as the model computes them).
     """
     t0 = time.perf_counter()
     runner = ParityRunner(case, group, **runner_kwargs)
@@ -288,6 +294,8 @@ def check_case(
     assert_rewrites(outcome, expected)
     if case.expected_form is not None:
         assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
+    if case.expected_positions is not None:
+        assert outcome.positions == list(case.expected_positions), f"{case.name}: positions {outcome.positions}"
     assert_parity(outcome)
     summary = {
         "case": case.name,
@@ -297,7 +305,13 @@ def check_case(
         "controls": {},
     }
     for corrupt in controls:
-        bad = runner.run(corrupt)
+        if corrupt == "positions_off":
+            torch._dynamo.reset()  # compile the control afresh, with no cache entry of the rewritten graph
+            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, ("positions", "off")))
+            bad = ParityRunner(off, group, **runner_kwargs).run()
+            assert bad.positions == [], f"{case.name}: positions='off' still reported {bad.positions}"
+        else:
+            bad = runner.run(corrupt)
         try:
             assert_parity(bad)
         except AssertionError as e:
