@@ -15,7 +15,7 @@ def test_inspect_lists_rewritten_positions(tmp_path):
     assert rows == [(r, f"layers.{i}.attn", "table_slice", "rewritten") for r in (0, 1) for i in (0, 1)]
     text = inspection.report()
     assert "positions computed from the local sequence length" in text
-    assert "found by its size (19) in a static trace" in text  # inspect traces with concrete sizes
+    assert "static trace" not in text  # inspect traces with training's symbolic length: found by the symbol
     written = cpcompile.write_dump(inspection, str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(p["rank"], p["layer"], p["action"]) for p in summary["positions"]] == [
