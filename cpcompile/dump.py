@@ -3,7 +3,7 @@
 One folder per rank, names from a counter, no uuids, so two runs of the same model write the same bytes::
 
     DIR/rank{r}/graph{n}_before.py   # graph n as Dynamo traced it (GraphModule.print_readable)
-    DIR/rank{r}/graph{n}_after.py    # the same graph after the cp_attention pass
+    DIR/rank{r}/graph{n}_after.py    # the same graph after the cpcompile passes
     DIR/rank{r}/summary.json         # every dumped graph of this rank, what the passes did with each SDPA site
                                      # ("sites") and each position source ("positions")
 

@@ -753,7 +753,7 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         summary.json              settings, every site row of every traced rank, per-rank totals, file list
         attention_pattern.png     every rank's (query, key) pattern under the plan (attention_pattern_image)
         rank{r}/graph{n}_before.py  graph n as Dynamo traced it for rank r (runnable print_readable code)
-        rank{r}/graph{n}_after.py   the same graph after the cp_attention pass (refused sites left as they were)
+        rank{r}/graph{n}_after.py   the same graph after the cpcompile passes (refused sites left as they were)
         rank{r}/summary.json      what the pass did in rank r's graphs (the schema the backend's dump_dir writes)
 
     for every traced rank ``r`` and graph ``n``.
