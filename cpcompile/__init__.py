@@ -8,6 +8,10 @@ Main API::
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
 
+Positions the model computes from the local sequence length (``arange(T)``, ``rope_cache[:T]``) are made global
+in the graph, or refused at compile time (:mod:`cpcompile.passes.positions`, ``backend.position_reports``).
+Hand-written losses mask padding with :func:`real_tokens`.
+
 What the backend does to a model, without a cluster: ``cpcompile inspect`` (:func:`inspect_model`).
 
 With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
@@ -28,9 +32,19 @@ from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
-from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
+from cpcompile.passes import PositionReport, SiteReport, UnsupportedAttentionError, UnsupportedPositionError, counters
 from cpcompile.plan import CPPlan, build_plan
-from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
+from cpcompile.runtime import (
+    CommStats,
+    MaskMismatchError,
+    comm_stats,
+    current_plan,
+    default_pad_value,
+    gather,
+    real_tokens,
+    shard,
+    sync_grads,
+)
 
 __all__ = [
     "BackendOptions",
@@ -40,10 +54,12 @@ __all__ = [
     "FailsafeOptions",
     "Inspection",
     "MaskMismatchError",
+    "PositionReport",
     "RankFailedError",
     "SiteReport",
     "RankSite",
     "UnsupportedAttentionError",
+    "UnsupportedPositionError",
     "backend",
     "build_plan",
     "clip_grad_norm_",
@@ -51,6 +67,7 @@ __all__ = [
     "configure_failsafe",
     "counters",
     "current_plan",
+    "default_pad_value",
     "dp_cp_mesh",
     "fail_together",
     "fully_shard_dp_cp",
@@ -58,6 +75,7 @@ __all__ = [
     "init_dp_cp_mesh",
     "inspect_model",
     "per_sample_mean",
+    "real_tokens",
     "shard",
     "sync_grads",
     "token_entropy",

@@ -15,6 +15,13 @@ from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "autograd_inside_custom_op",
+    "free_symbols",
+    "is_higher_order_op",
+    "is_module_state",
+    "op_argument_names",
+    "op_overload_name",
+    "sym_expr",
+    "sym_hint",
     "flex_attention_with_lse",
     "flex_block_mask",
     "SDPA_TARGETS",
@@ -38,7 +45,6 @@ __all__ = [
     "node_module_path",
     "resolve_group",
     "must_recompute_meta",
-    "size_hint",
     "statically_true",
     "structured_trace_enabled",
     "trace_artifact",
@@ -247,17 +253,6 @@ def node_module_class(node: torch.fx.Node) -> str:
     return str(cls)
 
 
-def size_hint(expr: object) -> int:
-    """The concrete value of a size that may be symbolic: the hint Dynamo recorded for this compilation
-    (torch 2.11-2.13: ``SymInt.node.hint``)."""
-    if isinstance(expr, torch.SymInt):
-        hint = expr.node.hint
-        if hint is None:
-            raise ValueError(f"size {expr} has no hint (a data-dependent size)")
-        return int(hint)
-    return int(expr)
-
-
 def _clean_module_path(path: str) -> str:
     import re
 
@@ -394,3 +389,72 @@ def trace_artifact(name: str, encoding: str, payload_fn) -> None:
     torch._logging.trace_structured(
         "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
     )
+
+
+def free_symbols(value: object) -> frozenset:
+    """The sympy symbols a SymInt/SymFloat/SymBool, a tensor's sizes or a nest of them depend on (``frozenset()``
+    for plain values). torch 2.11-2.13: ``torch.fx.experimental.symbolic_shapes.free_symbols``."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
+
+    if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor, list, tuple)):
+        return frozenset()
+    return frozenset(_free_symbols(value))
+
+
+def sym_hint(value: object) -> int | None:
+    """The concrete value a SymInt had when the graph was traced (an int is its own hint; ``None`` when unknown).
+    torch 2.11-2.13: ``torch.fx.experimental.symbolic_shapes.optimization_hint``."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, torch.SymInt):
+        return None
+    try:
+        return int(optimization_hint(value))
+    except Exception:  # noqa: BLE001 - an unbacked or hint-less symbol has no hint
+        return None
+
+
+def is_module_state(node: torch.fx.Node) -> bool:
+    """True for a Dynamo graph input that is a parameter or buffer of an ``nn.Module`` (not a value passed by the
+    caller). torch 2.11-2.13 (``inline_inbuilt_nn_modules``) lifts module state into placeholders and records
+    ``_dynamo_static_input_type`` in their ``tensor_dict`` metadata; a ``Parameter`` example value is state too."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "placeholder":
+        return False
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    return "_dynamo_static_input_type" in (node.meta.get("tensor_dict") or {})
+
+
+def is_higher_order_op(target: object) -> bool:
+    """True for a higher-order operator (a call of a nested graph, e.g. activation checkpointing's
+    ``tag_activation_checkpoint``). torch 2.11-2.13: ``torch._ops.HigherOrderOperator``."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def sym_expr(value: object) -> object:
+    """The sympy expression of a SymInt/SymFloat/SymBool (torch 2.11-2.13: ``SymNode.expr``); other values as
+    they are."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return value
+
+
+def op_overload_name(target: object) -> str | None:
+    """The operator name of an ``OpOverload`` graph target (``aten::index_select.default`` -> ``index_select``),
+    else ``None``. torch 2.11-2.13: ``torch._ops.OpOverload`` and its ``_schema``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return None
+
+
+def op_argument_names(target: object, namespace: str) -> tuple[str, ...] | None:
+    """The argument names of an ``OpOverload`` graph target of ``namespace`` (e.g. a ``cpcompile::`` custom op),
+    else ``None``. torch 2.11-2.13: ``OpOverload.namespace`` and ``_schema.arguments``."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == namespace:
+        return tuple(a.name for a in target._schema.arguments)
+    return None

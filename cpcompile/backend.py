@@ -15,8 +15,9 @@ import torch.fx as fx
 
 from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
+from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
-from cpcompile.runtime import check_group
+from cpcompile.runtime import check_group, current_plan
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
@@ -36,6 +37,7 @@ class TracedGraph:
     before: str
     after: str
     reports: tuple[SiteReport, ...]
+    positions: tuple[PositionReport, ...] = ()
     #: How many times the (unrewritten) graph ran so far.
     calls: int = 0
 
@@ -43,8 +45,9 @@ class TracedGraph:
 class CPBackend:
     """A ``(GraphModule, example_inputs) -> callable`` compiler; build it with :func:`backend`.
 
-    Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler.
-    ``reports`` lists what was done with every SDPA site of every graph compiled so far.
+    Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass`,
+    :func:`cpcompile.passes.positions_pass` (CP > 1) and then the inner compiler. ``reports`` lists what was done
+    with every SDPA site of every graph compiled so far, ``position_reports`` with every position source.
 
     ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
     copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
@@ -71,6 +74,8 @@ class CPBackend:
         self.options = options
         self.trace_only = trace_only
         self.reports: list[SiteReport] = []
+        #: What :func:`cpcompile.passes.positions_pass` did with every position source (CP > 1).
+        self.position_reports: list[PositionReport] = []
         self.traced: list[TracedGraph] = []
         #: Prefix of the ids of the sites this backend compiles (``backend<n>``, n counting backends per process).
         self.name = f"backend{next(_backend_ids)}" if name is None else name
@@ -112,12 +117,17 @@ class CPBackend:
         )
         reports = cp_attention_pass(target, ctx)
         self.reports += reports
-        after = dump.graph_source(target, f"{title}: after the cpcompile cp_attention pass") if keep_source else ""
+        positions: list[PositionReport] = []
+        if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals come first
+            plan = current_plan()
+            positions = positions_pass(target, ctx, plan.chunk_len if plan is not None else None)
+            self.position_reports += positions
+        after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
         trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
         if self._dump is not None:
-            self._dump.add_graph(before, after, reports)
+            self._dump.add_graph(before, after, reports, positions=positions)
         if self.trace_only:
-            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports))
+            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports), tuple(positions))
             self.traced.append(record)
 
             def run(*args):
@@ -156,8 +166,10 @@ def backend(
     block_size: int = 128,
     config: object | None = None,
     halo: bool = True,
+    positions: Literal["rewrite", "off"] = "rewrite",
 ) -> CPBackend:
-    """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
+    """A torch.compile backend that runs every SDPA call of the model as context-parallel attention and makes
+    the positions the model computes from the local sequence length global (or refuses them).
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
     ``with cpcompile.shard(batch, cp_group) as local: model(**local)``.
@@ -179,6 +191,9 @@ def backend(
         attention: ``auto``, ``dense`` or ``block`` (see :attr:`BackendOptions.attention`).
         block_size: block size of the block attention kernel.
         halo: exchange only the halo at sliding-window sites (see :attr:`BackendOptions.halo`).
+        positions: ``"rewrite"`` (default) makes positions the model computes from the local sequence length
+            global, or refuses them at compile time; ``"off"`` leaves them as they are (silently wrong for such
+            models; see :attr:`BackendOptions.positions`).
     """
     options: dict = {
         "inner": inner,
@@ -187,6 +202,7 @@ def backend(
         "attention": attention,
         "block_size": block_size,
         "halo": halo,
+        "positions": positions,
     }
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir

@@ -9,7 +9,8 @@ model and the local batch on the ``meta`` device by default: no weights are allo
 computed; Dynamo traces the model on the shapes alone, with the same dynamic sequence length as training.
 The backend is the one training builds (:func:`cpcompile.backend`'s :class:`~cpcompile.backend.CPBackend`,
 same options) in its ``trace_only`` mode: every graph is rewritten in a copy with refusals listed instead of
-raised, and the untouched graph is what runs (on meta), so no collective is ever issued.
+raised, and the untouched graph is what runs (on meta), so no collective is ever issued. The rows of the
+positions pass list every position source the model computes from the local sequence length.
 """
 
 from __future__ import annotations
@@ -256,6 +257,19 @@ class Inspection:
             f"{len({g.graph for g in self.graphs})} graph(s)"
         )
 
+    def position_table(self) -> str:
+        """One row per position source (a source found alike on several ranks gets one row)."""
+        from tabulate import tabulate
+
+        rows: dict[tuple, list[int]] = {}
+        for g in self.graphs:
+            for p in g.positions:
+                key = (g.graph, p.layer or "<top level>", p.node, p.kind, p.action, p.reason)
+                rows.setdefault(key, []).append(g.rank)
+        body = [[_fmt_ranks(ranks, self.cp_size), *key] for key, ranks in rows.items()]
+        headers = ["ranks", "graph", "layer", "node", "kind", "action", "reason"]
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
     def report(self) -> str:
         """The text ``cpcompile inspect`` prints."""
         lines = [self.headline(), ""]
@@ -271,6 +285,13 @@ class Inspection:
                 "",
                 "per rank, one step (forward all-gathers, backward reduce-scatters):",
                 self.rank_table(),
+            ]
+        if any(g.positions for g in self.graphs):
+            lines += [
+                "",
+                "positions computed from the local sequence length (rewritten to global token indices, left to "
+                "the attention mask, unchanged, or refused):",
+                self.position_table(),
             ]
         return "\n".join(lines) + "\n"
 
@@ -310,6 +331,7 @@ class Inspection:
             "layout": self.layout,
             "attention": self.options.attention,
             "sites": [row.to_json() for row in self.rows],
+            "positions": [{"rank": g.rank, **dataclasses.asdict(p)} for g in self.graphs for p in g.positions],
             "rank_totals": [dataclasses.asdict(t) for t in self.totals],
         }
 
@@ -604,7 +626,7 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         summary.json              settings, every site row of every traced rank, per-rank totals, file list
         attention_pattern.png     every rank's (query, key) pattern under the plan (attention_pattern_image)
         rank{r}/graph{n}_before.py  graph n as Dynamo traced it for rank r (runnable print_readable code)
-        rank{r}/graph{n}_after.py   the same graph after the cp_attention pass (refused sites left as they were)
+        rank{r}/graph{n}_after.py   the same graph after the cpcompile passes (refused sites left as they were)
         rank{r}/summary.json      what the pass did in rank r's graphs (the schema the backend's dump_dir writes)
 
     for every traced rank ``r`` and graph ``n``.
@@ -619,7 +641,9 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
     for rank in inspection.ranks:
         writer = RankDumpWriter(directory, rank, inspection.cp_size)
         for g in (g for g in inspection.graphs if g.rank == rank):
-            written += writer.add_graph(g.before, g.after, list(g.reports), calls_per_forward=g.calls)
+            written += writer.add_graph(
+                g.before, g.after, list(g.reports), calls_per_forward=g.calls, positions=g.positions
+            )
     written = list(dict.fromkeys(written))
     png = os.path.join(directory, "attention_pattern.png")
     attention_pattern_image(inspection.plan, documents=inspection.documents).save(png, format="PNG")

@@ -32,6 +32,9 @@ exactly the keys the receiving rank's queries can see, and the graph keeps a sta
 (window - 1)`` key slots per rank (empty slots carry index ``-1`` and are never attended). The exchange runs when
 attention needs it (it is not overlapped with the work before it, unlike the all-gathers); its backward sends
 the gradients of the received keys back to their owners.
+
+``cpcompile::token_positions`` serves :mod:`cpcompile.passes.positions`: the global index of every token this
+rank holds, for position sources (``arange`` of the local length, tables sliced by it) the model computes itself.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ __all__ = [
     "emit_gather_start",
     "emit_halo_exchange",
     "emit_site_plan",
+    "emit_token_positions",
+    "token_positions",
     "register_site",
     "site_spec",
 ]
@@ -395,3 +400,49 @@ def _after_placeholders(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if node.op != "placeholder":
         return node
     return [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+
+# -- positions the model computes itself ------------------------------------------------------------------
+@torch.library.custom_op("cpcompile::token_positions", mutates_args=())
+def token_positions(like: torch.Tensor, table_rows: int, site: str) -> torch.Tensor:
+    """Int64 ``[c]``: the global index of each of this rank's ``c`` local tokens, on ``like``'s device.
+
+    ``like`` is any tensor with the local length ``c`` along dim 0 (only its size and device are read).
+    Padding tokens (global index ``>= T``, the batch's unpadded length) get ``T - 1``: they are ignored
+    tokens, and the clamp keeps a table lookup in range. ``table_rows >= 0`` is the number of rows of the
+    table the indices will select from (counted from the slice's start); ``ValueError`` when it is smaller
+    than ``T``, the same on every rank (the check reads only the plan, which every rank shares).
+    ``site`` names the position source in errors.
+    """
+    plan = active_context(f"the position source at {site}").plan
+    if like.shape[0] != plan.chunk_len:
+        raise RuntimeError(
+            f"the position source at {site} has {like.shape[0]} local positions, but the active plan expects "
+            f"this rank's chunk length {plan.chunk_len}; call the model with the `local` batch of the active "
+            "cpcompile.shard context"
+        )
+    if 0 <= table_rows < plan.seq_len:
+        raise ValueError(
+            f"the position table sliced at {site} has {table_rows} rows, but the global sequence has "
+            f"{plan.seq_len} tokens (CP size {plan.cp_size}, {plan.chunk_len} tokens per rank): cpcompile selects "
+            f"the rows of the global positions of every rank's tokens, so the table needs at least {plan.seq_len} "
+            "rows; build the model with a maximum sequence length of at least the global length and pass the "
+            "whole table (a table cut to one rank's rows, as torch's context_parallel(buffers=...) asks for, "
+            "is not needed with cpcompile)"
+        )
+    idx = plan.token_indices().clamp(max=plan.seq_len - 1)
+    return idx.to(like.device)
+
+
+@token_positions.register_fake
+def _(like: torch.Tensor, table_rows: int, site: str) -> torch.Tensor:
+    return like.new_empty((like.shape[0],), dtype=torch.long)
+
+
+def emit_token_positions(graph: fx.Graph, like: fx.Node, table_rows: int, site: str) -> fx.Node:
+    """Insert ``token_positions(like.detach(), table_rows, site)`` at the graph's insertion point; return it.
+
+    ``like`` is detached first: the op reads only its size, and its int64 output never carries a gradient.
+    """
+    detached = graph.call_method("detach", (like,))
+    return graph.call_function(torch.ops.cpcompile.token_positions.default, (detached, table_rows, site))

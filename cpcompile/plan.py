@@ -293,6 +293,11 @@ class CPPlan:
         """``[c]`` int64: the global indices of the tokens ``rank`` (this rank by default) holds, ascending."""
         return self.indices[self.cp_rank if rank is None else rank]
 
+    def real_tokens(self, rank: int | None = None) -> torch.Tensor:
+        """Bool ``[B, c]``: True where ``rank``'s local token is a token of the batch, False on padding."""
+        real = self.token_indices(rank) < self.seq_len
+        return real.expand(self.batch_size, -1).contiguous()
+
     def gathered_indices(self) -> torch.Tensor:
         """``[T_pad]`` int64: the global index at every slot of a tensor all-gathered over the CP group."""
         return self.indices.reshape(-1)

@@ -26,7 +26,9 @@ __all__ = [
     "check_group",
     "comm_stats",
     "current_plan",
+    "default_pad_value",
     "gather",
+    "real_tokens",
     "shard",
     "sync_grads",
 ]
@@ -96,6 +98,7 @@ def shard(
     check_batch: bool = False,
     dynamic: bool = True,
     layout: str = "contiguous",
+    pad_values: Mapping[str, int | float | bool] | None = None,
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -124,6 +127,12 @@ def shard(
         layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"contiguous"``
             (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and ``2N-1-r`` of ``2N``).
             Chosen per batch; changing it between steps does not recompile.
+        pad_values: value that pads each extra ``[B, T, ...]`` key (not ``input_ids``, ``position_ids``,
+            ``labels``) where ``T`` is padded up to a multiple of the CP size, e.g. ``{"targets": -100}``. Keys
+            not given get :func:`default_pad_value` of their dtype: ``-100`` for integers (the ignore index of
+            pre-shifted targets), ``0.0`` for floats (loss masks, advantages), ``False`` for bools, so that
+            padding stays out of losses that ignore ``-100`` or weight tokens by a mask. Losses of any other
+            form mask padding with :func:`real_tokens`.
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
     packed batches of changing length compile once with a symbolic length instead of once per length.
@@ -156,6 +165,7 @@ def shard(
     comm = CommStats()
     failsafe.enter_step(cp_group, comm)
     with failsafe.scope(cp_group, "the batch validation of cpcompile.shard", in_step=True):
+        pads = _pad_values(batch, pad_values)
         if check_batch and cp_size > 1:
             plan = _check_same_batch(batch, cp_group, cp_rank, comm, layout)
         else:
@@ -167,6 +177,7 @@ def shard(
             dp_group=dp_group,
             pad_token_id=pad_token_id,
             hf_kwargs=hf_kwargs,
+            pad_values=pads,
         )
     if dynamic:
         mark_local_dynamic(local, plan.chunk_len)
@@ -197,6 +208,7 @@ def _local_batch(
     dp_group: dist.ProcessGroup | None,
     pad_token_id: int,
     hf_kwargs: bool,
+    pad_values: Mapping[str, int | float | bool] | None = None,
 ) -> dict[str, object]:
     local: dict[str, object] = {}
     for key, value in batch.items():
@@ -216,7 +228,8 @@ def _local_batch(
         elif key == "labels":
             local[key] = plan.local(plan.pad(value, IGNORE_INDEX))
         else:
-            local[key] = plan.local(plan.pad(value, False if value.dtype == torch.bool else 0))
+            pad = (pad_values or {}).get(key, default_pad_value(value.dtype))
+            local[key] = plan.local(plan.pad(value, pad))
     local["position_ids"] = plan.local(plan.position_ids)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and hf_kwargs:
@@ -230,6 +243,54 @@ def _local_batch(
     if hf_kwargs:
         local["use_cache"] = False
     return local
+
+
+#: Keys whose padding cpcompile decides (``pad_token_id`` for ``input_ids``, the ignore index for ``labels``).
+_OWN_PADDING = ("input_ids", "position_ids", "labels", "attention_mask")
+
+
+def default_pad_value(dtype: torch.dtype) -> int | float | bool:
+    """The value :func:`shard` pads an extra key of ``dtype`` with: ``False`` (bool), ``-100`` (integers: the
+    ignore index of pre-shifted targets), ``0.0`` (floats: a loss mask or advantage of 0 adds nothing)."""
+    if dtype == torch.bool:
+        return False
+    if dtype.is_floating_point or dtype.is_complex:
+        return 0.0
+    return IGNORE_INDEX
+
+
+def _pad_values(batch: Mapping[str, object], pad_values: Mapping[str, object] | None) -> dict[str, object]:
+    """Check ``shard(pad_values=...)`` against the batch (before any collective); return it as a dict."""
+    if pad_values is None:
+        return {}
+    if not isinstance(pad_values, Mapping):
+        raise TypeError(
+            f"pad_values must be a dict of batch key -> pad value, got {type(pad_values).__name__}; "
+            'e.g. pad_values={"targets": -100}'
+        )
+    extra = sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in _OWN_PADDING)
+    for key, pad in pad_values.items():
+        if key in _OWN_PADDING:
+            raise ValueError(
+                f"pad_values[{key!r}]: cpcompile pads {key!r} itself (input_ids with pad_token_id, labels with "
+                f"-100, position_ids as a separate document); pad_values applies to the other keys: {extra}"
+            )
+        if key not in extra:
+            raise ValueError(
+                f"pad_values names {key!r}, which is not a tensor of the batch; the extra keys are {extra}"
+            )
+        dtype = batch[key].dtype
+        ok = (
+            isinstance(pad, bool)
+            if dtype == torch.bool
+            else isinstance(pad, (int, float)) and not isinstance(pad, bool)
+            if dtype.is_floating_point
+            else isinstance(pad, int) and not isinstance(pad, bool)
+        )
+        if not ok:
+            kind = "a bool" if dtype == torch.bool else "a number" if dtype.is_floating_point else "an int"
+            raise TypeError(f"pad_values[{key!r}] = {pad!r} does not fit batch[{key!r}] of dtype {dtype}; pass {kind}")
+    return dict(pad_values)
 
 
 #: Fingerprint slots of :func:`_check_same_batch`: the batch's structure, then the contents of these keys,
@@ -287,6 +348,13 @@ def _check_same_batch(
                 )
             )
     return plan
+
+
+def real_tokens() -> torch.Tensor:
+    """Bool ``[B, c]`` of the active :func:`shard` context: True for this rank's tokens of the batch, False for
+    the padding that makes ``T`` a multiple of the CP size. Multiply a hand-written per-token loss by it (or
+    index with it) so that padding never contributes, whatever the padded keys hold."""
+    return active_context("cpcompile.real_tokens").plan.real_tokens()
 
 
 def active_context(what: str) -> Active:

@@ -98,7 +98,9 @@ DEMO_PARAM_ATOL = 1e-3
 #:   (``MaskMismatchError``), the logits differ on a site already checked.
 #: * ``wrong_window``: the backend gets a copy of the model config whose ``sliding_window`` is one token larger
 #:   (windowed models only): refused at compile time (``UnsupportedAttentionError``).
-Corruption = Literal["label_shift", "merge_documents", "plan_merges_documents", "wrong_window"]
+#: * ``positions_off``: the case compiled afresh with ``cpcompile.backend(..., positions="off")``, so positions the
+#:   model computes from the local length stay local (models that compute positions): the logits differ.
+Corruption = Literal["label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off"]
 CONTROLS: tuple[Corruption, ...] = ("label_shift", "merge_documents", "plan_merges_documents", "wrong_window")
 
 
@@ -137,6 +139,8 @@ class ParityCase:
     fullgraph: bool = False
     #: Activation checkpointing of the CP copy's decoder layers (``gradient_checkpointing_enable``).
     checkpointing: bool = False
+    #: ``(kind, action)`` of every position source the backend must report, in order; None: not checked.
+    expected_positions: tuple[tuple[str, str], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -298,6 +302,8 @@ class ParityOutcome:
     cp_grads: dict[str, torch.Tensor]
     #: (mask form, enable_gqa) of every site this runner's backend compiled so far.
     forms: list[tuple[str, bool]]
+    #: (kind, action) of every position source this runner's backend reported so far.
+    positions: list[tuple[str, str]]
     #: What cpcompile did: SiteReport actions of every graph this runner's backend compiled so far, counter
     #: deltas of this step (compiles happen on the first step only), collectives of this step.
     actions: list[str]
@@ -449,6 +455,7 @@ class ParityRunner:
             cp_grads=cp.grads,
             actions=[r.action for r in self.backend.reports],
             forms=[(r.mask_form, r.enable_gqa) for r in self.backend.reports],
+            positions=[(r.kind, r.action) for r in self.backend.position_reports],
             kernels=[r.kernel for r in self.backend.reports if r.action == "rewritten"],
             counter_delta={k: v - before.get(k, 0) for k, v in cpcompile.counters.items()},
             comm=cp.comm,
@@ -468,7 +475,12 @@ def run_control(
     compiles afresh with the changed config.
     """
     try:
-        if corrupt == "wrong_window":
+        if corrupt == "positions_off":
+            torch._dynamo.reset()  # compile the control afresh, with no cache entry of the rewritten graph
+            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, ("positions", "off")))
+            bad = ParityRunner(off, group, **runner_kwargs).run()
+            assert bad.positions == [], f"{case.name}: positions='off' still reported {bad.positions}"
+        elif corrupt == "wrong_window":
             window = case.build_model().config.sliding_window
             bad_case = dataclasses.replace(case, config_overrides=(("sliding_window", window + 1),))
             torch._dynamo.reset()
@@ -522,6 +534,8 @@ def check_outcome(outcome: ParityOutcome) -> None:
     assert_rewrites(outcome, outcome.expected_sites)
     if case.expected_form is not None:
         assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
+    if case.expected_positions is not None:
+        assert outcome.positions == list(case.expected_positions), f"{case.name}: positions {outcome.positions}"
     assert_parity(outcome)
     e = outcome.errors()
     print(f"\n{outcome.name}: logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} ({e['grad_param']})")
@@ -533,6 +547,7 @@ EXPECTED_CATCH: dict[str, dict] = {
     "merge_documents": {"error": "parity", "failing_includes": "logits"},
     "plan_merges_documents": {"error": "parity", "failing_includes": "logits"},  # sites already checked
     "wrong_window": {"error": "UnsupportedAttentionError", "message_includes": "sliding window"},
+    "positions_off": {"error": "parity", "failing_includes": "logits"},
 }
 
 

@@ -31,7 +31,7 @@ with _compat.fake_process_group(0, 2) as group:
 """
 _COMPILE = _IMPORTS + _RUN
 SUMMARY = "cpcompile backend0 graph 0, CP rank 0 of 2: 2 SDPA site(s): 2 rewritten"
-GRAPH_AFTER = "after the cpcompile cp_attention pass"
+GRAPH_AFTER = "after the cpcompile passes"
 
 
 def _compile(script: str = _COMPILE, **env: str) -> subprocess.CompletedProcess:
