@@ -8,6 +8,10 @@ Main API::
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
 
+Positions the model computes from the local sequence length (``arange(T)``, ``rope_cache[:T]``) are made global
+in the graph, or refused at compile time (:mod:`cpcompile.passes.positions`, ``backend.position_reports``).
+Hand-written losses mask padding with :func:`real_tokens`.
+
 What the backend does to a model, without a cluster: ``cpcompile inspect`` (:func:`inspect_model`).
 
 With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
@@ -16,16 +20,31 @@ With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
     cpcompile.fully_shard_dp_cp(model, mesh)
     with cpcompile.shard(rows, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local: ...
     norm = cpcompile.clip_grad_norm_(model.parameters(), 1.0)
+
+Hugging Face ``Trainer`` / TRL ``SFTTrainer``: :mod:`cpcompile.integrations.transformers`. What the backend did, in
+torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graphs), ``TORCH_TRACE`` + ``tlparse``.
 """
 
 from cpcompile.backend import BackendOptions, CPBackend, backend
+from cpcompile.failsafe import FailsafeOptions, RankFailedError, fail_together
+from cpcompile.failsafe import configure as configure_failsafe
 from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
-from cpcompile.passes import SiteReport, UnsupportedAttentionError, counters
+from cpcompile.passes import PositionReport, SiteReport, UnsupportedAttentionError, UnsupportedPositionError, counters
 from cpcompile.plan import MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan
-from cpcompile.runtime import CommStats, MaskMismatchError, comm_stats, current_plan, gather, shard, sync_grads
+from cpcompile.runtime import (
+    CommStats,
+    MaskMismatchError,
+    comm_stats,
+    current_plan,
+    default_pad_value,
+    gather,
+    real_tokens,
+    shard,
+    sync_grads,
+)
 
 __all__ = [
     "MAX_RUNS",
@@ -34,24 +53,32 @@ __all__ = [
     "CPBackend",
     "CPPlan",
     "CommStats",
+    "FailsafeOptions",
     "Inspection",
     "MaskMismatchError",
+    "PositionReport",
+    "RankFailedError",
     "SiteReport",
     "RankSite",
     "UnsupportedAttentionError",
+    "UnsupportedPositionError",
     "Workload",
     "backend",
     "build_plan",
     "clip_grad_norm_",
     "comm_stats",
+    "configure_failsafe",
     "counters",
     "current_plan",
+    "default_pad_value",
     "dp_cp_mesh",
+    "fail_together",
     "fully_shard_dp_cp",
     "gather",
     "init_dp_cp_mesh",
     "inspect_model",
     "per_sample_mean",
+    "real_tokens",
     "shard",
     "sync_grads",
     "token_entropy",

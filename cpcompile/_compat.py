@@ -15,6 +15,13 @@ from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "autograd_inside_custom_op",
+    "free_symbols",
+    "is_higher_order_op",
+    "is_module_state",
+    "op_argument_names",
+    "op_overload_name",
+    "sym_expr",
+    "sym_hint",
     "flex_attention_with_lse",
     "flex_block_mask",
     "SDPA_TARGETS",
@@ -27,15 +34,20 @@ __all__ = [
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
+    "group_timeout_s",
+    "is_comm_error",
+    "is_peer_exit_error",
     "init_fake_process_group",
     "is_non_member_group",
     "lookup_inner_backend",
     "mark_seq_dynamic",
     "node_module_class",
     "node_module_path",
+    "resolve_group",
     "must_recompute_meta",
-    "size_hint",
     "statically_true",
+    "structured_trace_enabled",
+    "trace_artifact",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
@@ -123,6 +135,71 @@ def group_name_of(group: dist.ProcessGroup) -> str:
     return group.group_name
 
 
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group registered in this process under ``name`` (:func:`group_name_of`), or ``None``.
+
+    torch 2.11-2.13: ``distributed_c10d._resolve_process_group`` (private; raises ``RuntimeError`` for an unknown
+    name).
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return _resolve_process_group(name)
+    except RuntimeError:
+        return None
+
+
+def group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The timeout, in seconds, of the collectives of ``group`` (what ``new_group(timeout=)`` or
+    ``ProcessGroup.set_timeout`` set; ``new_group``'s default is 30 min for gloo, 10 min for NCCL).
+
+    Read from the backend's options (torch 2.11-2.13: ``ProcessGroup._get_backend(device).options._timeout``,
+    private); ``torch.distributed.default_pg_timeout`` where no backend exposes it.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+        return timeout.total_seconds()
+    return dist.default_pg_timeout.total_seconds()
+
+
+#: Fragments of the messages of a failed collective (checked on torch 2.13, gloo: a peer's connection closed,
+#: an operation timed out; NCCL raises ``torch.distributed.DistBackendError``).
+_COMM_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "timeout caused pair closure",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "Operation timed out",
+    "gloo/transport",
+    "NCCL error",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """True when ``exc`` comes from a collective that failed (a peer died, or the collective timed out).
+
+    torch 2.13: ``torch.distributed.DistError`` and its subclasses (NCCL, store and network errors); gloo raises a
+    plain ``RuntimeError``: "[.../gloo/transport/tcp/pair.cc] Connection closed by peer" when a peer's
+    process exits; on its collective timeout either "[.../unbound_buffer.cc] Timed out waiting ...ms" or
+    "Application timeout caused pair closure" (both seen on the same test, depending on timing).
+    """
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_ERROR_MARKERS)
+
+
+def is_peer_exit_error(message: str) -> bool:
+    """True for the message of a collective that failed because a peer's process exited (torch 2.13, gloo:
+    "Connection closed by peer" or "Connection reset by peer", seen within about 1 s of a ``SIGKILL``)."""
+    return "Connection closed by peer" in message or "Connection reset by peer" in message
+
+
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """Initialise a default process group of the "fake" backend: one process acts as ``rank`` of ``world_size``.
 
@@ -174,17 +251,6 @@ def node_module_class(node: torch.fx.Node) -> str:
     if isinstance(cls, type):
         return f"{cls.__module__}.{cls.__qualname__}"
     return str(cls)
-
-
-def size_hint(expr: object) -> int:
-    """The concrete value of a size that may be symbolic: the hint Dynamo recorded for this compilation
-    (torch 2.11-2.13: ``SymInt.node.hint``)."""
-    if isinstance(expr, torch.SymInt):
-        hint = expr.node.hint
-        if hint is None:
-            raise ValueError(f"size {expr} has no hint (a data-dependent size)")
-        return int(hint)
-    return int(expr)
 
 
 def _clean_module_path(path: str) -> str:
@@ -301,3 +367,94 @@ def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:
     specialises the size).
     """
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace log (``TORCH_TRACE=dir``, read by ``tlparse``) is being written.
+
+    torch 2.11-2.13: ``torch._logging._internal.trace_log`` gets a handler only when the trace is on.
+    """
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload_fn) -> None:
+    """Write an artifact named ``name`` to the structured trace (a no-op when it is off).
+
+    ``encoding``: ``"string"`` (``payload_fn`` returns text) or ``"json"`` (it returns a JSON-ready object).
+    Inside a compilation the record carries Dynamo's compile id, so ``tlparse`` lists it under that frame.
+    torch 2.11-2.13: ``torch._logging.trace_structured("artifact", ...)`` (a private module).
+    """
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
+    )
+
+
+def free_symbols(value: object) -> frozenset:
+    """The sympy symbols a SymInt/SymFloat/SymBool, a tensor's sizes or a nest of them depend on (``frozenset()``
+    for plain values). torch 2.11-2.13: ``torch.fx.experimental.symbolic_shapes.free_symbols``."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
+
+    if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor, list, tuple)):
+        return frozenset()
+    return frozenset(_free_symbols(value))
+
+
+def sym_hint(value: object) -> int | None:
+    """The concrete value a SymInt had when the graph was traced (an int is its own hint; ``None`` when unknown).
+    torch 2.11-2.13: ``torch.fx.experimental.symbolic_shapes.optimization_hint``."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, torch.SymInt):
+        return None
+    try:
+        return int(optimization_hint(value))
+    except Exception:  # noqa: BLE001 - an unbacked or hint-less symbol has no hint
+        return None
+
+
+def is_module_state(node: torch.fx.Node) -> bool:
+    """True for a Dynamo graph input that is a parameter or buffer of an ``nn.Module`` (not a value passed by the
+    caller). torch 2.11-2.13 (``inline_inbuilt_nn_modules``) lifts module state into placeholders and records
+    ``_dynamo_static_input_type`` in their ``tensor_dict`` metadata; a ``Parameter`` example value is state too."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "placeholder":
+        return False
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    return "_dynamo_static_input_type" in (node.meta.get("tensor_dict") or {})
+
+
+def is_higher_order_op(target: object) -> bool:
+    """True for a higher-order operator (a call of a nested graph, e.g. activation checkpointing's
+    ``tag_activation_checkpoint``). torch 2.11-2.13: ``torch._ops.HigherOrderOperator``."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def sym_expr(value: object) -> object:
+    """The sympy expression of a SymInt/SymFloat/SymBool (torch 2.11-2.13: ``SymNode.expr``); other values as
+    they are."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return value
+
+
+def op_overload_name(target: object) -> str | None:
+    """The operator name of an ``OpOverload`` graph target (``aten::index_select.default`` -> ``index_select``),
+    else ``None``. torch 2.11-2.13: ``torch._ops.OpOverload`` and its ``_schema``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return None
+
+
+def op_argument_names(target: object, namespace: str) -> tuple[str, ...] | None:
+    """The argument names of an ``OpOverload`` graph target of ``namespace`` (e.g. a ``cpcompile::`` custom op),
+    else ``None``. torch 2.11-2.13: ``OpOverload.namespace`` and ``_schema.arguments``."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == namespace:
+        return tuple(a.name for a in target._schema.arguments)
+    return None

@@ -6,20 +6,25 @@ import copy
 import dataclasses
 import itertools
 import os
+import weakref
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat, dump
+from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
+from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
-from cpcompile.runtime import check_group
+from cpcompile.runtime import check_group, current_plan
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
 _backend_ids = itertools.count()
+#: The live backends of this process by a key of their own, for unpickling a backend in the process that pickled it.
+_LIVE_BACKENDS: weakref.WeakValueDictionary[int, CPBackend] = weakref.WeakValueDictionary()
+_live_keys = itertools.count()
 
 
 @dataclasses.dataclass
@@ -32,6 +37,7 @@ class TracedGraph:
     before: str
     after: str
     reports: tuple[SiteReport, ...]
+    positions: tuple[PositionReport, ...] = ()
     #: How many times the (unrewritten) graph ran so far.
     calls: int = 0
 
@@ -39,12 +45,18 @@ class TracedGraph:
 class CPBackend:
     """A ``(GraphModule, example_inputs) -> callable`` compiler; build it with :func:`backend`.
 
-    Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass` and then the inner compiler.
-    ``reports`` lists what was done with every SDPA site of every graph compiled so far.
+    Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass`,
+    :func:`cpcompile.passes.positions_pass` (CP > 1) and then the inner compiler. ``reports`` lists what was done
+    with every SDPA site of every graph compiled so far, ``position_reports`` with every position source.
 
     ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
     copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
     (no collective is ever issued). ``name`` prefixes the ids of its sites (default ``backend<n>``).
+
+    ``copy.copy``/``copy.deepcopy`` return the backend itself (wrappers such as Lightning's ``torch.compile`` copy
+    their arguments). A pickle holds the CP group's registered name and the options: unpickled in the same process
+    it is the same backend; in another process, a new backend over the group registered there under that name
+    (``TypeError`` naming the fix when there is none).
     """
 
     def __init__(
@@ -62,6 +74,8 @@ class CPBackend:
         self.options = options
         self.trace_only = trace_only
         self.reports: list[SiteReport] = []
+        #: What :func:`cpcompile.passes.positions_pass` did with every position source (CP > 1).
+        self.position_reports: list[PositionReport] = []
         self.traced: list[TracedGraph] = []
         #: Prefix of the ids of the sites this backend compiles (``backend<n>``, n counting backends per process).
         self.name = f"backend{next(_backend_ids)}" if name is None else name
@@ -69,11 +83,27 @@ class CPBackend:
         self._dump = (
             None if options.dump_dir is None else dump.writer_for(options.dump_dir, dist.get_rank(), self.cp_size)
         )
+        self._key = next(_live_keys)
+        _LIVE_BACKENDS[self._key] = self
+
+    # Wrappers that copy their arguments (Lightning's torch.compile deep-copies its keyword arguments) get this
+    # backend itself: it holds a process group, which cannot be copied, and its reports must stay in one place.
+    def __copy__(self) -> CPBackend:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CPBackend:
+        return self
+
+    def __reduce__(self):
+        """Pickle by reference: the CP group's registered name and the options (see :func:`_unpickle_backend`)."""
+        fields = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        return (_unpickle_backend, (os.getpid(), self._key, self.group_name, fields, self.trace_only))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         graph_id = next(self._graphs)
         title = f"rank {dist.get_rank()}, graph {graph_id}"
-        keep_source = self._dump is not None or self.trace_only
+        trace = _logging.GraphTrace(f"cpcompile {self.name} graph {graph_id}, CP rank {self.cp_rank} of {self.cp_size}")
+        keep_source = self._dump is not None or self.trace_only or trace.wants_code()
         before = dump.graph_source(gm, f"{title}: as Dynamo traced it") if keep_source else ""
         target = copy.deepcopy(gm) if self.trace_only else gm
         ctx = PassContext(
@@ -87,11 +117,17 @@ class CPBackend:
         )
         reports = cp_attention_pass(target, ctx)
         self.reports += reports
-        after = dump.graph_source(target, f"{title}: after the cpcompile cp_attention pass") if keep_source else ""
+        positions: list[PositionReport] = []
+        if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals come first
+            plan = current_plan()
+            positions = positions_pass(target, ctx, plan.chunk_len if plan is not None else None)
+            self.position_reports += positions
+        after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
+        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
         if self._dump is not None:
-            self._dump.add_graph(before, after, reports)
+            self._dump.add_graph(before, after, reports, positions=positions)
         if self.trace_only:
-            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports))
+            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports), tuple(positions))
             self.traced.append(record)
 
             def run(*args):
@@ -104,6 +140,22 @@ class CPBackend:
         return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
 
 
+def _unpickle_backend(pid: int, key: int, group_name: str, options: dict, trace_only: bool) -> CPBackend:
+    """A pickled backend: the same object in the process that pickled it (while it lives), else a new backend with
+    the same options over the process group registered under ``group_name`` in this process."""
+    if pid == os.getpid() and (live := _LIVE_BACKENDS.get(key)) is not None:
+        return live
+    group = _compat.resolve_group(group_name)
+    if group is None:
+        raise TypeError(
+            f"cannot unpickle a cpcompile backend: its CP process group {group_name!r} is not registered in this "
+            "process (a process group cannot travel in a pickle); create the same process groups here first (same "
+            "torch.distributed.new_group / init_device_mesh calls in the same order), or build the backend in this "
+            "process with cpcompile.backend(cp_group)"
+        )
+    return CPBackend(group, BackendOptions(**options), trace_only=trace_only)
+
+
 def backend(
     cp_group: dist.ProcessGroup,
     *,
@@ -113,8 +165,11 @@ def backend(
     attention: Literal["auto", "dense", "block"] = "auto",
     block_size: int = 128,
     config: object | None = None,
+    halo: bool = True,
+    positions: Literal["rewrite", "off"] = "rewrite",
 ) -> CPBackend:
-    """A torch.compile backend that runs every SDPA call of the model as context-parallel attention.
+    """A torch.compile backend that runs every SDPA call of the model as context-parallel attention and makes
+    the positions the model computes from the local sequence length global (or refuses them).
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
     ``with cpcompile.shard(batch, cp_group) as local: model(**local)``.
@@ -135,6 +190,10 @@ def backend(
             compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
         attention: ``auto``, ``dense`` or ``block`` (see :attr:`BackendOptions.attention`).
         block_size: block size of the block attention kernel.
+        halo: exchange only the halo at sliding-window sites (see :attr:`BackendOptions.halo`).
+        positions: ``"rewrite"`` (default) makes positions the model computes from the local sequence length
+            global, or refuses them at compile time; ``"off"`` leaves them as they are (silently wrong for such
+            models; see :attr:`BackendOptions.positions`).
     """
     options: dict = {
         "inner": inner,
@@ -142,6 +201,8 @@ def backend(
         "config": config,
         "attention": attention,
         "block_size": block_size,
+        "halo": halo,
+        "positions": positions,
     }
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir

@@ -3,14 +3,16 @@
 One folder per rank, names from a counter, no uuids, so two runs of the same model write the same bytes::
 
     DIR/rank{r}/graph{n}_before.py   # graph n as Dynamo traced it (GraphModule.print_readable)
-    DIR/rank{r}/graph{n}_after.py    # the same graph after the cp_attention pass
-    DIR/rank{r}/summary.json         # every dumped graph of this rank and what the pass did with each SDPA site
+    DIR/rank{r}/graph{n}_after.py    # the same graph after the cpcompile passes
+    DIR/rank{r}/summary.json         # every dumped graph of this rank, what the passes did with each SDPA site
+                                     # ("sites") and each position source ("positions")
 
 ``n`` counts the graphs dumped into ``DIR`` for rank ``r`` by this process, in compile order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -18,6 +20,7 @@ import types
 
 import torch.fx as fx
 
+from cpcompile.passes.positions import PositionReport
 from cpcompile.passes.sdpa_cp import SiteReport
 
 __all__ = ["RankDumpWriter", "graph_source", "write_json", "writer_for"]
@@ -91,6 +94,7 @@ class RankDumpWriter:
         reports: list[SiteReport],
         *,
         calls_per_forward: int | None = None,
+        positions: list[PositionReport] | tuple[PositionReport, ...] = (),
     ) -> list[str]:
         """Write graph ``n`` (the next counter value) and the updated summary; return the paths written."""
         with self._lock:
@@ -107,6 +111,7 @@ class RankDumpWriter:
                     "after": names[1],
                     "calls_per_forward": calls_per_forward,
                     "sites": [r.to_json() for r in reports],
+                    "positions": [dataclasses.asdict(p) for p in positions],
                 }
             )
             summary = os.path.join(self.folder, "summary.json")

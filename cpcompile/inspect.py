@@ -9,7 +9,8 @@ model and the local batch on the ``meta`` device by default: no weights are allo
 computed; Dynamo traces the model on the shapes alone, with the same dynamic sequence length as training.
 The backend is the one training builds (:func:`cpcompile.backend`'s :class:`~cpcompile.backend.CPBackend`,
 same options) in its ``trace_only`` mode: every graph is rewritten in a copy with refusals listed instead of
-raised, and the untouched graph is what runs (on meta), so no collective is ever issued.
+raised, and the untouched graph is what runs (on meta), so no collective is ever issued. The rows of the
+positions pass list every position source the model computes from the local sequence length.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cpcompile.backend import CPBackend, TracedGraph
 from cpcompile.dump import RankDumpWriter, write_json
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
+from cpcompile.pattern import PatternGeometry, attention_pattern_image, pattern_geometry
 from cpcompile.plan import AttentionForm, CPPlan, Workload, build_plan
 
 __all__ = [
@@ -54,10 +56,27 @@ class RankSite:
     #: How many times the site's graph ran in one forward.
     calls_per_forward: int
     report: SiteReport
+    #: Bytes of K and V this rank receives per call in a halo exchange (``report.exchange == "halo"``), from the
+    #: plan of the inspected batch.
+    halo_bytes_per_call: int = 0
+    #: Bytes of the K and V this rank's queries see that other ranks hold, summed over the batch rows: the least
+    #: any exchange must deliver (an all-gather delivers all of the other ranks' keys by design).
+    needed_bytes_per_call: int = 0
 
     @property
     def all_gather_bytes_per_step(self) -> int:
         return self.report.all_gather_bytes_per_call * self.calls_per_forward
+
+    @property
+    def backward_bytes_per_step(self) -> int:
+        """Bytes this rank sends in backward: reduce-scatters of dK/dV, or the halo keys' gradients returned."""
+        halo_back = self.halo_bytes_per_call * self.calls_per_forward if self.report.needs_grad else 0
+        return self.reduce_scatter_bytes_per_step + halo_back
+
+    @property
+    def received_bytes_per_call(self) -> int:
+        """K and V bytes this rank receives per call, whatever the exchange."""
+        return self.report.all_gather_bytes_per_call + self.halo_bytes_per_call
 
     @property
     def reduce_scatters_per_step(self) -> int:
@@ -83,6 +102,9 @@ class RankSite:
             "all_gather_bytes_per_step": self.all_gather_bytes_per_step,
             "reduce_scatters_per_step": self.reduce_scatters_per_step,
             "reduce_scatter_bytes_per_step": self.reduce_scatter_bytes_per_step,
+            "halo_bytes_per_call": self.halo_bytes_per_call,
+            "halo_bytes_per_step": self.halo_bytes_per_call * self.calls_per_forward,
+            "needed_bytes_per_call": self.needed_bytes_per_call,
         }
 
 
@@ -97,6 +119,11 @@ class RankTotals:
     all_gather_bytes: int
     reduce_scatters: int
     reduce_scatter_bytes: int
+    #: Halo exchanges (K and V of sliding-window sites) and the bytes received in them, one step.
+    halo_exchanges: int
+    halo_bytes: int
+    #: Bytes of the K and V its queries see that other ranks hold, one step (``RankSite.needed_bytes_per_call``).
+    needed_bytes: int
     #: Query/key pairs of this rank's rows that the plan's masks let attend, summed over the batch and over the
     #: rewritten attention layers (each with its documents and window).
     visible_pairs: int
@@ -106,26 +133,25 @@ class RankTotals:
 
 @dataclasses.dataclass(frozen=True)
 class Inspection:
-    """The result of :func:`inspect_model`: the settings, one row per site per traced rank, the graphs."""
+    """The result of :func:`inspect_model`: the settings, one row per site per traced rank, the graphs.
+
+    The batch's sizes and layout (``cp_size``, ``seq_len``, ``padded_len``, ``chunk_len``, ``layout``) are read
+    from :attr:`plan`.
+    """
 
     model: str
     model_class: str
-    cp_size: int
     ranks: tuple[int, ...]
     doc_lens: tuple[tuple[int, ...], ...]
-    seq_len: int
-    padded_len: int
-    chunk_len: int
     dtype: str
     device: str
     #: The options the backend traced with (those a training run with the same options uses).
     options: BackendOptions
-    layout: str
     #: What the ``"balanced"`` layout balanced: the rewritten layers' attention forms, the backend's block size.
     workload: Workload
     rows: tuple[RankSite, ...]
     totals: tuple[RankTotals, ...]
-    #: The plan of the global batch (rank 0's view; ``plan.mask(..., rank=r)`` gives any rank's rows).
+    #: The plan of the global batch (rank 0's view; ``plan.token_indices(r)`` gives any rank's tokens).
     plan: CPPlan
     #: Whether the rewritten sites use the packed-document mask (bool-mask form) or plain causal order.
     documents: bool
@@ -136,8 +162,15 @@ class Inspection:
     def batch_size(self) -> int:
         return len(self.doc_lens)
 
+    cp_size = property(lambda self: self.plan.cp_size, doc="CP group size ``N``.")
+    seq_len = property(lambda self: self.plan.seq_len, doc="Global sequence length ``T`` before padding.")
+    padded_len = property(lambda self: self.plan.padded_len, doc="``T`` padded to a multiple of ``N``.")
+    chunk_len = property(lambda self: self.plan.chunk_len, doc="Tokens per rank, ``T_pad / N``.")
+    layout = property(lambda self: self.plan.layout, doc="The layout's name (:data:`cpcompile.plan.LAYOUTS`).")
+
     def site_table(self) -> str:
-        """The per-site table (one row per site; a site that differs between ranks gets one row per rank)."""
+        """The per-site table (one row per site, whose byte columns give the largest rank's; a site that differs
+        between ranks gets one row per rank)."""
         from tabulate import tabulate
 
         headers = [
@@ -151,10 +184,12 @@ class Inspection:
             "mask found",
             "action",
             "attention",
+            "exchange",
             "gathered K, V",
-            "AG/call",
-            "AG/step",
-            "RS/step (bwd)",
+            "recv/call",
+            "needed/call",
+            "recv/step",
+            "bwd/step",
         ]
         body = []
         for ranks, row in self._merged_rows():
@@ -171,10 +206,12 @@ class Inspection:
                     row.mask_found,
                     action,
                     (row.kernel or "-") + (f", window {row.window}" if row.window is not None else ""),
+                    row.exchange.replace("_", "-") or "-",
                     _fmt_shapes(row.gathered_shapes),
-                    _fmt_bytes(row.all_gather_bytes_per_call),
-                    _fmt_bytes(row.all_gather_bytes_per_step),
-                    _fmt_bytes(row.reduce_scatter_bytes_per_step),
+                    _fmt_bytes(row.received_bytes_per_call),
+                    _fmt_bytes(row.needed_bytes_per_call),
+                    _fmt_bytes(row.received_bytes_per_call * row.calls_per_forward),
+                    _fmt_bytes(row.backward_bytes_per_step),
                 ]
             )
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
@@ -191,6 +228,9 @@ class Inspection:
             "AG/step",
             "reduce-scatters (bwd)",
             "RS/step",
+            "halo exchanges",
+            "halo/step",
+            "needed/step",
             "visible (q,k) pairs",
             "computed (q,k) pairs",
         ]
@@ -203,6 +243,9 @@ class Inspection:
                 _fmt_bytes(t.all_gather_bytes),
                 t.reduce_scatters,
                 _fmt_bytes(t.reduce_scatter_bytes),
+                t.halo_exchanges,
+                _fmt_bytes(t.halo_bytes),
+                _fmt_bytes(t.needed_bytes),
                 t.visible_pairs,
                 t.computed_pairs,
             ]
@@ -221,6 +264,19 @@ class Inspection:
             f"{len({g.graph for g in self.graphs})} graph(s)"
         )
 
+    def position_table(self) -> str:
+        """One row per position source (a source found alike on several ranks gets one row)."""
+        from tabulate import tabulate
+
+        rows: dict[tuple, list[int]] = {}
+        for g in self.graphs:
+            for p in g.positions:
+                key = (g.graph, p.layer or "<top level>", p.node, p.kind, p.action, p.reason)
+                rows.setdefault(key, []).append(g.rank)
+        body = [[_fmt_ranks(ranks, self.cp_size), *key] for key, ranks in rows.items()]
+        headers = ["ranks", "graph", "layer", "node", "kind", "action", "reason"]
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
     def report(self) -> str:
         """The text ``cpcompile inspect`` prints."""
         lines = [self.headline(), ""]
@@ -237,6 +293,13 @@ class Inspection:
                 "per rank, one step (forward all-gathers, backward reduce-scatters):",
                 self.rank_table(),
             ]
+        if any(g.positions for g in self.graphs):
+            lines += [
+                "",
+                "positions computed from the local sequence length (rewritten to global token indices, left to "
+                "the attention mask, unchanged, or refused):",
+                self.position_table(),
+            ]
         return "\n".join(lines) + "\n"
 
     def _merged_rows(self) -> list[tuple[str, RankSite]]:
@@ -245,9 +308,14 @@ class Inspection:
             by_site.setdefault((row.graph_id, row.node), []).append(row)
         out = []
         for rows in by_site.values():
-            same = all(dataclasses.replace(r, rank=rows[0].rank) == rows[0] for r in rows)
-            if same:
-                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), rows[0]))
+            same = all(r.report == rows[0].report and r.calls_per_forward == rows[0].calls_per_forward for r in rows)
+            if same:  # one row; the bytes that depend on the rank's tokens: the largest over the ranks
+                largest = dataclasses.replace(
+                    rows[0],
+                    halo_bytes_per_call=max(r.halo_bytes_per_call for r in rows),
+                    needed_bytes_per_call=max(r.needed_bytes_per_call for r in rows),
+                )
+                out.append((_fmt_ranks([r.rank for r in rows], self.cp_size), largest))
             else:
                 out += [(str(r.rank), r) for r in rows]
         return out
@@ -271,6 +339,7 @@ class Inspection:
             "workload": dataclasses.asdict(self.workload),
             "attention": self.options.attention,
             "sites": [row.to_json() for row in self.rows],
+            "positions": [{"rank": g.rank, **dataclasses.asdict(p)} for g in self.graphs for p in g.positions],
             "rank_totals": [dataclasses.asdict(t) for t in self.totals],
         }
 
@@ -486,25 +555,22 @@ def inspect_model(
     graphs: list[TracedGraph] = []
     for rank in ranks:
         graphs += _trace_rank(net, batch, rank, cp_size, device, model, options, layout)
-    rows = tuple(RankSite(g.rank, g.calls, report.resolved()) for g in graphs for report in g.reports)
+    reports = [(g, report.resolved()) for g in graphs for report in g.reports]
+    workload = _workload([report for _, report in reports], options.block_size)
+    plans = {r: build_plan(batch, cp_size, r, layout=layout, workload=workload) for r in ranks}
+    rows = tuple(_rank_site(g, report, plans[g.rank]) for g, report in reports)
     rewritten_forms = [r.mask_form for r in rows if r.action == "rewritten"]
     documents = not rewritten_forms or rewritten_forms[0] == "bool-mask"
-    workload = _workload(rows, options.block_size)
-    plan = build_plan(batch, cp_size, 0, layout=layout, workload=workload)
+    plan = plans[0] if 0 in plans else build_plan(batch, cp_size, 0, layout=layout, workload=workload)
     totals = tuple(_totals(rank, rows, plan, workload) for rank in ranks)
     return Inspection(
         model=model,
         model_class=type(net).__name__,
-        cp_size=cp_size,
         ranks=ranks,
         doc_lens=rows_docs,
-        seq_len=seq_len,
-        padded_len=plan.padded_len,
-        chunk_len=plan.chunk_len,
         dtype=model_dtype,
         device=device,
         options=options,
-        layout=layout,
         workload=workload,
         rows=rows,
         totals=totals,
@@ -538,7 +604,7 @@ def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str, opt
     return tracer.traced
 
 
-def _workload(rows: tuple[RankSite, ...], block_size: int) -> Workload:
+def _workload(rows: list[SiteReport], block_size: int) -> Workload:
     """The attention forms of the rewritten sites (as :func:`cpcompile.runtime.compiled_workload` records them)."""
     layers: dict[tuple[bool, int | None], set[str]] = {}
     for r in rows:
@@ -548,6 +614,19 @@ def _workload(rows: tuple[RankSite, ...], block_size: int) -> Workload:
         return Workload(block_size=block_size)
     ordered = sorted(layers.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
     return Workload(forms=tuple(AttentionForm(d, w, len(n)) for (d, w), n in ordered), block_size=block_size)
+
+
+def _rank_site(graph: TracedGraph, report: SiteReport, plan: CPPlan) -> RankSite:
+    """The row of ``report`` on ``graph``'s rank, with the halo and needed bytes of the plan's batch."""
+    if report.action != "rewritten" or plan.cp_size == 1 or len(report.k_shape) != 4:
+        return RankSite(graph.rank, graph.calls, report)
+    itemsize = getattr(torch, report.dtype).itemsize
+    per_token = report.kv_heads * (report.k_shape[3] + report.v_shape[3]) * itemsize  # K and V, one row
+    documents = report.mask_form == "bool-mask"
+    rows = range(plan.batch_size)
+    needed = sum(len(plan.keys_needed(report.window, row=b, documents=documents)) for b in rows) * per_token
+    halo = len(plan.halo_needs(report.window)) * plan.batch_size * per_token if report.exchange == "halo" else 0
+    return RankSite(graph.rank, graph.calls, report, halo_bytes_per_call=halo, needed_bytes_per_call=needed)
 
 
 def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workload) -> RankTotals:
@@ -563,141 +642,15 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workl
         all_gather_bytes=sum(r.all_gather_bytes_per_step for r in done),
         reduce_scatters=sum(r.reduce_scatters_per_step for r in done),
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
+        halo_exchanges=sum(2 * r.calls_per_forward for r in done if r.exchange == "halo"),
+        halo_bytes=sum(r.halo_bytes_per_call * r.calls_per_forward for r in done),
+        needed_bytes=sum(r.needed_bytes_per_call * r.calls_per_forward for r in done),
         visible_pairs=sum(n * plan.visible_pairs(documents=f.documents, window=f.window, rank=rank) for f, n in forms),
         computed_pairs=sum(
             n * plan.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=rank).computed_pairs()
             for f, n in forms
         ),
     )
-
-
-# -- the attention-pattern picture ---------------------------------------------------------------------------
-#: At most this many cells per side of a panel; longer sequences put several tokens in one cell.
-MAX_CELLS = 128
-#: A panel is about this many pixels wide (``pixels_per_cell = max(2, PANEL_PX // cells)``).
-PANEL_PX = 512
-#: Left gutter (rank labels), title band above the panels, legend band below, margin, in pixels.
-GUTTER_PX, TITLE_PX, LEGEND_PX, MARGIN_PX = 56, 24, 24, 16
-
-_PALETTE = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-]
-_MASKED = (236, 236, 236)
-_BACKGROUND = (255, 255, 255)
-_TEXT = (20, 20, 20)
-
-
-@dataclasses.dataclass(frozen=True)
-class PatternGeometry:
-    """Sizes of the attention-pattern PNG (see :func:`pattern_geometry`)."""
-
-    tokens_per_cell: int
-    cells: int
-    pixels_per_cell: int
-    panel: int
-    width: int
-    height: int
-
-
-def pattern_geometry(padded_len: int, batch_size: int) -> PatternGeometry:
-    """The PNG's layout for ``batch_size`` rows of ``padded_len`` tokens.
-
-    ``tokens_per_cell = ceil(T_pad / MAX_CELLS)``, ``cells = ceil(T_pad / tokens_per_cell)``,
-    ``pixels_per_cell = max(2, PANEL_PX // cells)``, ``panel = cells * pixels_per_cell``;
-    ``width = GUTTER_PX + B * (panel + MARGIN_PX)``, ``height = TITLE_PX + panel + LEGEND_PX``.
-    """
-    k = -(-padded_len // MAX_CELLS)
-    cells = -(-padded_len // k)
-    px = max(2, PANEL_PX // cells)
-    panel = cells * px
-    return PatternGeometry(
-        k, cells, px, panel, GUTTER_PX + batch_size * (panel + MARGIN_PX), TITLE_PX + panel + LEGEND_PX
-    )
-
-
-def attention_pattern_image(plan: CPPlan, *, documents: bool = True, window: int | None = None):
-    """A PIL image of which (query, key) pairs every rank computes under ``plan`` (Pillow required).
-
-    One panel per batch row: rows are global query positions, columns keys, both in token order. A cell is
-    coloured with the colour of the rank that holds its queries (labelled in the left gutter): bright where
-    every pair of the cell attends and the keys are the rank's own (the block on the diagonal), dark where
-    they are keys gathered from other ranks, pale when only some pairs of the cell attend (a cell covers
-    several tokens when ``T_pad > MAX_CELLS``), light gray when none does. Lines mark where the owning rank
-    changes (the ranks' runs of tokens; the chunk edges for the contiguous layout).
-    Sizes: :func:`pattern_geometry`.
-    """
-    try:
-        from PIL import Image, ImageDraw, ImageFont
-    except ImportError as e:
-        raise ImportError("the attention-pattern picture needs Pillow: pip install 'cpcompile[inspect]'") from e
-
-    T, B, N, c = plan.padded_len, plan.batch_size, plan.cp_size, plan.chunk_len
-    geo = pattern_geometry(T, B)
-    k, n, px = geo.tokens_per_cell, geo.cells, geo.pixels_per_cell
-    # every rank's query rows, put in token order
-    slots = torch.cat([plan.mask(documents=documents, window=window, rank=r)[:, 0] for r in range(N)], dim=1)
-    token_owner = torch.empty(T, dtype=torch.long)
-    token_owner[plan.gathered_indices().cpu()] = torch.arange(N).repeat_interleave(c)
-    full = slots[:, torch.argsort(plan.gathered_indices()).cpu()]
-    padded = torch.zeros(B, n * k, n * k, dtype=torch.int32)
-    padded[:, :T, :T] = full.to(torch.int32)
-    valid = torch.zeros(n * k, n * k, dtype=torch.int32)
-    valid[:T, :T] = 1
-    visible = padded.view(B, n, k, n, k).sum(dim=(2, 4))
-    total = valid.view(n, k, n, k).sum(dim=(1, 3))
-    owner = token_owner[torch.arange(n) * k].tolist()  # a cell's colour: the rank of its first token
-    edges = [i for i in range(1, n) if owner[i] != owner[i - 1]]  # where the owning rank changes
-    shades = [_shades(_PALETTE[r % len(_PALETTE)]) for r in range(N)]
-
-    image = Image.new("RGB", (geo.width, geo.height), _BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
-    for b in range(B):
-        pixels = bytearray()
-        for i in range(n):
-            own, gathered, pale = shades[owner[i]]
-            for j in range(n):
-                v = int(visible[b, i, j])
-                if v == 0:
-                    pixels += bytes(_MASKED)
-                elif v < int(total[i, j]):
-                    pixels += bytes(pale)
-                else:
-                    pixels += bytes(own if owner[j] == owner[i] else gathered)
-        panel = Image.frombytes("RGB", (n, n), bytes(pixels)).resize((geo.panel, geo.panel), Image.NEAREST)
-        x0, y0 = GUTTER_PX + b * (geo.panel + MARGIN_PX), TITLE_PX
-        image.paste(panel, (x0, y0))
-        for i in edges:
-            edge = i * px
-            draw.line([(x0, y0 + edge), (x0 + geo.panel - 1, y0 + edge)], fill=(60, 60, 60))
-            draw.line([(x0 + edge, y0), (x0 + edge, y0 + geo.panel - 1)], fill=(170, 170, 170))
-        draw.rectangle([x0 - 1, y0 - 1, x0 + geo.panel, y0 + geo.panel], outline=(60, 60, 60))
-        draw.text((x0, 6), f"row {b}: queries (down) x keys (across)", fill=_TEXT, font=font)
-    draw.text(
-        (GUTTER_PX, TITLE_PX + geo.panel + 6),
-        "bright = own keys | dark = keys gathered from other ranks | pale = cell partly visible | gray = masked",
-        fill=_TEXT,
-        font=font,
-    )
-    for start, end in zip([0, *edges], [*edges, n]):  # one label per run of a rank's cells
-        if (end - start) * px >= 12:
-            y = TITLE_PX + (start + end) * px / 2 - 6
-            draw.text((6, y), f"rank {owner[start]}", fill=_PALETTE[owner[start] % len(_PALETTE)], font=font)
-    return image
-
-
-def _shades(color: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(own keys, gathered keys, partly visible) shades of a rank's colour."""
-    return color, tuple(ch * 3 // 5 for ch in color), tuple((ch + 255) // 2 for ch in color)
 
 
 # -- the dump ------------------------------------------------------------------------------------------------
@@ -709,7 +662,7 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         summary.json              settings, every site row of every traced rank, per-rank totals, file list
         attention_pattern.png     every rank's (query, key) pattern under the plan (attention_pattern_image)
         rank{r}/graph{n}_before.py  graph n as Dynamo traced it for rank r (runnable print_readable code)
-        rank{r}/graph{n}_after.py   the same graph after the cp_attention pass (refused sites left as they were)
+        rank{r}/graph{n}_after.py   the same graph after the cpcompile passes (refused sites left as they were)
         rank{r}/summary.json      what the pass did in rank r's graphs (the schema the backend's dump_dir writes)
 
     for every traced rank ``r`` and graph ``n``.
@@ -724,7 +677,9 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
     for rank in inspection.ranks:
         writer = RankDumpWriter(directory, rank, inspection.cp_size)
         for g in (g for g in inspection.graphs if g.rank == rank):
-            written += writer.add_graph(g.before, g.after, list(g.reports), calls_per_forward=g.calls)
+            written += writer.add_graph(
+                g.before, g.after, list(g.reports), calls_per_forward=g.calls, positions=g.positions
+            )
     written = list(dict.fromkeys(written))
     png = os.path.join(directory, "attention_pattern.png")
     attention_pattern_image(inspection.plan, documents=inspection.documents).save(png, format="PNG")

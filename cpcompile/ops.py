@@ -4,7 +4,7 @@ The pass (:mod:`cpcompile.passes.sdpa_cp`) describes every site it rewrites with
 registers it (:func:`register_site`) and inserts the calls below with the ``emit_*`` helpers; at run time the
 ops read the active :func:`cpcompile.shard` context through :func:`cpcompile.runtime.active_context`.
 
-Ops and graph calls::
+Ops and graph calls of a site whose keys are all-gathered (``spec.exchange == "all_gather"``)::
 
     k_h = all_gather_start(k_src)        # _compat: functional all-gather (autograd: reduce-scatter in backward)
     q_pos, kv_pos, docs = cpcompile::site_plan(k_src.detach(), v_src.detach(), model_mask | None, site)
@@ -13,10 +13,28 @@ Ops and graph calls::
     mask = visible_mask(q_pos, kv_pos, docs, window)  out = cpcompile::cp_attention(q, k_all, v_all, q_pos,
     out = sdpa(q, k_all, v_all, attn_mask=mask)                               kv_pos, docs, window, ...)[0]
 
+and of a sliding-window site that exchanges only its halo (``spec.exchange == "halo"``)::
+
+    q_pos, kv_pos, docs = cpcompile::site_plan(...)          # kv_pos: local indices, then the halo slots'
+    send_slots, counts = cpcompile::halo_routing(k_src.detach(), site)
+    k_all = cat([k_src, cpcompile::halo_exchange(k_src, send_slots, counts, site)], dim=2)   # [B, Hkv, c+S, D]
+    ...                                                      # attention as above
+
 ``cpcompile::site_plan`` does four separate things, each a named function here: find and check the active plan
-(:func:`_site_context`), count the site's collectives (:func:`_count_collectives`), compare the model's own mask
+(:func:`_site_context`), count the site's all-gathers (:func:`_count_collectives`), compare the model's own mask
 with the plan's local rule on the site's first call (:func:`_verify_model_mask_once`) and hand out the positions
 (:func:`_site_positions`). ``cpcompile::cp_attention`` is the block kernel (:mod:`cpcompile.kernels`).
+
+Why the halo is an all-to-all inside an op: which keys a rank needs depends on the batch (the layout, and
+where documents start), so the sizes of a functional collective would be data-dependent and recompile or need
+unbacked sizes. Inside ``cpcompile::halo_exchange`` the sizes are plain ints from the plan, the bytes sent are
+exactly the keys the receiving rank's queries can see, and the graph keeps a static shape: ``S = MAX_RUNS *
+(window - 1)`` key slots per rank (empty slots carry index ``-1`` and are never attended). The exchange runs when
+attention needs it (it is not overlapped with the work before it, unlike the all-gathers); its backward sends
+the gradients of the received keys back to their owners.
+
+``cpcompile::token_positions`` serves :mod:`cpcompile.passes.positions`: the global index of every token this
+rank holds, for position sources (``arange`` of the local length, tables sliced by it) the model computes itself.
 """
 
 from __future__ import annotations
@@ -26,9 +44,10 @@ import operator
 import threading
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat
+from cpcompile import _compat, failsafe
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
 from cpcompile.plan import CPPlan, visible_mask
 from cpcompile.runtime import Active, MaskMismatchError, active_context, record_attention_form
@@ -37,7 +56,10 @@ __all__ = [
     "SiteSpec",
     "emit_attention",
     "emit_gather_start",
+    "emit_halo_exchange",
     "emit_site_plan",
+    "emit_token_positions",
+    "token_positions",
     "register_site",
     "site_spec",
 ]
@@ -63,7 +85,14 @@ class SiteSpec:
     kernel: str
     #: Whether the gathered K/V require grad (each is then reduce-scattered in backward).
     needs_grad: bool
+    #: How the site gets the keys of other ranks: ``"all_gather"`` (every rank's K/V) or ``"halo"`` (a
+    #: sliding-window site: only the keys its queries see, into ``halo_slots`` key slots).
+    exchange: str = "all_gather"
+    halo_slots: int = 0
 
+
+#: Query rows of the model's mask compared at a time on a site's first call (bounds the check's memory).
+MASK_CHECK_ROWS = 1024
 
 _SITES: dict[str, SiteSpec] = {}
 _SITES_LOCK = threading.Lock()
@@ -109,7 +138,7 @@ def site_plan(
     context = _site_context(spec, k)
     _count_collectives(context, spec, k, v)
     if model_mask is not None:
-        _verify_model_mask_once(spec, context.plan, model_mask)
+        _verify_model_mask_once(spec, context, model_mask)
     return _site_positions(context.plan, spec)
 
 
@@ -117,16 +146,22 @@ def site_plan(
 def _(k, v, model_mask, site):
     spec = site_spec(site)
     c = k.shape[2]
+    keys = c + spec.halo_slots if spec.exchange == "halo" else c * spec.cp_size
     return (
         k.new_empty((c,), dtype=torch.long),
-        k.new_empty((c * spec.cp_size,), dtype=torch.long),
+        k.new_empty((keys,), dtype=torch.long),
         k.new_empty((k.shape[0], c * spec.cp_size), dtype=torch.long),
     )
 
 
 def _site_context(spec: SiteSpec, k: torch.Tensor) -> Active:
     """The active shard context, checked against the group, rank and chunk shape the site was compiled for."""
-    context = active_context(f"the CP attention at {spec.layer or spec.site}")
+    try:
+        context = active_context(f"the CP attention at {spec.layer or spec.site}")
+    except RuntimeError as e:  # this rank is outside shard: its peers may be inside, waiting in a collective
+        where = f"the CP attention at {spec.layer or spec.site} (called outside cpcompile.shard)"
+        failsafe.on_failure(spec.group_name, e, where=where)
+        raise
     plan = context.plan
     if plan.group_name != spec.group_name or plan.cp_size != spec.cp_size:
         raise RuntimeError(
@@ -150,38 +185,157 @@ def _site_context(spec: SiteSpec, k: torch.Tensor) -> Active:
 
 def _count_collectives(context: Active, spec: SiteSpec, k: torch.Tensor, v: torch.Tensor) -> None:
     """Record the site's K and V all-gathers (and their backward reduce-scatters) in the context's CommStats."""
-    if spec.cp_size > 1:
+    if spec.cp_size > 1 and spec.exchange == "all_gather":
         context.comm.record_gather(k, spec.cp_size, spec.needs_grad)
         context.comm.record_gather(v, spec.cp_size, spec.needs_grad)
 
 
-def _verify_model_mask_once(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> None:
-    """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs."""
+def _verify_model_mask_once(spec: SiteSpec, context: Active, model_mask: torch.Tensor) -> None:
+    """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs.
+
+    Decided together with the other CP ranks (one control round, :func:`cpcompile.failsafe.agree`): every rank
+    raises the same :class:`MaskMismatchError`, naming the ranks whose mask differs.
+    """
     if spec.site in _VERIFIED:
         return
-    ours = plan.local_rule_mask(documents=spec.documents, window=spec.window)
-    theirs = model_mask.to(torch.bool).expand_as(ours)
-    if not torch.equal(theirs, ours):
-        b, _, i, j = (theirs != ours).nonzero()[0].tolist()
-        form = (
-            "global causal"
-            + (" same-document" if spec.documents else "")
-            + (f" sliding-window({spec.window})" if spec.window is not None else "")
-        )
-        raise MaskMismatchError(
-            f"the attention mask built by the model at {spec.layer or spec.site} differs from the {form} mask "
-            f"cpcompile applies, as the model's rule gives it on this rank's tokens (first difference: row {b}, "
-            f"local query {i}, key {j}: model {bool(theirs[b, 0, i, j])}, expected {bool(ours[b, 0, i, j])}); "
-            "cpcompile refuses to run attention under a different mask. Build a causal mask (packed documents "
-            "marked by position ids that restart at 0; with transformers: attn_implementation='sdpa' and "
-            "use_cache=False), or run this model without context parallelism"
-        )
+    error = _mask_mismatch(spec, context.plan, model_mask)
+    what = f"the first-call mask check of the CP attention at {spec.layer or spec.site}"
+    failsafe.agree(context.group, "mask", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
     _VERIFIED.add(spec.site)
 
 
+def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> MaskMismatchError | None:
+    """The error describing where ``model_mask`` differs from :meth:`CPPlan.local_rule_mask`, or ``None``.
+
+    Compared a block of :data:`MASK_CHECK_ROWS` query rows at a time: memory O(rows * c) besides the model's mask.
+    """
+    for start in range(0, plan.chunk_len, MASK_CHECK_ROWS):
+        rows = slice(start, start + MASK_CHECK_ROWS)
+        ours = plan.local_rule_mask(documents=spec.documents, window=spec.window, rows=rows)
+        theirs = model_mask[..., rows, :].to(torch.bool).expand_as(ours)
+        if not torch.equal(theirs, ours):
+            return _mismatch_error(spec, theirs, ours, start)
+    return None
+
+
+def _mismatch_error(spec: SiteSpec, theirs: torch.Tensor, ours: torch.Tensor, first_row: int) -> MaskMismatchError:
+    """The :class:`MaskMismatchError` naming the first differing entry of a block of query rows."""
+    b, _, i, j = (theirs != ours).nonzero()[0].tolist()
+    form = (
+        "global causal"
+        + (" same-document" if spec.documents else "")
+        + (f" sliding-window({spec.window})" if spec.window is not None else "")
+    )
+    return MaskMismatchError(
+        f"the attention mask built by the model at {spec.layer or spec.site} differs from the {form} mask "
+        f"cpcompile applies, as the model's rule gives it on this rank's tokens (first difference: row {b}, "
+        f"local query {first_row + i}, key {j}: model {bool(theirs[b, 0, i, j])}, expected "
+        f"{bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. Build a causal "
+        "mask (packed documents marked by position ids that restart at 0; with transformers: "
+        "attn_implementation='sdpa' and use_cache=False), or run this model without context parallelism"
+    )
+
+
 def _site_positions(plan: CPPlan, spec: SiteSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh copies of the query indices, the gathered slots' indices and the site's document ids."""
-    return plan.token_indices().clone(), plan.gathered_indices().clone(), plan.attention_docs(spec.documents).clone()
+    """Fresh copies of the query indices, the key slots' indices (all-gathered slots, or the local tokens then
+    the halo slots) and the site's document ids."""
+    q_pos = plan.token_indices()
+    if spec.exchange == "halo":
+        kv_pos = torch.cat([q_pos, plan.halo_routing(spec.window, spec.halo_slots).recv_pos])
+    else:
+        kv_pos = plan.gathered_indices().clone()
+    return q_pos.clone(), kv_pos, plan.attention_docs(spec.documents).clone()
+
+
+# -- the halo exchange of sliding-window sites ------------------------------------------------------------
+@torch.library.custom_op("cpcompile::halo_routing", mutates_args=())
+def halo_routing(k: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(send_slots [N * S], counts [2, N])`` of this rank for the halo site ``site``
+    (:class:`cpcompile.plan.HaloRouting`; ``k`` only carries the local length for the checks)."""
+    spec = site_spec(site)
+    routing = _site_context(spec, k).plan.halo_routing(spec.window, spec.halo_slots)
+    return routing.send_slots.clone(), routing.counts.clone()
+
+
+@halo_routing.register_fake
+def _(k, site):
+    spec = site_spec(site)
+    return k.new_empty((spec.cp_size * spec.halo_slots,), dtype=torch.long), k.new_empty(
+        (2, spec.cp_size), dtype=torch.long
+    )
+
+
+def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], spec: SiteSpec) -> torch.Tensor:
+    """Exchange the rows of ``send`` (``[sum(send_counts), ...]``, grouped by receiving rank) over the site's group."""
+    group = _compat.resolve_group(spec.group_name)
+    if group is None:
+        raise RuntimeError(f"the CP group {spec.group_name!r} of the attention at {spec.site} is not registered here")
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    return recv
+
+
+@torch.library.custom_op("cpcompile::halo_exchange", mutates_args=())
+def halo_exchange(t: torch.Tensor, send_slots: torch.Tensor, counts: torch.Tensor, site: str) -> torch.Tensor:
+    """The ``[B, H, S, D]`` halo keys (or values) of this rank: for every rank, the local rows of ``t``
+    (``[B, H, c, D]``) its queries see, exchanged in one all-to-all; empty slots are zero."""
+    spec = site_spec(site)
+    send_counts, recv_counts = counts.tolist()
+    seq_first = t.permute(2, 0, 1, 3)  # [c, B, H, D]
+    send = seq_first.index_select(0, send_slots[: sum(send_counts)]).contiguous()
+    recv = _all_to_all(send, send_counts, recv_counts, spec)
+    out = t.new_zeros((spec.halo_slots, *seq_first.shape[1:]))
+    out[: recv.shape[0]] = recv
+    nbytes = recv.numel() * recv.element_size()
+    _count_halo(spec, nbytes)
+    return out.permute(1, 2, 0, 3).contiguous()
+
+
+@halo_exchange.register_fake
+def _(t, send_slots, counts, site):
+    B, H, _, D = t.shape
+    return t.new_empty((B, H, site_spec(site).halo_slots, D))
+
+
+def _count_halo(spec: SiteSpec, nbytes: int) -> None:
+    """Record one halo exchange of ``nbytes`` received bytes in the active context's CommStats."""
+    active_context(f"the CP attention at {spec.layer or spec.site}").comm.record_halo(nbytes, spec.needs_grad)
+
+
+@torch.library.custom_op("cpcompile::halo_exchange_backward", mutates_args=())
+def halo_exchange_backward(
+    grad: torch.Tensor, send_slots: torch.Tensor, counts: torch.Tensor, site: str, local_len: int
+) -> torch.Tensor:
+    """The gradient of :func:`halo_exchange`'s input: the halo slots' gradients sent back to the ranks that own
+    those keys and added at the local rows they came from (``[B, H, local_len, D]``)."""
+    spec = site_spec(site)
+    send_counts, recv_counts = counts.tolist()
+    seq_first = grad.permute(2, 0, 1, 3)  # [S, B, H, D]
+    back = _all_to_all(seq_first[: sum(recv_counts)].contiguous(), recv_counts, send_counts, spec)
+    out = grad.new_zeros((local_len, *seq_first.shape[1:]))
+    out.index_add_(0, send_slots[: sum(send_counts)], back)
+    return out.permute(1, 2, 0, 3).contiguous()
+
+
+@halo_exchange_backward.register_fake
+def _(grad, send_slots, counts, site, local_len):
+    B, H, _, D = grad.shape
+    return grad.new_empty((B, H, local_len, D))
+
+
+def _halo_setup_context(ctx, inputs, output):
+    t, send_slots, counts, site = inputs
+    ctx.save_for_backward(send_slots, counts)
+    ctx.site, ctx.local_len = site, t.shape[2]
+
+
+def _halo_backward(ctx, grad):
+    send_slots, counts = ctx.saved_tensors
+    dt = torch.ops.cpcompile.halo_exchange_backward(grad.contiguous(), send_slots, counts, ctx.site, ctx.local_len)
+    return dt, None, None, None
+
+
+halo_exchange.register_autograd(_halo_backward, setup_context=_halo_setup_context)
 
 
 # -- emitting ---------------------------------------------------------------------------------------------
@@ -199,6 +353,18 @@ def emit_site_plan(
     out = graph.call_function(torch.ops.cpcompile.site_plan.default, (*refs, model_mask, spec.site))
     q_pos, kv_pos, docs = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
     return q_pos, kv_pos, docs
+
+
+def emit_halo_exchange(graph: fx.Graph, k: fx.Node, v: fx.Node, spec: SiteSpec) -> tuple[fx.Node, fx.Node]:
+    """Insert the halo routing and the exchange of ``k`` and ``v``; returns ``[local, halo]`` K and V nodes."""
+    ref = graph.call_method("detach", (k,))
+    routing = graph.call_function(torch.ops.cpcompile.halo_routing.default, (ref, spec.site))
+    send_slots, counts = (graph.call_function(operator.getitem, (routing, i)) for i in range(2))
+    out = []
+    for t in (k, v):
+        halo = graph.call_function(torch.ops.cpcompile.halo_exchange.default, (t, send_slots, counts, spec.site))
+        out.append(graph.call_function(torch.cat, ([t, halo],), {"dim": 2}))
+    return out[0], out[1]
 
 
 def emit_attention(
@@ -239,3 +405,49 @@ def _after_placeholders(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if node.op != "placeholder":
         return node
     return [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+
+# -- positions the model computes itself ------------------------------------------------------------------
+@torch.library.custom_op("cpcompile::token_positions", mutates_args=())
+def token_positions(like: torch.Tensor, table_rows: int, site: str) -> torch.Tensor:
+    """Int64 ``[c]``: the global index of each of this rank's ``c`` local tokens, on ``like``'s device.
+
+    ``like`` is any tensor with the local length ``c`` along dim 0 (only its size and device are read).
+    Padding tokens (global index ``>= T``, the batch's unpadded length) get ``T - 1``: they are ignored
+    tokens, and the clamp keeps a table lookup in range. ``table_rows >= 0`` is the number of rows of the
+    table the indices will select from (counted from the slice's start); ``ValueError`` when it is smaller
+    than ``T``, the same on every rank (the check reads only the plan, which every rank shares).
+    ``site`` names the position source in errors.
+    """
+    plan = active_context(f"the position source at {site}").plan
+    if like.shape[0] != plan.chunk_len:
+        raise RuntimeError(
+            f"the position source at {site} has {like.shape[0]} local positions, but the active plan expects "
+            f"this rank's chunk length {plan.chunk_len}; call the model with the `local` batch of the active "
+            "cpcompile.shard context"
+        )
+    if 0 <= table_rows < plan.seq_len:
+        raise ValueError(
+            f"the position table sliced at {site} has {table_rows} rows, but the global sequence has "
+            f"{plan.seq_len} tokens (CP size {plan.cp_size}, {plan.chunk_len} tokens per rank): cpcompile selects "
+            f"the rows of the global positions of every rank's tokens, so the table needs at least {plan.seq_len} "
+            "rows; build the model with a maximum sequence length of at least the global length and pass the "
+            "whole table (a table cut to one rank's rows, as torch's context_parallel(buffers=...) asks for, "
+            "is not needed with cpcompile)"
+        )
+    idx = plan.token_indices().clamp(max=plan.seq_len - 1)
+    return idx.to(like.device)
+
+
+@token_positions.register_fake
+def _(like: torch.Tensor, table_rows: int, site: str) -> torch.Tensor:
+    return like.new_empty((like.shape[0],), dtype=torch.long)
+
+
+def emit_token_positions(graph: fx.Graph, like: fx.Node, table_rows: int, site: str) -> fx.Node:
+    """Insert ``token_positions(like.detach(), table_rows, site)`` at the graph's insertion point; return it.
+
+    ``like`` is detached first: the op reads only its size, and its int64 output never carries a gradient.
+    """
+    detached = graph.call_method("detach", (like,))
+    return graph.call_function(torch.ops.cpcompile.token_positions.default, (detached, table_rows, site))

@@ -6,10 +6,11 @@ import dataclasses
 import os
 from typing import Literal
 
-__all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "BackendOptions"]
+__all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "POSITION_MODES", "BackendOptions"]
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 ATTENTION_PATHS = ("auto", "dense", "block")
+POSITION_MODES = ("rewrite", "off")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
 DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
 
@@ -35,11 +36,20 @@ class BackendOptions:
     #: Attention emitted for every SDPA site. ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the
     #: reference). ``"block"``: ``cpcompile::cp_attention``, which computes only the not fully masked
     #: (query block, key block) pairs and never builds more than a block of the mask; with a CP group of size 1
-    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` elsewhere
-    #: (the CUDA block path, flex_attention or flash-attn varlen, is opt-in until validated on a GPU).
+    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` for every other
+    #: device (the CUDA block path, flex_attention or flash-attn varlen, runs with ``"block"`` only).
     attention: Literal["auto", "dense", "block"] = "auto"
     #: Query and key block size of the block kernel (CPU).
     block_size: int = 128
+    #: Sliding-window sites receive only the keys their queries can see from other ranks (a halo of at most
+    #: ``window - 1`` keys before each run of local tokens, :mod:`cpcompile.ops`) instead of all-gathering the
+    #: whole sequence, when the halo is smaller than the all-gather. ``False``: all-gather at every site.
+    halo: bool = True
+    #: Positions the model computes from the local sequence length (``arange(T)``, ``table[:T]``; see
+    #: :mod:`cpcompile.passes.positions`). ``"rewrite"`` (default): made global, or refused at compile time.
+    #: ``"off"``: left as the model computes them, so every rank but the first gets the positions of tokens
+    #: ``[0, c)``: silently wrong for such models; only for measuring what the rewrite changes.
+    positions: Literal["rewrite", "off"] = "rewrite"
     #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
     #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
     #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
@@ -56,6 +66,8 @@ class BackendOptions:
             raise ValueError(
                 f"attention={self.attention!r} is not a known attention path; choose one of {ATTENTION_PATHS}"
             )
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"positions={self.positions!r} is not a known mode; choose one of {POSITION_MODES}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
         if self.config is not None and not hasattr(self.config, "to_dict"):

@@ -38,12 +38,14 @@ __all__ = [
     "MAX_RUNS",
     "AttentionForm",
     "CPPlan",
+    "HaloRouting",
     "VisibleBlocks",
     "Workload",
     "build_plan",
     "count_runs",
     "document_ids",
     "document_starts",
+    "first_visible",
     "query_blocks",
     "visible",
     "visible_blocks",
@@ -54,14 +56,10 @@ __all__ = [
 IGNORE_INDEX = -100
 
 #: The most runs of consecutive global indices one rank holds, in every layout (``contiguous`` 1, ``head_tail``
-#: 2, ``balanced`` at most 4): code that handles a rank's tokens run by run (e.g. a sliding-window halo, one
-#: exchange per run) can size itself at compile time. Why 4: two runs (head and tail) balance one document,
-#: but a rank that takes a slice of a long document's expensive tail must fill up with cheap tokens from
-#: elsewhere. Over 60 random packed batches (1-4 rows, 4k-16k tokens, N = 2, 4, 8, block 128), the share of
-#: cases whose slowest rank is within 1.05 of the mean (worst case in brackets) was 78% (1.29) with at most 2
-#: runs per rank, 92% (1.21) with 3, 99% (1.08) with 4 and 99.4% (1.07) with 6 (``benchmarks/layouts.py
-#: --sweep 60``, BENCHMARKS.md). Every run costs such an exchange one more message: 4 is where more runs stop
-#: paying off.
+#: 2, ``balanced`` at most 4). A compile-time bound: the halo exchange of sliding-window layers gives every rank
+#: ``MAX_RUNS * (window - 1)`` key slots. Two runs (head and tail) balance one document, but a rank that takes a
+#: slice of a long document's expensive tail must fill up with cheap tokens from elsewhere; how often 2, 3, 4 and
+#: 6 runs reach an even split is measured in BENCHMARKS.md (``benchmarks/layouts.py --sweep``).
 MAX_RUNS = 4
 
 
@@ -74,11 +72,12 @@ def visible(
 ) -> torch.Tensor:
     """The visibility rule: key at global index ``kv_pos`` is visible to the query at ``q_pos``.
 
-    ``kv_pos <= q_pos`` (causal), ``kv_doc == q_doc`` (same document; skipped when the docs are ``None``) and
-    ``kv_pos > q_pos - window`` (sliding window; ``None``: none). Arguments broadcast like any elementwise op,
-    so the same function builds dense masks, block masks and flex_attention's ``mask_mod``.
+    ``0 <= kv_pos <= q_pos`` (causal; a negative index marks an empty key slot, never visible), ``kv_doc == q_doc``
+    (same document; skipped when the docs are ``None``) and ``kv_pos > q_pos - window`` (sliding window;
+    ``None``: none). Arguments broadcast like any elementwise op, so the same function builds dense masks, block
+    masks and flex_attention's ``mask_mod``.
     """
-    m = kv_pos <= q_pos
+    m = (kv_pos <= q_pos) & (kv_pos >= 0)
     if q_doc is not None:
         m = m & (kv_doc == q_doc)
     if window is not None:
@@ -89,10 +88,11 @@ def visible(
 def visible_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
     """``[B, 1, len(q_pos), len(kv_pos)]`` bool mask of :func:`visible` for ``[B, T_pad]`` document ids.
 
-    ``q_pos``/``kv_pos`` are global token indices (any order); ``doc_ids`` all zeros means no document condition.
+    ``q_pos``/``kv_pos`` are global token indices (any order; a negative key index is an empty slot);
+    ``doc_ids`` all zeros means no document condition.
     """
     q_doc = doc_ids[:, q_pos][:, :, None]
-    kv_doc = doc_ids[:, kv_pos][:, None, :]
+    kv_doc = doc_ids[:, kv_pos.clamp(min=0)][:, None, :]
     return visible(q_pos[:, None], kv_pos[None, :], q_doc, kv_doc, window)[:, None]
 
 
@@ -112,6 +112,19 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def first_visible(doc_ids: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, len(q_pos)]``: the global index of the first key visible to each query at ``q_pos``.
+
+    :func:`visible` in interval form, for document ids that are non-decreasing along each row: the keys
+    visible to query ``q`` are exactly the global indices ``[first_visible, q]`` (its document's start, or the
+    window's, whichever is later). Memory is O(B * T), never one entry per (query, key) pair.
+    """
+    lo = document_starts(doc_ids)[:, q_pos]
+    if window is not None:
+        lo = lo.clamp(min=q_pos - window + 1)
+    return lo
 
 
 # -- layouts ----------------------------------------------------------------------------------------------
@@ -255,12 +268,8 @@ def visible_blocks(
     start = torch.tensor(bounds[:-1], device=q_pos.device)
     first_q = q_pos[start]  # [nQ] global index of each block's first query
     last_q = q_pos[torch.tensor(bounds[1:], device=q_pos.device) - 1]
-    doc_start = document_starts(doc_ids)
-    lo = doc_start[:, first_q]
-    full_lo = doc_start[:, last_q]
-    if window is not None:
-        lo = lo.clamp(min=first_q - window + 1)
-        full_lo = full_lo.clamp(min=last_q - window + 1)
+    lo = first_visible(doc_ids, first_q, window)
+    full_lo = first_visible(doc_ids, last_q, window)
     B = doc_ids.shape[0]
     hi = (last_q + 1).expand(B, -1)
     full_hi = (first_q + 1).expand(B, -1)
@@ -271,6 +280,33 @@ def visible_blocks(
     return VisibleBlocks(
         tuple(bounds), block_k, int(kv_pos.shape[0]), to_keys(lo), to_keys(hi), to_keys(full_lo), to_keys(full_hi)
     )
+
+
+def runs(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs ``[start, end)`` of consecutive global indices in one rank's ascending ``indices``."""
+    idx = indices.tolist()
+    out, start = [], 0
+    for i in range(1, len(idx) + 1):
+        if i == len(idx) or idx[i] != idx[i - 1] + 1:
+            out.append((idx[start], idx[i - 1] + 1))
+            start = i
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloRouting:
+    """Who sends which keys to whom for one rank's sliding-window attention (see :meth:`CPPlan.halo_routing`).
+
+    ``recv_pos`` ``[slots]``: the global index of every halo key slot of this rank, grouped by the rank that
+    sends it (in rank order, ascending within a rank), ``-1`` for the empty slots at the end. ``send_slots``
+    ``[N * slots]``: this rank's local token slots to send, grouped by receiving rank, padded with 0.
+    ``counts`` ``[2, N]``: row 0 the number of keys this rank sends to every rank, row 1 the number it receives
+    from every rank. All int64, on the plan's device.
+    """
+
+    recv_pos: torch.Tensor
+    send_slots: torch.Tensor
+    counts: torch.Tensor
 
 
 # -- the plan ---------------------------------------------------------------------------------------------
@@ -301,8 +337,8 @@ class CPPlan:
     doc_ids: torch.Tensor
     #: Name of the CP process group (``""`` when built without a group, e.g. in unit tests).
     group_name: str = ""
-    #: Masks built so far for this batch, keyed by ``(documents, window, rank)``.
-    _mask_cache: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: Masks and halo routings built so far for this batch (every layer of a step shares them).
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def chunk_len(self) -> int:
@@ -317,6 +353,11 @@ class CPPlan:
     def token_indices(self, rank: int | None = None) -> torch.Tensor:
         """``[c]`` int64: the global indices of the tokens ``rank`` (this rank by default) holds, ascending."""
         return self.indices[self.cp_rank if rank is None else rank]
+
+    def real_tokens(self, rank: int | None = None) -> torch.Tensor:
+        """Bool ``[B, c]``: True where ``rank``'s local token is a token of the batch, False on padding."""
+        real = self.token_indices(rank) < self.seq_len
+        return real.expand(self.batch_size, -1).contiguous()
 
     def gathered_indices(self) -> torch.Tensor:
         """``[T_pad]`` int64: the global index at every slot of a tensor all-gathered over the CP group."""
@@ -355,14 +396,15 @@ class CPPlan:
         sliding window of that many tokens. Cached on the plan per ``(documents, window, rank)``.
         """
         r = self.cp_rank if rank is None else rank
-        key = (documents, window, r)
-        if key not in self._mask_cache:
+        key = ("mask", documents, window, r)
+        if key not in self._cache:
             keys = torch.arange(self.padded_len, device=self.doc_ids.device)
-            self._mask_cache[key] = visible_mask(self.token_indices(r), keys, self.attention_docs(documents), window)
-        return self._mask_cache[key]
+            self._cache[key] = visible_mask(self.token_indices(r), keys, self.attention_docs(documents), window)
+        return self._cache[key]
 
-    def local_rule_mask(self, *, documents: bool, window: int | None = None) -> torch.Tensor:
-        """The ``[B, 1, c, c]`` mask a transformers model builds on this rank's local inputs.
+    def local_rule_mask(self, *, documents: bool, window: int | None = None, rows: slice = slice(None)) -> torch.Tensor:
+        """The ``[B, 1, c, c]`` mask a transformers model builds on this rank's local inputs (``rows``: only
+        those local query rows, ``[B, 1, len(rows), c]``).
 
         The model sees the local tokens as a sequence ``0..c-1`` with this rank's global ``position_ids``: causal
         in local order, a new document wherever the position ids do not step by +1 (between this rank's runs of
@@ -371,7 +413,7 @@ class CPPlan:
         """
         idx = torch.arange(self.chunk_len, device=self.doc_ids.device)
         docs = document_ids(self.local(self.position_ids)) if documents else torch.zeros_like(self.doc_ids[:, idx])
-        return visible_mask(idx, idx, docs, window)
+        return visible_mask(idx[rows], idx, docs, window)
 
     def visible_blocks(
         self, block_q: int, block_k: int, *, documents: bool = True, window: int | None = None, rank: int | None = None
@@ -386,10 +428,73 @@ class CPPlan:
     def visible_pairs(self, *, documents: bool = True, window: int | None = None, rank: int | None = None) -> int:
         """Number of visible (query, key) pairs of ``rank``'s queries, summed over the batch, in O(c) memory."""
         q = self.token_indices(rank)
-        lo = document_starts(self.attention_docs(documents))[:, q]
-        if window is not None:
-            lo = lo.clamp(min=q - window + 1)
-        return int((q + 1 - lo).sum())
+        return int((q + 1 - first_visible(self.attention_docs(documents), q, window)).sum())
+
+    def keys_needed(
+        self, window: int | None, rank: int | None = None, row: int | None = None, *, documents: bool = True
+    ) -> torch.Tensor:
+        """The global indices, ascending, of the keys other ranks hold that some query of ``rank`` sees (causal,
+        same document unless ``documents=False``, within ``window`` tokens; ``None``: no window) in batch row
+        ``row``, or in any row.
+
+        For a run of tokens ``[a, b)`` of the rank these are ``[max(start of a's document, a - window + 1), a)``
+        less the rank's own tokens: at most ``window - 1`` per run.
+        """
+        if window is not None and window < 1:
+            raise ValueError(f"window must be a positive number of tokens or None, got {window}")
+        own = self.token_indices(rank)
+        firsts = torch.tensor([a for a, _ in runs(own)], dtype=torch.long, device=own.device)
+        lo = first_visible(self.attention_docs(documents), firsts, window)  # [B, runs]
+        lo = lo.min(dim=0).values if row is None else lo[row]  # the earliest over the rows
+        needed = [torch.arange(int(s), int(a), device=own.device) for s, a in zip(lo, firsts)]
+        keys = torch.unique(torch.cat(needed)) if needed else own.new_empty(0)
+        return keys[~torch.isin(keys, own)]
+
+    def halo_needs(self, window: int, rank: int | None = None) -> torch.Tensor:
+        """The keys the halo of ``rank`` receives under a sliding ``window``: :meth:`keys_needed` in any row (one
+        layout serves every row of the batch, so the halo covers the union of the rows' needs)."""
+        if window is None or window < 1:
+            raise ValueError(f"window must be a positive number of tokens, got {window}")
+        return self.keys_needed(window, rank)
+
+    def halo_routing(self, window: int, slots: int) -> HaloRouting:
+        """This rank's :class:`HaloRouting` for a sliding ``window`` with ``slots`` halo key slots per rank.
+
+        Every rank computes every rank's needs from the plan alone (the same on every rank), so the exchange
+        needs no prior communication. Cached on the plan. ``ValueError`` when a rank needs more than ``slots`` keys.
+        """
+        key = ("halo", window, slots)
+        if key not in self._cache:
+            self._cache[key] = self._halo_routing(window, slots)
+        return self._cache[key]
+
+    def _halo_routing(self, window: int, slots: int) -> HaloRouting:
+        N, r = self.cp_size, self.cp_rank
+        device = self.indices.device
+        owner = torch.empty(self.padded_len, dtype=torch.long, device=device)
+        owner[self.gathered_indices()] = torch.arange(N, device=device).repeat_interleave(self.chunk_len)
+        slot = torch.empty(self.padded_len, dtype=torch.long, device=device)
+        slot[self.gathered_indices()] = torch.arange(self.chunk_len, device=device).repeat(N)
+        counts = torch.zeros(2, N, dtype=torch.long, device=device)
+        send = []
+        for dst in range(N):
+            needs = self.halo_needs(window, dst)
+            if needs.numel() > slots:
+                raise ValueError(
+                    f"rank {dst} needs {needs.numel()} halo keys for a window of {window} tokens but has {slots} slots"
+                )
+            if dst == r:
+                recv = needs[torch.argsort(owner[needs], stable=True)]  # grouped by sending rank
+                counts[1] = torch.bincount(owner[needs], minlength=N)
+            mine = needs[owner[needs] == r]
+            counts[0, dst] = mine.numel()
+            send.append(slot[mine])
+        recv_pos = torch.full((slots,), -1, dtype=torch.long, device=device)
+        recv_pos[: recv.numel()] = recv
+        send_slots = torch.zeros(N * slots, dtype=torch.long, device=device)
+        flat = torch.cat(send)
+        send_slots[: flat.numel()] = flat
+        return HaloRouting(recv_pos, send_slots, counts)
 
     def labels_shifted(self, labels: torch.Tensor) -> torch.Tensor:
         """Shift ``[B, T]`` labels left by one over the whole row (transformers' convention), then pad.

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cpcompile import _compat
+from cpcompile import _compat, failsafe
 from cpcompile.plan import IGNORE_INDEX, LAYOUTS, AttentionForm, CPPlan, Workload, build_plan
 
 __all__ = [
@@ -27,7 +27,9 @@ __all__ = [
     "comm_stats",
     "compiled_workload",
     "current_plan",
+    "default_pad_value",
     "gather",
+    "real_tokens",
     "record_attention_form",
     "shard",
     "sync_grads",
@@ -99,6 +101,7 @@ def shard(
     dynamic: bool = True,
     layout: str = "balanced",
     workload: Workload | None = None,
+    pad_values: Mapping[str, int | float | bool] | None = None,
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -118,8 +121,10 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
-        check_batch: verify that every rank of ``cp_group`` passed the same global batch (one all-gather of a
-            few int64 fingerprints per batch); ``ValueError`` naming the differing ranks and key otherwise.
+        check_batch: verify that every rank of ``cp_group`` passed the same global batch, and decide the batch
+            validation together: one control round per batch through the group's store (a few int64
+            fingerprints and the validation verdict per rank); ``ValueError`` on every rank naming the
+            differing ranks and key, or the rank whose batch failed validation and why.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
         layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"balanced"``
@@ -131,6 +136,12 @@ def shard(
             forms (documents, sliding window, number of layers) and the kernel's block size of the layers
             compiled for ``cp_group`` so far (:func:`compiled_workload`); before the first compilation, full
             causal attention over packed documents with blocks of 128.
+        pad_values: value that pads each extra ``[B, T, ...]`` key (not ``input_ids``, ``position_ids``,
+            ``labels``) where ``T`` is padded up to a multiple of the CP size, e.g. ``{"targets": -100}``. Keys
+            not given get :func:`default_pad_value` of their dtype: ``-100`` for integers (the ignore index of
+            pre-shifted targets), ``0.0`` for floats (loss masks, advantages), ``False`` for bools, so that
+            padding stays out of losses that ignore ``-100`` or weight tokens by a mask. Losses of any other
+            form mask padding with :func:`real_tokens`.
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
     packed batches of changing length compile once with a symbolic length instead of once per length.
@@ -140,6 +151,10 @@ def shard(
         ``position_ids``, and with labels ``labels`` (this rank's tokens), ``shift_labels`` (shifted over the
         whole row before the tokens are distributed) and
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
+
+    An error in the batch validation or in the ``with`` block is reported to the other CP ranks, and a rank
+    that another rank's failure leaves waiting raises :class:`~cpcompile.failsafe.RankFailedError` naming it
+    (:mod:`cpcompile.failsafe`); once that happened on ``cp_group``, ``shard`` raises it again at once.
     """
     cp_size, cp_rank, group_name = check_group(cp_group)
     if dp_group is not None:
@@ -158,23 +173,34 @@ def shard(
         raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
     if workload is None and layout == "balanced":
         workload = compiled_workload(group_name)
-    plan = build_plan(batch, cp_size, cp_rank, layout=layout, workload=workload, group_name=group_name)
-    if check_batch and cp_size > 1:
-        _check_same_batch(batch, cp_group, cp_rank)
-    local = _local_batch(
-        batch,
-        plan,
-        num_items_in_batch=num_items_in_batch,
-        dp_group=dp_group,
-        pad_token_id=pad_token_id,
-        hf_kwargs=hf_kwargs,
-    )
+    comm = CommStats()
+    failsafe.enter_step(cp_group, comm)
+    with failsafe.scope(cp_group, "the batch validation of cpcompile.shard", in_step=True):
+        if layout == "balanced" and cp_size > 1:
+            _agree_on_workload(cp_group, group_name, workload, comm)
+        pads = _pad_values(batch, pad_values)
+        if check_batch and cp_size > 1:
+            plan = _check_same_batch(batch, cp_group, cp_rank, comm, layout, workload)
+        else:
+            plan = build_plan(batch, cp_size, cp_rank, layout=layout, workload=workload, group_name=group_name)
+        local = _local_batch(
+            batch,
+            plan,
+            num_items_in_batch=num_items_in_batch,
+            dp_group=dp_group,
+            pad_token_id=pad_token_id,
+            hf_kwargs=hf_kwargs,
+            pad_values=pads,
+        )
     if dynamic:
         mark_local_dynamic(local, plan.chunk_len)
-    context = Active(plan, cp_group)
+    context = Active(plan, cp_group, comm)
     _STATE.active = context
     try:
         yield local
+    except BaseException as e:
+        failsafe.on_failure(cp_group, e, where="the `with cpcompile.shard(...)` block", in_step=True)
+        raise
     finally:
         _STATE.active = None
         _STATE.last_comm = context.comm
@@ -192,6 +218,35 @@ def record_attention_form(group_name: str, layer: str, documents: bool, window: 
         forms, blocks = _FORMS.setdefault(group_name, ({}, set()))
         forms.setdefault((documents, window), set()).add(layer)
         blocks.add(block_size)
+
+
+#: The last workload every rank of a CP group (by name) agreed to balance with.
+_AGREED_WORKLOAD: dict[str, Workload | None] = {}
+
+
+def _agree_on_workload(group: dist.ProcessGroup, group_name: str, workload: Workload | None, comm: CommStats) -> None:
+    """Check, in one control round, that every rank balances with the same workload, whenever it changes.
+
+    Every rank computes every rank's tokens from its own workload, so two workloads would split the sequence
+    two ways (tokens held twice or never). The compiled workload changes when graphs compile, which every rank
+    does in the same step; a rank that compiled other attention layers than its peers is reported here.
+    """
+    if group_name in _AGREED_WORKLOAD and _AGREED_WORKLOAD[group_name] == workload:
+        return
+    posts = failsafe.agree(
+        group, "workload", None, what="the balanced layout's workload", payload=repr(workload), stats=comm
+    )
+    if len(set(posts)) > 1:
+        ranks = {p: [r for r, q in enumerate(posts) if q == p] for p in posts}
+        raise failsafe.mark_agreed(
+            ValueError(
+                "cpcompile.shard(layout='balanced'): the CP ranks would balance different workloads "
+                f"(ranks by workload: {sorted(ranks.items(), key=lambda kv: kv[1])}); every rank must compile the "
+                "same attention layers before the step: pass the same workload=cpcompile.Workload(...) on every "
+                "rank, or use layout='contiguous'"
+            )
+        )
+    _AGREED_WORKLOAD[group_name] = workload
 
 
 def compiled_workload(group_name: str) -> Workload:
@@ -225,6 +280,7 @@ def _local_batch(
     dp_group: dist.ProcessGroup | None,
     pad_token_id: int,
     hf_kwargs: bool,
+    pad_values: Mapping[str, int | float | bool] | None = None,
 ) -> dict[str, object]:
     local: dict[str, object] = {}
     for key, value in batch.items():
@@ -244,7 +300,8 @@ def _local_batch(
         elif key == "labels":
             local[key] = plan.local(plan.pad(value, IGNORE_INDEX))
         else:
-            local[key] = plan.local(plan.pad(value, False if value.dtype == torch.bool else 0))
+            pad = (pad_values or {}).get(key, default_pad_value(value.dtype))
+            local[key] = plan.local(plan.pad(value, pad))
     local["position_ids"] = plan.local(plan.position_ids)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and hf_kwargs:
@@ -260,6 +317,54 @@ def _local_batch(
     return local
 
 
+#: Keys whose padding cpcompile decides (``pad_token_id`` for ``input_ids``, the ignore index for ``labels``).
+_OWN_PADDING = ("input_ids", "position_ids", "labels", "attention_mask")
+
+
+def default_pad_value(dtype: torch.dtype) -> int | float | bool:
+    """The value :func:`shard` pads an extra key of ``dtype`` with: ``False`` (bool), ``-100`` (integers: the
+    ignore index of pre-shifted targets), ``0.0`` (floats: a loss mask or advantage of 0 adds nothing)."""
+    if dtype == torch.bool:
+        return False
+    if dtype.is_floating_point or dtype.is_complex:
+        return 0.0
+    return IGNORE_INDEX
+
+
+def _pad_values(batch: Mapping[str, object], pad_values: Mapping[str, object] | None) -> dict[str, object]:
+    """Check ``shard(pad_values=...)`` against the batch (before any collective); return it as a dict."""
+    if pad_values is None:
+        return {}
+    if not isinstance(pad_values, Mapping):
+        raise TypeError(
+            f"pad_values must be a dict of batch key -> pad value, got {type(pad_values).__name__}; "
+            'e.g. pad_values={"targets": -100}'
+        )
+    extra = sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in _OWN_PADDING)
+    for key, pad in pad_values.items():
+        if key in _OWN_PADDING:
+            raise ValueError(
+                f"pad_values[{key!r}]: cpcompile pads {key!r} itself (input_ids with pad_token_id, labels with "
+                f"-100, position_ids as a separate document); pad_values applies to the other keys: {extra}"
+            )
+        if key not in extra:
+            raise ValueError(
+                f"pad_values names {key!r}, which is not a tensor of the batch; the extra keys are {extra}"
+            )
+        dtype = batch[key].dtype
+        ok = (
+            isinstance(pad, bool)
+            if dtype == torch.bool
+            else isinstance(pad, (int, float)) and not isinstance(pad, bool)
+            if dtype.is_floating_point
+            else isinstance(pad, int) and not isinstance(pad, bool)
+        )
+        if not ok:
+            kind = "a bool" if dtype == torch.bool else "a number" if dtype.is_floating_point else "an int"
+            raise TypeError(f"pad_values[{key!r}] = {pad!r} does not fit batch[{key!r}] of dtype {dtype}; pass {kind}")
+    return dict(pad_values)
+
+
 #: Fingerprint slots of :func:`_check_same_batch`: the batch's structure, then the contents of these keys,
 #: then everything else.
 _FINGERPRINT_KEYS = ("input_ids", "position_ids", "labels")
@@ -272,21 +377,38 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return (b * w).sum()
 
 
-def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_rank: int) -> None:
+def _batch_fingerprints(batch: Mapping[str, object]) -> list[int]:
     import hashlib
 
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
-    device = tensors["input_ids"].device
     slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
     slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
     others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
     slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
-    mine = torch.tensor(slots, dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    flat = mine.new_empty(size * mine.numel())
-    _compat.all_gather_into(flat, mine, group)
-    allv = flat.view(size, -1).cpu()
+    return slots
+
+
+def _check_same_batch(
+    batch: Mapping[str, object],
+    group: dist.ProcessGroup,
+    cp_rank: int,
+    comm: CommStats,
+    layout: str,
+    workload: Workload | None,
+) -> CPPlan:
+    """Validate the batch and compare its fingerprints across the CP group in one control round."""
+    plan, error, slots = None, None, None
+    try:
+        size, name = dist.get_world_size(group), _compat.group_name_of(group)
+        plan = build_plan(batch, size, cp_rank, layout=layout, workload=workload, group_name=name)
+        slots = _batch_fingerprints(batch)
+    except (ValueError, TypeError) as e:
+        error = e
+    posts = failsafe.agree(
+        group, "batch", error, what="the batch validation of cpcompile.shard", payload=slots, stats=comm
+    )
+    allv = torch.tensor(posts, dtype=torch.int64)
     names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
     for slot, name in enumerate(names):
         col = allv[:, slot]
@@ -294,12 +416,22 @@ def _check_same_batch(batch: Mapping[str, object], group: dist.ProcessGroup, cp_
             groups: dict[int, list[int]] = {}
             for r, v in enumerate(col.tolist()):
                 groups.setdefault(v, []).append(r)
-            raise ValueError(
-                f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
-                f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
-                "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
-                "replica the same data (same sampler seed and DP rank)"
+            raise failsafe.mark_agreed(
+                ValueError(
+                    f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
+                    f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
+                    "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
+                    "replica the same data (same sampler seed and DP rank)"
+                )
             )
+    return plan
+
+
+def real_tokens() -> torch.Tensor:
+    """Bool ``[B, c]`` of the active :func:`shard` context: True for this rank's tokens of the batch, False for
+    the padding that makes ``T`` a multiple of the CP size. Multiply a hand-written per-token loss by it (or
+    index with it) so that padding never contributes, whatever the padded keys hold."""
+    return active_context("cpcompile.real_tokens").plan.real_tokens()
 
 
 def active_context(what: str) -> Active:
@@ -356,7 +488,7 @@ def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
 # -- collective counts ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CommStats:
-    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context).
+    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context), and control rounds.
 
     Forward all-gathers are counted as they run; every gathered K/V that needs a gradient adds one
     reduce-scatter of the same size in backward.
@@ -370,6 +502,25 @@ class CommStats:
     reduce_scatters: int = 0
     #: Bytes this rank sends in those reduce-scatters: (N-1) chunks each.
     reduce_scatter_bytes: int = 0
+    #: Number of halo exchanges of sliding-window sites (one for K, one for V per attention call).
+    halo_exchanges: int = 0
+    #: Bytes this rank received in those exchanges (only the keys its queries see that other ranks hold).
+    halo_bytes: int = 0
+    #: Bytes this rank sends back in their backward (the gradients of the keys it received).
+    halo_backward_bytes: int = 0
+    #: Control rounds through the CP group's store (never a collective of the group; see
+    #: :mod:`cpcompile.failsafe`): the first-call mask check of each attention site, and one per batch with
+    #: ``shard(check_batch=True)``. None on later steps otherwise.
+    control_rounds: int = 0
+    #: Bytes this rank wrote to and read from the store for them (and, on a group's first step, the few bytes
+    #: that let its peers check that its process is alive).
+    control_bytes: int = 0
+
+    def record_halo(self, nbytes: int, needs_grad: bool) -> None:
+        self.halo_exchanges += 1
+        self.halo_bytes += nbytes
+        if needs_grad:
+            self.halo_backward_bytes += nbytes
 
     def record_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
@@ -378,6 +529,10 @@ class CommStats:
         if needs_grad:
             self.reduce_scatters += 1
             self.reduce_scatter_bytes += nbytes
+
+    def record_control(self, nbytes: int, rounds: int = 1) -> None:
+        self.control_rounds += rounds
+        self.control_bytes += nbytes
 
 
 def comm_stats() -> CommStats:
@@ -396,6 +551,11 @@ def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
     gradient of the whole sequence. One flat all-reduce per dtype.
     """
+    with failsafe.scope(cp_group, "cpcompile.sync_grads"):
+        _sum_grads(parameters, cp_group)
+
+
+def _sum_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     grads = [p.grad for p in parameters if p.grad is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:

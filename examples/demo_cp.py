@@ -14,15 +14,18 @@ import datetime
 import io
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 import cpcompile
 from cpcompile.testing import packed_batch, tiny_model
 
 DOCS = [[23, 41, 17, 47], [64, 9, 55]]  # two rows of packed documents, 128 tokens each
+TOKENS = sum(map(sum, DOCS))
 
 
 def make_batch(step: int) -> dict[str, torch.Tensor]:
@@ -51,8 +54,10 @@ def worker(rank: int, world: int, init_file: str, steps: int, inner: str, result
     model = tiny_model("qwen3", seed=0)
     compiled = torch.compile(model, backend=cpcompile.backend(cp_group, inner=inner))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
+    losses, seconds = [], []
+    bar = tqdm(total=steps, desc=f"CP={world}", unit="step", disable=rank != 0, dynamic_ncols=True)
     for step in range(steps):
+        t0 = time.perf_counter()
         with cpcompile.shard(make_batch(step), cp_group) as local:
             out = compiled(**local)
             out.loss.backward()
@@ -62,9 +67,13 @@ def worker(rank: int, world: int, init_file: str, steps: int, inner: str, result
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=cp_group)  # the per-rank losses add up to the global mean
         losses.append(loss.item())
+        seconds.append(time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_s=f"{TOKENS / seconds[-1]:,.0f}")
+        bar.update()
+    bar.close()
     if rank == 0:
         buf = io.BytesIO()  # bytes, not shared-memory tensors: this process exits right after
-        torch.save((losses, {n: p.detach() for n, p in model.named_parameters()}), buf)
+        torch.save((losses, seconds, {n: p.detach() for n, p in model.named_parameters()}), buf)
         results.put(buf.getvalue())
     dist.destroy_process_group()
 
@@ -86,14 +95,19 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        cp_losses, cp_params = torch.load(io.BytesIO(results.get(timeout=600)))
+        cp_losses, cp_seconds, cp_params = torch.load(io.BytesIO(results.get(timeout=600)))
         for p in procs:
             p.join()
         if any(p.exitcode != 0 for p in procs):
             raise SystemExit(f"a CP worker failed (exit codes {[p.exitcode for p in procs]})")
 
     ref_losses, ref_model = single_process(args.steps)
-    print(f"tiny Qwen3, {sum(map(sum, DOCS))} tokens in 2 packed rows, CP={args.cp}, inner={args.inner}")
+    steady = cp_seconds[1:] or cp_seconds
+    print(
+        f"CP run: {args.steps} steps in {sum(cp_seconds):.1f} s (first step, with compiling: {cp_seconds[0]:.1f} s), "
+        f"{TOKENS * len(steady) / sum(steady):,.0f} tokens/s after the first step"
+    )
+    print(f"tiny Qwen3, {TOKENS} tokens in 2 packed rows, CP={args.cp}, inner={args.inner}")
     print(f"{'step':>4}  {'loss (CP)':>12}  {'loss (1 process)':>16}  {'|diff|':>9}")
     for i, (a, b) in enumerate(zip(cp_losses, ref_losses)):
         print(f"{i:>4}  {a:>12.6f}  {b:>16.6f}  {abs(a - b):>9.2e}")

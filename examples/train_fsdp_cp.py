@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 import cpcompile
 from cpcompile.plan import IGNORE_INDEX
@@ -100,11 +101,6 @@ def global_batch(args, step: int, device: torch.device) -> dict[str, torch.Tenso
     return {k: v.to(device) for k, v in {"input_ids": ids, "position_ids": pos, "labels": labels}.items()}
 
 
-def progress(step: int, steps: int, width: int = 20) -> str:
-    done = width * step // steps
-    return f"[{'#' * done}{'.' * (width - done)}] {step:>{len(str(steps))}}/{steps}"
-
-
 def train(args, device: torch.device) -> dict:
     """Run the steps on this rank; returns the global losses and grad norms (and on rank 0 ``check``'s result)."""
     rank = dist.get_rank()
@@ -127,7 +123,9 @@ def train(args, device: torch.device) -> dict:
             flush=True,
         )
 
-    losses, norms, first_grads = [], [], None
+    losses, norms, first_grads, seconds = [], [], None, []
+    tokens_per_step = args.dp * args.rows * args.seq_len
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
     for step in range(args.steps):
         t0 = time.perf_counter()
         full = global_batch(args, step, device)
@@ -146,15 +144,16 @@ def train(args, device: torch.device) -> dict:
         loss = out.loss.detach().clone()
         dist.all_reduce(loss)  # the shares of all dp x cp ranks add up to the global batch's loss
         losses.append(loss.item())
-        dt = time.perf_counter() - t0
-        if rank == 0:
-            note = "  (includes compiling)" if step == 0 else ""
-            note += "" if torch.isfinite(norm) else "  (non-finite gradient norm: step skipped)"
-            print(
-                f"{progress(step + 1, args.steps)}  loss {losses[-1]:.4f}  grad norm {norm.item():.4f}  "
-                f"{full['input_ids'].numel() / dt:,.0f} tokens/s{note}",
-                flush=True,
-            )
+        seconds.append(time.perf_counter() - t0)
+        if not torch.isfinite(norm) and rank == 0:
+            bar.write(f"step {step + 1}: non-finite gradient norm {norm.item()}, optimizer step skipped")
+        bar.set_postfix(
+            loss=f"{losses[-1]:.4f}", grad_norm=f"{norms[-1]:.4f}", tokens_s=f"{tokens_per_step / seconds[-1]:,.0f}"
+        )
+        bar.update()
+    bar.close()
+    if rank == 0:
+        print(summary(losses, seconds, tokens_per_step), flush=True)
 
     result = {"losses": losses, "norms": norms, "check": None}
     if args.check:
@@ -163,6 +162,16 @@ def train(args, device: torch.device) -> dict:
             result["check"] = check(args, device, losses, norms, first_grads, full_params)
         dist.barrier()
     return result
+
+
+def summary(losses: list[float], seconds: list[float], tokens_per_step: int) -> str:
+    """One line: steps, time, loss first -> last, throughput without the first step (which compiles)."""
+    steady = seconds[1:] or seconds
+    return (
+        f"trained {len(losses)} steps in {sum(seconds):.1f} s (first step, with compiling: {seconds[0]:.1f} s); "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tokens_per_step * len(steady) / sum(steady):,.0f} tokens/s "
+        f"after the first step ({tokens_per_step:,} tokens per step)"
+    )
 
 
 def check(args, device, losses, norms, first_grads, params) -> dict[str, float]:

@@ -9,3 +9,9 @@ fi
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+# Optional test dependencies (tests/test_positions_parity.py runs their models): torchtitan's and litgpt's model
+# code without their training stacks (--no-deps), then only what their model modules import. litgpt pins an older
+# huggingface-hub than transformers needs; its model code does not use it, so pip's conflict warning is expected.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt --no-deps torchtitan litgpt
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt \
+  spmd_types einops tyro lightning psutil "jsonargparse[signatures]"

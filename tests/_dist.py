@@ -39,12 +39,16 @@ def _child(rank: int, world_size: int, init_file: str, fn, args, results, timeou
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+def run_distributed(
+    fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, may_die: tuple[int, ...] = ()
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return per-rank results.
 
     ``fn`` must be importable (a module-level function). Raises ``AssertionError`` with every failed rank's
     traceback when a rank raises, and ``TimeoutError`` (after killing the children) when the run takes longer
     than ``timeout_s``; a collective that waits for a dead rank is cut by the process group timeout.
+    Ranks in ``may_die`` may exit without a result (a test that kills them on purpose): their result is
+    ``None``, and the run waits for the other ranks' results.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -70,6 +74,9 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEO
                     rank, status, payload = results.get(timeout=min(left, 1.0))
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome]
+                    for r in [r for r in dead if r in may_die]:
+                        outcome[r] = ("died", None)
+                    dead = [r for r in dead if r not in may_die]
                     if dead and results.empty():
                         # a child died without reporting (e.g. killed); give the queue a moment, then fail
                         try:
@@ -92,7 +99,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEO
                     p.kill()
             for p in procs:
                 p.join(timeout=5)
-    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+    return [
+        None if outcome[r][0] == "died" else torch.load(io.BytesIO(outcome[r][1]), weights_only=False)
+        for r in range(world_size)
+    ]
 
 
 def _drain(results, outcome: dict, world_size: int, wait_s: float) -> None:

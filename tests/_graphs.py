@@ -12,18 +12,22 @@ from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
 _runs = itertools.count()
 
 
-def run_pass(gm: torch.fx.GraphModule, *, cp_size: int = 2, refuse: str = "raise", **options) -> list[SiteReport]:
-    """Rewrite ``gm`` in place as rank 0 of a CP group of ``cp_size`` named ``"g"``; ``options``: BackendOptions
+def context(*, cp_size: int = 2, refuse: str = "raise", site_prefix: str | None = None, **options) -> PassContext:
+    """The pass context of rank 0 of a CP group of ``cp_size`` named ``"g"``; ``options``: BackendOptions
     (default ``attention="dense"``: SDPA stays in the graph, under the plan's mask)."""
     options.setdefault("dump_dir", None)
     options.setdefault("attention", "dense")
-    ctx = PassContext(
+    return PassContext(
         options=BackendOptions(**options),
         group_name="g",
         cp_size=cp_size,
         cp_rank=0,
         graph_id=0,
-        site_prefix=f"test{next(_runs)}",  # site ids are unique per process
+        site_prefix=f"test{next(_runs)}" if site_prefix is None else site_prefix,  # site ids: unique per process
         refuse=refuse,
     )
-    return cp_attention_pass(gm, ctx)
+
+
+def run_pass(gm: torch.fx.GraphModule, *, cp_size: int = 2, refuse: str = "raise", **options) -> list[SiteReport]:
+    """Rewrite ``gm``'s attention in place with the :func:`context` of these arguments."""
+    return cp_attention_pass(gm, context(cp_size=cp_size, refuse=refuse, **options))

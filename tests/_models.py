@@ -8,6 +8,8 @@ Attention forms (``ATTENTION_FORMS``):
 
 * ``causal_gqa``: ``is_causal=True, enable_gqa=True`` with fewer KV heads than query heads (HF's call with the
   KV cache on); rewritten by cpcompile, plain global causal attention (documents are not separated).
+* ``packed_docs``: a bool mask "causal and same document" built from ``position_ids`` (transformers' training
+  mask); rewritten, and checked against cpcompile's mask on the first call.
 * ``bidirectional``: a bool mask "same document", without causality: not the mask cpcompile applies.
 * ``window``: a bool mask "causal, same document, within 4 tokens": not the mask cpcompile applies.
 * ``float_bias``: the causal mask as a float additive bias (0 / -inf).
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 WINDOW = 4
 
-ATTENTION_FORMS = ("causal_gqa", "bidirectional", "window", "float_bias", "no_mask", "dropout")
+ATTENTION_FORMS = ("causal_gqa", "packed_docs", "bidirectional", "window", "float_bias", "no_mask", "dropout")
 
 
 def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -54,10 +56,12 @@ class Attention(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         if self.form == "causal_gqa":
             kwargs = {"is_causal": True, "enable_gqa": True}
-        elif self.form in ("bidirectional", "window"):
+        elif self.form in ("bidirectional", "window", "packed_docs"):
             doc = _doc_ids(position_ids)
             mask = doc[:, :, None] == doc[:, None, :]
-            if self.form == "window":
+            if self.form == "packed_docs":
+                mask = mask & causal
+            elif self.form == "window":
                 mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
             kwargs = {"attn_mask": mask[:, None]}
         elif self.form == "float_bias":

@@ -2,72 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 import torch.distributed as dist
 
+from tests.parity import ParityCase, ParityRunner, run_control
+
 #: The global packed batch of the family parity tests: documents longer than the test windows, T = 64
-#: (chunks of 32 at CP=2, 16 at CP=4), one document crossing every chunk boundary.
-FAMILY_DOCS = [[24, 30, 10], [5, 50, 9]]
+#: (chunks of 32 at CP=2, 22 at CP=3 with 2 padding tokens, 16 at CP=4), one document crossing every chunk
+#: boundary.
+FAMILY_DOCS = ((24, 30, 10), (5, 50, 9))
 
 
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).abs().max())
+def family_case(family: str, **fields) -> ParityCase:
+    """The parity case of a transformers family on :data:`FAMILY_DOCS`, compiled as training should compile it
+    (``config=model.config``, ``fullgraph=True``); ``fields`` override :class:`tests.parity.ParityCase` fields."""
+    defaults = dict(doc_lens=FAMILY_DOCS, batch_seed=1, use_config=True, fullgraph=True)
+    return ParityCase(model=family, **{**defaults, **fields})
 
 
-def parity(
-    family: str,
-    group,
-    *,
-    seed: int = 1,
-    checkpointing: bool = False,
-    fullgraph: bool = True,
-    docs=FAMILY_DOCS,
-    overrides: dict | None = None,
+def parity_worker(
+    rank: int,
+    world_size: int,
+    cases: list[ParityCase],
+    controls: dict[str, tuple[str, ...]] | None = None,
+    profile: bool = False,
 ) -> dict:
-    """Compiled CP forward/backward of ``family`` against the unsharded eager model on the same batch.
-
-    Returns the gathered logits, the summed loss and the CP-summed gradients next to the reference ones.
-    """
-    import cpcompile
-    from cpcompile.testing import packed_batch, tiny_model
-
-    overrides = overrides or {}
-    batch = packed_batch(docs, seed=seed)
-    ref = tiny_model(family, **overrides)
-    out_ref = ref(**batch, use_cache=False)
-    out_ref.loss.backward()
-
-    model = tiny_model(family, **overrides)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
-    cm = torch.compile(model, backend=be, fullgraph=fullgraph)
-    with cpcompile.shard(batch, group) as local:
-        out = cm(**local)
-        out.loss.backward()
-        logits = cpcompile.gather(out.logits)
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    cpcompile.sync_grads(model.parameters(), group)
-    ref_grads = dict(ref.named_parameters())
-    grads = {n: (p.grad, ref_grads[n].grad) for n, p in model.named_parameters()}
-    return {
-        "logits": (logits.detach(), out_ref.logits.detach()),
-        "loss": (loss, out_ref.loss.detach()),
-        "grads": grads,
-        "rewritten": sum(r.action == "rewritten" for r in be.reports),
-        "windows": sorted({r.layer for r in be.reports}),
-    }
-
-
-def families_worker(rank: int, world_size: int, families: list[str], options: dict | None = None) -> dict:
-    """Run :func:`parity` for several families in one spawned group; rank 0's results are compared."""
+    """Run each case (one CP step next to the reference) in one spawned group; every rank returns
+    ``{case.name: (ParityOutcome, {control: how it was caught})}`` for the parent to assert on (``profile``:
+    the outcomes count the step's gloo collectives)."""
     group = dist.new_group(list(range(world_size)))
     results = {}
-    for family in families:
+    for case in cases:
         torch._dynamo.reset()
-        results[family] = parity(family, group, **(options or {}))
-    return results if rank == 0 else {}
+        runner = ParityRunner(case, group)
+        outcome = runner.run(profile=profile)
+        caught = {c: run_control(case, group, c, runner) for c in (controls or {}).get(case.name, ())}
+        results[case.name] = (outcome, caught)
+    return results
 
 
 def _random_docs(gen: torch.Generator, batch_size: int, lo: int, hi: int) -> list[list[int]]:
@@ -81,72 +55,51 @@ def _random_docs(gen: torch.Generator, batch_size: int, lo: int, hi: int) -> lis
 
 
 def compile_behaviour_worker(rank: int, world_size: int, steps: int) -> dict:
-    """Recompilations over ``steps`` random packed lengths, a compiled function, and activation checkpointing."""
-    import cpcompile
-    from cpcompile.testing import packed_batch, tiny_model
+    """Recompilations over ``steps`` random packed lengths, a compiled function, and activation checkpointing:
+    every step's :class:`tests.parity.ParityOutcome` (rank 0) for the parent to assert on."""
+    from cpcompile.testing import packed_batch
 
     group = dist.new_group(list(range(world_size)))
     out: dict = {}
 
-    # 1. variable lengths: count backend invocations (one per compiled graph) and check every step's loss
+    # 1. variable lengths: count backend invocations (one per compiled graph); every step next to the reference
     torch._dynamo.reset()
-    model = tiny_model("llama")
-    ref = tiny_model("llama")
     compiles = []
-    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
 
-    def counting(gm, example_inputs):
-        # one entry per compilation: whether the graph got a symbolic (dynamic) size among its inputs
-        compiles.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
-        return be(gm, example_inputs)
+    def counting(model, be):
+        def backend(gm, example_inputs):
+            # one entry per compilation: whether the graph got a symbolic (dynamic) size among its inputs
+            compiles.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
+            return be(gm, example_inputs)
 
-    cm = torch.compile(model, backend=counting)
+        return torch.compile(model, backend=backend)
+
+    runner = ParityRunner(family_case("llama"), group, compile=counting)
     gen = torch.Generator().manual_seed(123)  # same on every rank: every rank builds the same batches
-    lengths, loss_err = [], 0.0
+    lengths, outcomes = [], []
     for step in range(steps):
         docs = _random_docs(gen, 2, 17, 70)
-        batch = packed_batch(docs, seed=step)
         lengths.append(sum(docs[0]))
-        with cpcompile.shard(batch, group) as local:
-            loss = cm(**local).loss
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        with torch.no_grad():
-            ref_loss = ref(**batch, use_cache=False).loss
-        loss_err = max(loss_err, float((total - ref_loss).abs()))
-    out["compiles"], out["lengths"], out["loss_err"] = len(compiles), lengths, loss_err
+        outcomes.append(runner.run(batch=packed_batch(docs, seed=step)))
+    out["compiles"], out["lengths"], out["steps"] = len(compiles), lengths, outcomes
     out["first_dynamic"] = compiles[0]
 
     # 2. torch.compile of a function that calls the (uncompiled) model, fullgraph
     torch._dynamo.reset()
-    model = tiny_model("qwen3")
-    ref = tiny_model("qwen3")
-    be = cpcompile.backend(group, inner="aot_eager", config=model.config)
 
-    @torch.compile(backend=be, fullgraph=True)
-    def step_fn(m, local):
-        return m(**local).loss
+    def compiled_function(model, be):
+        @torch.compile(backend=be, fullgraph=True)
+        def step_fn(m, local):
+            return m(**local)
 
-    batch = packed_batch(FAMILY_DOCS, seed=3)
-    with cpcompile.shard(batch, group) as local:
-        loss = step_fn(model, local)
-        loss.backward()
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    cpcompile.sync_grads(model.parameters(), group)
-    ref_out = ref(**batch, use_cache=False)
-    ref_out.loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    out["function"] = {
-        "loss": (loss, ref_out.loss.detach()),
-        "grads": {n: (p.grad, ref_grads[n].grad) for n, p in model.named_parameters()},
-        "rewritten": sum(r.action == "rewritten" for r in be.reports),
-    }
+        return lambda **local: step_fn(model, local)
+
+    out["function"] = ParityRunner(family_case("qwen3", batch_seed=3), group, compile=compiled_function).run()
 
     # 3. activation checkpointing of the decoder layers
     torch._dynamo.reset()
-    out["checkpointing"] = parity("llama", group, checkpointing=True, fullgraph=False)
+    case = family_case("llama", checkpointing=True, fullgraph=False)
+    out["checkpointing"] = ParityRunner(case, group).run(profile=True)
     return out if rank == 0 else {}
 
 
@@ -275,3 +228,171 @@ def sleeping_worker(rank: int, world_size: int) -> None:
     import time
 
     time.sleep(3600)
+
+
+# -- fail together: one rank fails, every rank raises -----------------------------------------------------
+#: Packed documents of the fail-together tests: T = 16, chunks of 8 at CP=2. Rank 0's chunk lies inside the
+#: first document of each row; rank 1's chunk holds a document boundary (token 10 of row 0, 12 of row 1).
+FAIL_DOCS = [[10, 6], [12, 4]]
+#: Short waits for the fail-together tests: a rank blocked by a live failed peer raises after PEER_TIMEOUT_S.
+FAIL_PEER_TIMEOUT_S = 4.0
+FAIL_GRACE_S = 1.0
+
+
+def _fail_setup(world_size: int):
+    """A fresh CP group and a compiled tiny LM whose bool mask is causal + same document, from position_ids."""
+    group = dist.new_group(list(range(world_size)))
+    return group, _fail_model(group)
+
+
+def _fail_model(group):
+    import cpcompile
+    from tests import _models
+
+    torch._dynamo.reset()
+    return torch.compile(_models.attention_lm("packed_docs"), backend=cpcompile.backend(group, inner="aot_eager"))
+
+
+def _short_waits(group) -> None:
+    import cpcompile
+
+    options = cpcompile.FailsafeOptions(peer_timeout_s=FAIL_PEER_TIMEOUT_S, report_grace_s=FAIL_GRACE_S)
+    cpcompile.configure_failsafe(group, options)
+
+
+def _step(cm, batch, group, **kw) -> float:
+    import cpcompile
+
+    with cpcompile.shard(batch, group, **kw) as local:
+        loss = cm(**local).loss
+        loss.backward()
+    return float(loss.detach())
+
+
+def _outcome(fn) -> dict:
+    """What ``fn()`` raised: type name, message, isinstance flags and seconds until it raised."""
+    import cpcompile
+
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the parent asserts on the type and message
+        return {
+            "type": type(e).__name__,
+            "message": str(e) + "".join(f"\n{n}" for n in getattr(e, "__notes__", ())),
+            "rank_failed": isinstance(e, cpcompile.RankFailedError),
+            "value_error": isinstance(e, ValueError),
+            "mask_mismatch": isinstance(e, cpcompile.MaskMismatchError),
+            "failed": getattr(e, "failed", None),
+            "dead": getattr(e, "dead", None),
+            "seconds": time.monotonic() - start,
+            "raised_at": time.time(),
+        }
+    return {"type": "none", "message": "", "seconds": time.monotonic() - start}
+
+
+def fail_together_worker(rank: int, world_size: int) -> dict:
+    """Asymmetric failures on live ranks, each on a fresh CP group; returns ``{scenario: outcome}`` per rank."""
+    import cpcompile
+    from cpcompile.testing import packed_batch
+
+    batch = packed_batch(FAIL_DOCS, seed=0)
+    bad = dict(batch, position_ids=batch["position_ids"] - 3) if rank == 1 else batch  # negative on rank 1 only
+    out: dict = {}
+
+    # 1. the model builds its packed-document mask from position_ids that shard was not given: rank 0's diagonal
+    #    block matches cpcompile's causal mask, rank 1's does not (its chunk holds a document boundary)
+    group, cm = _fail_setup(world_size)
+
+    def unshared_positions():
+        with cpcompile.shard({"input_ids": batch["input_ids"], "labels": batch["labels"]}, group) as local:
+            plan = cpcompile.current_plan()
+            cm(**{**local, "position_ids": plan.local(batch["position_ids"])})
+
+    out["mask_mismatch"] = _outcome(unshared_positions)
+    out["mask_mismatch_comm"] = dataclasses.asdict(cpcompile.comm_stats())
+
+    # 2. one rank's batch fails validation, with check_batch: decided in the check's control round
+    group = dist.new_group(list(range(world_size)))
+
+    def enter(b, **kw):
+        with cpcompile.shard(b, group, **kw):
+            pass
+
+    out["bad_batch_checked"] = _outcome(lambda: enter(bad, check_batch=True))
+    out["checked_group_usable"] = _step(_fail_model(group), batch, group, check_batch=True)
+
+    # 3. without check_batch, on the first call: the peer learns it in the first-call mask check's round
+    group, cm = _fail_setup(world_size)
+    out["bad_batch_first_call"] = _outcome(lambda: _step(cm, bad, group))
+    out["bad_batch_first_call_next"] = _outcome(lambda: _step(cm, batch, group))
+
+    # 4. without check_batch, on a later step: the peer is blocked in the first K/V all-gather until the
+    #    group's timeout; the failed rank learns the verdict on its next use of the group
+    group, cm = _fail_setup(world_size)
+    _step(cm, batch, group)
+    _short_waits(group)
+    out["bad_batch_later"] = _outcome(lambda: _step(cm, bad, group))
+    out["bad_batch_later_next"] = _outcome(lambda: _step(cm, batch, group))
+
+    # 5. one rank calls the compiled model outside shard while its peer is inside (first call, later step)
+    for name, warm in (("outside_first_call", False), ("outside_later", True)):
+        group, cm = _fail_setup(world_size)
+        with cpcompile.shard(batch, group) as local:
+            saved = dict(local)
+        if warm:
+            _step(cm, batch, group)
+        _short_waits(group)
+        out[name] = _outcome(lambda: _step(cm, batch, group) if rank == 0 else cm(**saved))
+        out[name + "_next"] = _outcome(lambda: _step(cm, batch, group))
+
+    # 6. rank 1 fails in its own code, outside cpcompile, while rank 0 runs a step: without fail_together its
+    #    peer learns nothing but that it did not come (after the group's timeout); with it, the reason too
+    for name, report in (("own_code_unreported", False), ("own_code_fail_together", True)):
+        group, cm = _fail_setup(world_size)
+        _step(cm, batch, group)
+        _short_waits(group)
+
+        def data_loader_fails():
+            raise RuntimeError("the data loader of rank 1 failed")
+
+        def own_code():
+            if rank == 0:
+                _step(cm, batch, group)
+            elif report:
+                with cpcompile.fail_together(group):
+                    data_loader_fails()
+            else:
+                data_loader_fails()
+
+        out[name] = _outcome(own_code)
+        if rank == 1:  # stay alive (a notebook) until rank 0 has raised, so that it cannot see this process exit
+            time.sleep(FAIL_PEER_TIMEOUT_S + FAIL_GRACE_S + 2)
+        out[name + "_next"] = _outcome(lambda: _step(cm, batch, group))
+    return out
+
+
+def killed_rank_worker(rank: int, world_size: int, where: str) -> dict | None:
+    """Rank 1 kills its own process (``SIGKILL``) ``where``: "between_forward_and_backward" of a later step, or
+    "before_first_call" (its peer then waits in the first-call mask check's control round)."""
+    import os
+    import signal
+
+    import cpcompile
+    from cpcompile.testing import packed_batch
+
+    batch = packed_batch(FAIL_DOCS, seed=0)
+    group, cm = _fail_setup(world_size)
+    if where == "between_forward_and_backward":
+        _step(cm, batch, group)
+
+    def step():
+        with cpcompile.shard(batch, group) as local:
+            if rank == 1 and where == "before_first_call":
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = cm(**local).loss
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+
+    return {"killed": _outcome(step), "next": _outcome(step)}

@@ -1,52 +1,107 @@
-"""Reusable parity check: a model compiled with cpcompile on a CP group vs the same model eager in one process.
+"""The one parity harness: a model compiled with cpcompile on a CP group vs the same model eager in one process.
 
-Inside a rank of :func:`tests._dist.run_distributed`::
+Every multi-process test that compares CP with the unsharded model goes through this module, and its tolerances
+are defined here and nowhere else. Inside a rank of :func:`tests._dist.run_distributed`::
 
     runner = ParityRunner(ParityCase(model="qwen3", doc_lens=((10, 20, 7), (5, 30, 2))), group)
     outcome = runner.run()          # one CP training step on this rank's chunk, gathered and summed
     assert_parity(outcome)          # assert_close of logits, loss and every gradient (named tolerances)
     errors = outcome.errors()       # max abs differences, for reports
 
-The reference is the unsharded model run eagerly in this process on the whole global batch (every rank runs it;
-all ranks build the same weights and batch from the case's seeds). The CP side compiles an identical copy with
-``cpcompile.backend(group, inner=...)``, runs it on ``cpcompile.shard``'s local batch, gathers the logits,
-sums the per-rank losses and every parameter's gradient over the group.
+The reference is the unsharded model run eagerly in this process on the whole global batch
+(:func:`reference_step`; every rank runs it and builds the same weights and batch from the case's seeds). The CP
+side (:func:`cp_step`) compiles an identical copy with ``cpcompile.backend(group, ...)`` and the case's options
+(inner compiler, attention path, layout, config), runs it on ``cpcompile.shard``'s local batch, gathers the
+logits, sums the per-rank losses and every parameter's gradient over the group. Training loops with several
+steps (FSDP2 with an optimizer) call :func:`reference_step` and :func:`cp_step` directly.
 
-Models: any family of :data:`cpcompile.testing.FAMILIES` (HF models built from tiny configs), or
-``"attn:<form>"`` for :class:`tests._models.TinyAttentionLM` (see its attention forms).
+Models (:meth:`ParityCase.build_model`): any family of :data:`cpcompile.testing.FAMILIES` (transformers models
+built from tiny configs), ``"attn:<form>"`` for :class:`tests._models.TinyAttentionLM`, or ``"module:factory"``.
+
+Negative controls (:data:`CONTROLS`, :meth:`ParityRunner.run`) break the CP side through public means only (the
+batch handed to ``shard``, the ``local`` batch handed to the model, the backend's options) and must fail the
+same check, or be refused by cpcompile, with the error they cause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile import ops
-from cpcompile.plan import CPPlan
 from cpcompile.testing import FAMILIES, packed_batch, tiny_model
 from tests import _models
 
-# fp32 tolerances. The CP side computes the same attention over the same keys; only the order of float
-# reductions changes (softmax/matmul blocking over a shorter query chunk, the loss and every gradient summed over
-# ranks instead of over one row). Measured differences are <= 5e-7 (table in tests/test_parity.py); 1e-5 leaves
-# room for other kernels and inner compilers, and is far below what one wrong mask entry, a wrong label at a chunk
-# boundary or a missing rank's gradient causes (>= 1e-3, measured by the negative controls).
+# -- tolerances: the one place ---------------------------------------------------------------------------------
+# fp32 model-level parity (CP ranks vs one process, every attention path and layout). The CP side computes the
+# same attention over the same keys; only the order of float reductions changes: the softmax/matmul blocking
+# over a shorter query chunk (or the block kernel's online softmax), the loss and every gradient summed over
+# ranks instead of over one row. Measured maxima over every parity run of the suite are in BENCHMARKS.md
+# ("parity errors": logits 6.0e-7, loss 9.5e-7, gradients 2.3e-7); each tolerance below leaves >= 4x headroom
+# over them and stays far below what one wrong mask entry, a wrong label at a chunk boundary or a missing
+# rank's gradient causes (>= 5e-3, measured by the negative controls).
+#: Logits are O(1) values: a few fp32 ulps plus reassociation over a few hundred keys.
 LOGITS_TOL = dict(atol=1e-5, rtol=1e-5)
-#: The loss is one scalar of size ~5: the same absolute budget as the logits.
-LOSS_TOL = dict(atol=1e-5, rtol=1e-6)
+#: The loss is one scalar of size ~5, a sum of per-rank partial sums: a few ulps (1 ulp = 4.8e-7 at 5).
+LOSS_TOL = dict(atol=1e-6, rtol=1e-6)
 #: Gradients are small (|g| ~1e-3..1e-1): an absolute 1e-6 keeps the relative check meaningful.
 GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
+#: The global gradient norm (FSDP2 ``clip_grad_norm_``, the Trainer's logged norm of ~1.3-2.2): a sum of squares
+#: of gradients that agree to GRAD_TOL (measured <= 2.4e-7).
+NORM_TOL = dict(atol=1e-6, rtol=1e-5)
+#: Parameters after a few AdamW steps (lr 1e-2, eps 1e-4, tests/test_fsdp_cp.py): AdamW divides by
+#: sqrt(v) + eps, so a gradient difference delta moves a step by up to 2 * lr * delta / eps = 2e-5 even for a
+#: zero gradient. A wrong CP gradient combination moves parameters by ~lr = 1e-2.
+PARAM_TOL = dict(atol=2e-5, rtol=1e-5)
+#: Parameters after 2 AdamW steps of the Trainer tests (lr 1e-3, eps 1e-8): AdamW divides by sqrt(v) + eps, which
+#: magnifies the fp32 rounding of gradient entries near zero (a flipped sign moves an entry by up to 2 * lr =
+#: 2e-3); measured <= 2.0e-5. A wrong gradient contribution moves the first-step grad norm by a factor.
+TRAINER_PARAM_TOL = dict(atol=1e-4, rtol=0)
+#: One fp32 reduction of a few dozen values in another order, no CP involved (gradient norms of DTensors).
+REDUCTION_TOL = dict(atol=0.0, rtol=1e-6)
+#: The largest |difference| examples/train_fsdp_cp.py's own ``--check`` prints for a loss (~7) or a grad norm
+#: (~0.6) over its steps: fp32 values added up in another order, a few ulps of ~5e-7 each.
+SCALAR_ATOL = 5e-6
+#: The block kernel alone against fp64 SDPA under the plan's mask: blockwise online softmax in fp32 over a few
+#: hundred keys, a few fp32 ulps of O(1) values.
+KERNEL_TOL = dict(atol=2e-5, rtol=2e-5)
+#: Two fp64 computations of the same attention that differ only in summation order (the varlen segments).
+FP64_TOL = dict(atol=1e-12, rtol=1e-12)
+#: Autograd of an elementwise fp32 function against its closed form: a few ulps.
+ELEMENTWISE_TOL = dict(atol=1e-6, rtol=1e-6)
+#: Copies and reorderings (gather, the dense reference path's identical SDPA call): bit-identical.
+EXACT = dict(atol=0, rtol=0)
+#: examples/demo_cp.py, CP=2 vs one process, per-step loss (~4.87): step 0 differs only by fp32 reduction order
+#: (measured 1.4e-6); later steps follow AdamW updates, which magnify rounding on near-zero gradients. A wrong
+#: mask moves the loss by >= 5e-3 (the merge_documents controls).
+DEMO_LOSS_ATOL = 1e-4
+#: examples/demo_cp.py: largest parameter difference after its AdamW steps (measured 1.3e-4; a wrong gradient
+#: flips updates of 2 * lr).
+DEMO_PARAM_ATOL = 1e-3
 
-Corruption = Literal["label_shift", "merge_documents"]
+#: Negative controls of :meth:`ParityRunner.run`:
+#:
+#: * ``label_shift``: the model gets this rank's labels unshifted as ``shift_labels`` (the chunk-boundary bug);
+#:   the logits stay right, the loss and gradients do not.
+#: * ``merge_documents``: the CP run is given the batch with its documents merged (``position_ids`` counting
+#:   through the whole row), the reference keeps them apart: the logits differ.
+#: * ``plan_merges_documents``: ``shard`` gets the merged batch (its plan attends across documents) but the
+#:   model gets the batch's true ``position_ids``: refused by the first-call mask check on a fresh site
+#:   (``MaskMismatchError``), the logits differ on a site already checked.
+#: * ``wrong_window``: the backend gets a copy of the model config whose ``sliding_window`` is one token larger
+#:   (windowed models only): refused at compile time (``UnsupportedAttentionError``).
+#: * ``positions_off``: the case compiled afresh with ``cpcompile.backend(..., positions="off")``, so positions the
+#:   model computes from the local length stay local (models that compute positions): the logits differ.
+Corruption = Literal["label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off"]
+CONTROLS: tuple[Corruption, ...] = ("label_shift", "merge_documents", "plan_merges_documents", "wrong_window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +127,31 @@ class ParityCase:
     expected_form: tuple[str, bool] | None = None
     #: Extra keyword arguments of ``cpcompile.backend`` (options added by later features).
     backend_kwargs: tuple[tuple[str, object], ...] = ()
-    #: Extra keyword arguments of ``cpcompile.shard`` (e.g. ``layout``, ``workload``).
+    #: The backend's attention path: ``"auto"`` (block on CPU), ``"dense"`` (the CUDA default) or ``"block"``.
+    attention: str = "auto"
+    #: ``cpcompile.shard``'s layout (``cpcompile.plan.LAYOUTS``).
+    layout: str = "contiguous"
+    #: Pass the model's transformers config to the backend (``config=model.config``), as training should.
+    use_config: bool = False
+    #: Fields changed in the copy of the config the backend gets (negative controls; implies ``use_config``).
+    config_overrides: tuple[tuple[str, object], ...] = ()
+    #: ``torch.compile(..., fullgraph=...)`` of the CP copy.
+    fullgraph: bool = False
+    #: Activation checkpointing of the CP copy's decoder layers (``gradient_checkpointing_enable``).
+    checkpointing: bool = False
+    #: ``(kind, action)`` of every position source the backend must report, in order; None: not checked.
+    expected_positions: tuple[tuple[str, str], ...] | None = None
+    #: Extra keyword arguments of ``cpcompile.shard`` (e.g. the balanced layout's ``workload``).
     shard_kwargs: tuple[tuple[str, object], ...] = ()
 
     @property
     def name(self) -> str:
         T = sum(self.doc_lens[0])
-        return f"{self.model}/B{len(self.doc_lens)}/T{T}/{self.inner}"
+        extra = "".join(
+            f"/{v}" for v, default in ((self.attention, "auto"), (self.layout, "contiguous")) if v != default
+        )
+        settings = "".join(f"/{k}={v}" for k, v in self.overrides)
+        return f"{self.model}{settings}/B{len(self.doc_lens)}/T{T}/{self.inner}{extra}"
 
     def build_model(self) -> torch.nn.Module:
         kwargs = dict(self.overrides)
@@ -96,22 +169,129 @@ class ParityCase:
     def batch(self) -> dict[str, torch.Tensor]:
         return packed_batch([list(r) for r in self.doc_lens], seed=self.batch_seed)
 
+    def backend(self, group: dist.ProcessGroup, model: torch.nn.Module) -> cpcompile.CPBackend:
+        """``cpcompile.backend`` with this case's options for ``model``."""
+        kwargs = {"inner": self.inner, "attention": self.attention, **dict(self.backend_kwargs)}
+        if self.use_config or self.config_overrides:
+            config = model.config
+            if self.config_overrides:
+                config = copy.deepcopy(config)
+                for key, value in self.config_overrides:
+                    setattr(config, key, value)
+            kwargs["config"] = config
+        return cpcompile.backend(group, **kwargs)
+
     def check_layout(self, cp_size: int) -> None:
-        """Refuse a case that would not exercise CP: B >= 2 and some document crossing a chunk boundary."""
-        T = sum(self.doc_lens[0])
-        c = -(-T // cp_size)
+        """Refuse a case that would not exercise CP: B >= 2 and some document held by more than one rank."""
         if len(self.doc_lens) < 2:
             raise ValueError(f"case {self.name}: use B >= 2 rows, got {len(self.doc_lens)}")
-        crossing = False
-        for row in self.doc_lens:
-            start = 0
-            for n in row:
-                crossing |= start // c != (start + n - 1) // c
-                start += n
-        if cp_size > 1 and not crossing:
-            raise ValueError(f"case {self.name}: no document crosses a chunk boundary (chunk {c}) at CP={cp_size}")
+        if cp_size == 1:
+            return
+        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **dict(self.shard_kwargs))
+        owner = torch.empty(plan.padded_len, dtype=torch.long)
+        owner[plan.gathered_indices()] = torch.arange(cp_size).repeat_interleave(plan.chunk_len)
+        crossing = any(
+            len(set(owner[start : start + n].tolist())) > 1
+            for row in self.doc_lens
+            for start, n in zip(_starts(row), row)
+        )
+        if not crossing:
+            raise ValueError(f"case {self.name}: no document is split between ranks at CP={cp_size}")
 
 
+def _starts(row: tuple[int, ...]) -> list[int]:
+    return [sum(row[:i]) for i in range(len(row))]
+
+
+def merged_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with one document per row: ``position_ids`` count 0..T-1 through the packed documents."""
+    B, T = batch["input_ids"].shape
+    return {**batch, "position_ids": torch.arange(T).expand(B, T).contiguous()}
+
+
+# -- one step on each side --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Step:
+    """One forward/backward: logits in global token order, the global loss, every parameter's global gradient."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    #: CP side only: the collectives cpcompile counted, and the gloo events the profiler saw (``profile=True``).
+    comm: cpcompile.CommStats | None = None
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def reference_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Step:
+    """The unsharded model, eager, on the whole global batch (``use_cache=False``, as ``shard`` calls it)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return Step(out.logits.detach(), out.loss.detach(), grads)
+
+
+def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def sum_grads_over_cp(model: torch.nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient summed over the CP group (each rank holds the partial sum of its tokens)."""
+    return {n: _all_reduce_sum(p.grad, group) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def cp_step(
+    compiled: Callable[..., object],
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    group: dist.ProcessGroup,
+    *,
+    layout: str = "contiguous",
+    shard_kwargs: Mapping[str, object] | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    full_grads: Callable[[torch.nn.Module, dist.ProcessGroup], dict[str, torch.Tensor]] = sum_grads_over_cp,
+    corrupt: Corruption | None = None,
+    profile: bool = False,
+) -> Step:
+    """One CP training step of ``compiled`` (the compiled ``model``) on this rank's part of ``batch``.
+
+    The loss is summed over ``group`` (with ``dp_group``, ``batch`` holds this DP rank's rows and the loss is
+    this DP rank's share of the global mean), the logits are gathered into token order, ``shard_kwargs`` go to
+    ``cpcompile.shard``, ``full_grads`` gives the
+    whole-sequence gradients. ``corrupt`` applies a negative control (:data:`CONTROLS`) to what ``shard`` or
+    the model gets; ``profile`` counts the gloo collectives of the step with ``torch.profiler``.
+    """
+    model.zero_grad(set_to_none=True)
+    plan_batch = merged_documents(batch) if corrupt in ("merge_documents", "plan_merges_documents") else batch
+    kwargs = dict(shard_kwargs or {}) if dp_group is None else {**(shard_kwargs or {}), "dp_group": dp_group}
+    profiler = torch.profiler.profile(record_shapes=True) if profile else contextlib.nullcontext()
+    with cpcompile.shard(plan_batch, group, layout=layout, **kwargs) as local:
+        if corrupt == "label_shift":
+            local["shift_labels"] = local["labels"]
+        elif corrupt == "plan_merges_documents":  # the batch's true positions, into the tensor shard marked
+            true = cpcompile.build_plan(batch, dist.get_world_size(group), 0)  # position ids of every token
+            local["position_ids"].copy_(cpcompile.current_plan().local(true.position_ids))
+        with profiler:
+            out = compiled(**local)
+            out.loss.backward()
+        logits = cpcompile.gather(out.logits.detach())
+    collectives: dict[str, int] = {}
+    if profile:
+        for event in profiler.events():
+            if event.name.startswith("gloo:"):
+                collectives[event.name] = collectives.get(event.name, 0) + 1
+    return Step(
+        logits=logits,
+        loss=_all_reduce_sum(out.loss, group),
+        grads=full_grads(model, group),
+        comm=dataclasses.replace(cpcompile.comm_stats()),
+        collectives=collectives,
+    )
+
+
+# -- the runner -------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ParityOutcome:
     """Reference and CP results of one step, on one rank (CP values already gathered / summed over ranks)."""
@@ -126,12 +306,24 @@ class ParityOutcome:
     cp_grads: dict[str, torch.Tensor]
     #: (mask form, enable_gqa) of every site this runner's backend compiled so far.
     forms: list[tuple[str, bool]]
+    #: (kind, action) of every position source this runner's backend reported so far.
+    positions: list[tuple[str, str]]
     #: What cpcompile did: SiteReport actions of every graph this runner's backend compiled so far, counter
     #: deltas of this step (compiles happen on the first step only), collectives of this step.
     actions: list[str]
     counter_delta: dict[str, int]
     comm: cpcompile.CommStats
     seconds: float
+    #: The attention each rewritten site emitted (``"dense"`` or ``"block"``), in compile order.
+    kernels: list[str] = dataclasses.field(default_factory=list)
+    #: gloo collectives seen by the profiler in this step (``run(profile=True)``), by event name.
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: SDPA sites the case must rewrite (``case.expected_sites``, else the model's attention layer count).
+    expected_sites: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.case.name} CP={self.cp_size}"
 
     def errors(self) -> dict[str, float]:
         """Max absolute differences (and the largest gradient's name), for reports."""
@@ -148,7 +340,7 @@ class ParityOutcome:
 
 def assert_parity(outcome: ParityOutcome) -> None:
     """``assert_close`` of gathered logits, summed loss and every summed gradient against the reference."""
-    name = f"{outcome.case.name} CP={outcome.cp_size}"
+    name = outcome.name
     torch.testing.assert_close(outcome.cp_logits, outcome.ref_logits, **LOGITS_TOL, msg=lambda m: f"{name} logits: {m}")
     torch.testing.assert_close(outcome.cp_loss, outcome.ref_loss, **LOSS_TOL, msg=lambda m: f"{name} loss: {m}")
     assert outcome.cp_grads.keys() == outcome.ref_grads.keys(), f"{name}: CP and reference have different parameters"
@@ -158,36 +350,53 @@ def assert_parity(outcome: ParityOutcome) -> None:
         )
 
 
+def failing_quantities(outcome: ParityOutcome) -> list[str]:
+    """Which of ``logits``, ``loss``, ``grads`` differ from the reference beyond their tolerance."""
+    failed = []
+    checks = (
+        ("logits", [(outcome.cp_logits, outcome.ref_logits)], LOGITS_TOL),
+        ("loss", [(outcome.cp_loss, outcome.ref_loss)], LOSS_TOL),
+        ("grads", [(outcome.cp_grads[n], g) for n, g in outcome.ref_grads.items()], GRAD_TOL),
+    )
+    for quantity, pairs, tol in checks:
+        try:
+            for got, want in pairs:
+                torch.testing.assert_close(got, want, **tol)
+        except AssertionError:
+            failed.append(quantity)
+    return failed
+
+
 def assert_rewrites(outcome: ParityOutcome, expected_sites: int) -> None:
-    """Exactly ``expected_sites`` SDPA sites rewritten, none refused, and 2 all-gathers (K, V) per site."""
-    name = f"{outcome.case.name} CP={outcome.cp_size}"
+    """Exactly ``expected_sites`` SDPA sites rewritten, none refused, and K and V exchanged once per site (an
+    all-gather each, or a halo exchange each at sliding-window sites), every exchange with its backward."""
+    name = outcome.name
     rewritten = outcome.actions.count("rewritten")
     assert rewritten == expected_sites, f"{name}: {rewritten} SDPA sites rewritten, expected {expected_sites}"
     assert outcome.counter_delta.get("sdpa_rewritten", 0) == expected_sites, f"{name}: {outcome.counter_delta}"
     assert outcome.counter_delta.get("sdpa_refused", 0) == 0, f"{name}: {outcome.counter_delta}"
+    if outcome.case.attention != "auto":
+        assert set(outcome.kernels) == {outcome.case.attention}, f"{name}: attention emitted {outcome.kernels}"
     if outcome.cp_size > 1:
-        # one forward step: K and V gathered once per site, each reduce-scattered in backward
-        assert outcome.comm.all_gathers == 2 * expected_sites, f"{name}: {outcome.comm}"
-        assert outcome.comm.reduce_scatters == 2 * expected_sites, f"{name}: {outcome.comm}"
-
-
-def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    t = t.detach().clone()
-    dist.all_reduce(t, group=group)
-    return t
-
-
-def sum_grads_over_cp(model: torch.nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient summed over the CP group (each rank holds the partial sum of its tokens)."""
-    return {n: _all_reduce_sum(p.grad, group) for n, p in model.named_parameters() if p.grad is not None}
+        # one step: K and V exchanged once per site (an all-gather each, or a halo exchange each at sliding-window
+        # sites; again in backward where activation checkpointing recomputes the layer), each with its backward
+        # (reduce-scatter or halo return)
+        comm = outcome.comm
+        runs = 2 if outcome.case.checkpointing else 1
+        assert comm.all_gathers + comm.halo_exchanges == 2 * expected_sites * runs, f"{name}: {comm}"
+        if not outcome.case.checkpointing:  # comm_stats counts a recomputed exchange's backward once more
+            assert comm.reduce_scatters == comm.all_gathers, f"{name}: {comm}"
+            assert comm.halo_backward_bytes == comm.halo_bytes, f"{name}: {comm}"
 
 
 class ParityRunner:
     """Builds the reference (eager, whole batch) once and the compiled CP model once; ``run`` does one CP step.
 
     Extension points for other setups: ``wrap`` turns the CP copy into what gets compiled (e.g. applies
-    ``fully_shard``; default: the model itself) and ``full_grads`` returns the whole-sequence gradient of every
-    parameter by name on this rank (default: :func:`sum_grads_over_cp`).
+    ``fully_shard``; default: the model itself), ``compile`` turns ``(model, backend)`` into the callable a step
+    calls with the local batch (default: ``torch.compile(model, backend=..., fullgraph=case.fullgraph)``) and
+    ``full_grads`` returns the whole-sequence gradient of every parameter by name on this rank (default:
+    :func:`sum_grads_over_cp`).
     """
 
     def __init__(
@@ -196,76 +405,106 @@ class ParityRunner:
         group: dist.ProcessGroup,
         *,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        compile: Callable[[torch.nn.Module, cpcompile.CPBackend], Callable[..., object]] | None = None,
         full_grads: Callable[[torch.nn.Module, dist.ProcessGroup], dict[str, torch.Tensor]] = sum_grads_over_cp,
     ) -> None:
         self.case, self.group, self.full_grads = case, group, full_grads
         self.cp_size = dist.get_world_size(group)
         case.check_layout(self.cp_size)
         self.batch = case.batch()
-        ref = case.build_model()
-        out = ref(**self.batch, use_cache=False)
-        out.loss.backward()
-        self.ref_logits = out.logits.detach()
-        self.ref_loss = out.loss.detach()
-        self.ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+        self.ref_model = case.build_model()
+        self.reference = reference_step(self.ref_model, self.batch)
         self.model = case.build_model()
+        if case.checkpointing:
+            self.model.gradient_checkpointing_enable()
         if wrap is not None:
             self.model = wrap(self.model)
-        self.backend = cpcompile.backend(group, inner=case.inner, **dict(case.backend_kwargs))
-        self.compiled = torch.compile(self.model, backend=self.backend)
+        self.expected_sites = case.expected_sites if case.expected_sites is not None else _layer_count(self.model)
+        self.backend = case.backend(group, self.model)
+        if compile is None:
+            self.compiled = torch.compile(self.model, backend=self.backend, fullgraph=case.fullgraph)
+        else:
+            self.compiled = compile(self.model, self.backend)
 
-    def run(self, corrupt: Corruption | None = None) -> ParityOutcome:
-        """One CP step. ``corrupt`` deliberately breaks the CP side (negative controls of the parity check):
+    def run(
+        self, corrupt: Corruption | None = None, *, batch: dict[str, torch.Tensor] | None = None, profile: bool = False
+    ) -> ParityOutcome:
+        """One CP step on ``batch`` (default: the case's), next to the reference on the same batch.
 
-        * ``label_shift``: the model gets the local labels unshifted as ``shift_labels`` (the chunk-boundary bug);
-        * ``merge_documents``: the rewritten attention uses the global causal mask without the document condition
-          (and the model's mask is not checked against it).
+        ``corrupt`` applies a negative control to the CP side (:data:`CONTROLS`; ``wrong_window`` needs a fresh
+        backend: see :func:`check_case`); ``profile`` records the step's gloo collectives.
         """
         start = time.perf_counter()
-        self.model.zero_grad(set_to_none=True)
+        ref = self.reference if batch is None else reference_step(self.ref_model, batch)
+        batch = self.batch if batch is None else batch
         before = dict(cpcompile.counters)
-        with _corruption(corrupt):
-            with cpcompile.shard(self.batch, self.group, **dict(self.case.shard_kwargs)) as local:
-                if corrupt == "label_shift":
-                    local["shift_labels"] = local["labels"]
-                out = self.compiled(**local)
-                out.loss.backward()
-                logits = cpcompile.gather(out.logits.detach())
-            comm = cpcompile.comm_stats()
-        grads = self.full_grads(self.model, self.group)
+        cp = cp_step(
+            self.compiled,
+            self.model,
+            batch,
+            self.group,
+            layout=self.case.layout,
+            shard_kwargs=dict(self.case.shard_kwargs),
+            full_grads=self.full_grads,
+            corrupt=corrupt,
+            profile=profile,
+        )
         return ParityOutcome(
             case=self.case,
             cp_size=self.cp_size,
-            ref_logits=self.ref_logits,
-            cp_logits=logits,
-            ref_loss=self.ref_loss,
-            cp_loss=_all_reduce_sum(out.loss, self.group),
-            ref_grads=self.ref_grads,
-            cp_grads=grads,
+            ref_logits=ref.logits,
+            cp_logits=cp.logits,
+            ref_loss=ref.loss,
+            cp_loss=cp.loss,
+            ref_grads=ref.grads,
+            cp_grads=cp.grads,
             actions=[r.action for r in self.backend.reports],
             forms=[(r.mask_form, r.enable_gqa) for r in self.backend.reports],
+            positions=[(r.kind, r.action) for r in self.backend.position_reports],
+            kernels=[r.kernel for r in self.backend.reports if r.action == "rewritten"],
             counter_delta={k: v - before.get(k, 0) for k, v in cpcompile.counters.items()},
-            comm=dataclasses.replace(comm),
+            comm=cp.comm,
+            collectives=cp.collectives,
             seconds=time.perf_counter() - start,
+            expected_sites=self.expected_sites,
         )
 
 
-@contextlib.contextmanager
-def _corruption(corrupt: Corruption | None):
-    """Patch cpcompile for one negative-control run (nothing for ``None`` and ``label_shift``)."""
-    if corrupt != "merge_documents":
-        yield
-        return
-    original = CPPlan.attention_docs
+def run_control(
+    case: ParityCase, group: dist.ProcessGroup, corrupt: Corruption, runner: ParityRunner | None = None, **runner_kwargs
+) -> dict:
+    """Run one negative control; return whether it was caught, how (``error``: the exception type, or
+    ``"parity"`` with the ``failing`` quantities), the errors it caused and the first line of the message.
 
-    def merged(plan, documents):  # the document ids every attention path reads
-        return original(plan, False)
-
-    with (
-        mock.patch.object(CPPlan, "attention_docs", merged),
-        mock.patch.object(ops, "_verify_model_mask_once", lambda *a: None),
-    ):
-        yield
+    ``runner`` is reused when given (its sites are already compiled and checked); ``wrong_window`` always
+    compiles afresh with the changed config.
+    """
+    try:
+        if corrupt == "positions_off":
+            torch._dynamo.reset()  # compile the control afresh, with no cache entry of the rewritten graph
+            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, ("positions", "off")))
+            bad = ParityRunner(off, group, **runner_kwargs).run()
+            assert bad.positions == [], f"{case.name}: positions='off' still reported {bad.positions}"
+        elif corrupt == "wrong_window":
+            window = case.build_model().config.sliding_window
+            bad_case = dataclasses.replace(case, config_overrides=(("sliding_window", window + 1),))
+            torch._dynamo.reset()
+            runner = ParityRunner(bad_case, group, **runner_kwargs)
+            bad = runner.run()
+        else:
+            bad = (runner or ParityRunner(case, group, **runner_kwargs)).run(corrupt)
+        assert_parity(bad)
+    except (cpcompile.UnsupportedAttentionError, cpcompile.MaskMismatchError) as e:
+        return {"caught": True, "error": type(e).__name__, "message": str(e).splitlines()[0]}
+    except AssertionError as e:
+        return {
+            "caught": True,
+            "error": "parity",
+            "failing": failing_quantities(bad),
+            **bad.errors(),
+            "message": str(e).splitlines()[0],
+        }
+    return {"caught": False, "error": "none", **bad.errors()}
 
 
 def check_case(
@@ -273,18 +512,14 @@ def check_case(
 ) -> dict:
     """Run ``case`` on this rank, assert parity and rewrites, then run each negative control.
 
-    Returns a summary (max errors, seconds, and for each control whether the parity check caught it and the
-    error it caused) for the parent test, which must assert that every control was caught.
-    ``runner_kwargs`` go to :class:`ParityRunner`.
+    Returns a summary (max errors, seconds, and for each control how the check caught it: see
+    :func:`run_control`) for the parent test, which must assert that every control was caught the way it
+    should be (:func:`assert_controls`). ``runner_kwargs`` go to :class:`ParityRunner`.
     """
     t0 = time.perf_counter()
     runner = ParityRunner(case, group, **runner_kwargs)
     outcome = runner.run()
-    expected = case.expected_sites if case.expected_sites is not None else _layer_count(runner.model)
-    assert_rewrites(outcome, expected)
-    if case.expected_form is not None:
-        assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
-    assert_parity(outcome)
+    check_outcome(outcome)
     summary = {
         "case": case.name,
         "cp": runner.cp_size,
@@ -293,14 +528,64 @@ def check_case(
         "controls": {},
     }
     for corrupt in controls:
-        bad = runner.run(corrupt)
-        try:
-            assert_parity(bad)
-        except AssertionError as e:
-            summary["controls"][corrupt] = {"caught": True, **bad.errors(), "message": str(e).splitlines()[0]}
-        else:
-            summary["controls"][corrupt] = {"caught": False, **bad.errors()}
+        summary["controls"][corrupt] = run_control(case, group, corrupt, runner, **runner_kwargs)
     return summary
+
+
+def check_outcome(outcome: ParityOutcome) -> None:
+    """Every assertion of a parity run: the rewrites and SDPA forms the case expects, then parity; prints the
+    errors (shown with ``pytest -s``)."""
+    case = outcome.case
+    assert_rewrites(outcome, outcome.expected_sites)
+    if case.expected_form is not None:
+        assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
+    if case.expected_positions is not None:
+        assert outcome.positions == list(case.expected_positions), f"{case.name}: positions {outcome.positions}"
+    assert_parity(outcome)
+    e = outcome.errors()
+    print(f"\n{outcome.name}: logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} ({e['grad_param']})")
+
+
+#: How each control must be caught: the parity check failing on these quantities, or this exception.
+EXPECTED_CATCH: dict[str, dict] = {
+    "label_shift": {"error": "parity", "failing": ["loss", "grads"]},  # the logits are right
+    "merge_documents": {"error": "parity", "failing_includes": "logits"},
+    "plan_merges_documents": {"error": "parity", "failing_includes": "logits"},  # sites already checked
+    "wrong_window": {"error": "UnsupportedAttentionError", "message_includes": "sliding window"},
+    "positions_off": {"error": "parity", "failing_includes": "logits"},
+}
+
+
+def assert_controls(summaries: list[dict]) -> None:
+    """Every control of every summary was caught, with the error it measures (:data:`EXPECTED_CATCH`)."""
+    for s in summaries:
+        for name, got in s["controls"].items():
+            want = EXPECTED_CATCH[name]
+            where = f"negative control {name} of {s['case']} CP={s['cp']}"
+            assert got["caught"], f"{where} passed the parity check: {got}"
+            assert got["error"] == want["error"], f"{where} was caught by {got['error']}, expected {want}: {got}"
+            if "failing" in want:
+                assert got["failing"] == want["failing"], f"{where} failed on {got['failing']}: {got}"
+            if "failing_includes" in want:
+                assert want["failing_includes"] in got["failing"], f"{where} failed on {got['failing']}: {got}"
+            if "message_includes" in want:
+                assert want["message_includes"] in got["message"], f"{where}: {got['message']}"
+
+
+def report(summaries: list[dict]) -> None:
+    """Print the errors of every case and control (shown with ``pytest -s``)."""
+    for s in summaries:
+        print(
+            f"\n{s['case']} CP={s['cp']}: logits {s['logits']:.1e} loss {s['loss']:.1e} grad {s['grad']:.1e} "
+            f"({s['grad_param']}, max |g| {s['grad_max_abs']:.1e}) in {s['seconds']:.1f}s"
+        )
+        for name, c in s["controls"].items():
+            errors = (
+                f"logits {c['logits']:.1e} loss {c['loss']:.1e} grad {c['grad']:.1e} failing {c['failing']}"
+                if c["error"] == "parity"
+                else c["message"]
+            )
+            print(f"  control {name}: caught={c['caught']} by {c['error']}: {errors}")
 
 
 def _layer_count(model: torch.nn.Module) -> int:

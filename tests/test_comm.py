@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cpcompile import _compat
 from cpcompile.plan import visible_mask
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
 from tests._dist import run_distributed
 from tests._graphs import run_pass
+from tests._workers import parity_worker
+from tests.parity import ParityCase, check_outcome
 
 FAMILIES = ["llama", "qwen3"]
 
@@ -90,80 +91,42 @@ def test_gather_issued_early_and_waited_at_attention(family):
         assert order[waits[1].args[0]] < order[q_rope] or order[waits[0].args[0]] < order[q_rope]
 
 
-def _comm_worker(rank, world_size, family, regather):
-    import cpcompile
-
-    config = tiny_config(family)
-    batch = packed_batch([[10, 20, 7], [5, 30, 2]], seed=3)
-    ref = tiny_model(family)
-    out_ref = ref(**batch, use_cache=False)
-    out_ref.loss.backward()
-
-    group = dist.new_group(list(range(world_size)))
-    model = tiny_model(family)
-    compiled = torch.compile(
-        model, backend=cpcompile.backend(group, inner="aot_eager", regather_kv_in_backward=regather)
+def _case(family: str, regather: bool) -> ParityCase:
+    return ParityCase(
+        model=family,
+        doc_lens=((10, 20, 7), (5, 30, 2)),
+        batch_seed=3,
+        backend_kwargs=(("regather_kv_in_backward", regather),),
     )
-    with cpcompile.shard(batch, group) as local:
-        with torch.profiler.profile(record_shapes=True) as prof:
-            out = compiled(**local)
-            out.loss.backward()
-        logits = cpcompile.gather(out.logits)
-        stats = cpcompile.comm_stats()
-    gloo = {}
-    for e in prof.events():
-        if e.name.startswith("gloo:"):
-            gloo[e.name] = gloo.get(e.name, 0) + 1
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g, group=group)
-        grads[name] = g
-    plan_chunk = -(-batch["input_ids"].shape[1] // world_size)
-    return {
-        "stats": stats,
-        "gloo": gloo,
-        "chunk": plan_chunk,
-        "layers": config.num_hidden_layers,
-        "kv_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim
-        if getattr(config, "head_dim", None)
-        else config.hidden_size // config.num_attention_heads,
-        "logits": logits.detach(),
-        "ref_logits": out_ref.logits.detach(),
-        "grads": grads,
-        "ref_grads": {n: p.grad for n, p in ref.named_parameters()},
-    }
 
 
-# fp32: the CP run reorders only the softmax/matmul reductions over keys; 1e-5 leaves ~100x headroom
-# over the observed differences (<= 2e-7 logits, <= 5e-8 gradients).
-FP32_ATOL, FP32_RTOL = 1e-5, 1e-5
+def _kv_bytes_per_gather(family: str, world: int, batch: int, chunk: int) -> int:
+    """(N-1) chunks of the un-expanded K (or V) of one layer, fp32: the theoretical minimum per gather."""
+    config = tiny_config(family)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (world - 1) * batch * config.num_key_value_heads * chunk * head_dim * 4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_comm_stats_bytes_are_the_theoretical_minimum(family):
-    world = 2
-    results = run_distributed(_comm_worker, world, family, False)
-    for r in results:
-        B = 2
-        # theoretical minimum: (N-1) chunks of the un-expanded K and V per layer, fp32
-        per_tensor = (world - 1) * B * r["kv_heads"] * r["chunk"] * r["head_dim"] * 4
-        expected = 2 * r["layers"] * per_tensor
-        assert r["stats"].all_gather_bytes == expected
-        assert r["stats"].all_gathers == 2 * r["layers"]
-        assert r["stats"].reduce_scatters == 2 * r["layers"]
+    world, case = 2, _case(family, False)
+    layers = tiny_config(family).num_hidden_layers
+    chunk = -(-sum(case.doc_lens[0]) // world)
+    for per_rank in run_distributed(parity_worker, world, [case], None, True, timeout_s=400):
+        outcome, _ = per_rank[case.name]
+        check_outcome(outcome)  # parity with the unsharded model, K and V gathered once per layer
+        assert outcome.comm.all_gather_bytes == 2 * layers * _kv_bytes_per_gather(family, world, 2, chunk)
+        assert outcome.comm.all_gathers == 2 * layers
+        assert outcome.comm.reduce_scatters == 2 * layers
         # independent count from the profiler: one gloo all-gather per gathered tensor
-        assert r["gloo"].get("gloo:all_gather", 0) == 2 * r["layers"]
-        torch.testing.assert_close(r["logits"], r["ref_logits"], atol=FP32_ATOL, rtol=FP32_RTOL)
+        assert outcome.collectives.get("gloo:all_gather", 0) == 2 * layers
 
 
 def test_regather_kv_in_backward_gathers_again_and_stays_exact():
-    world = 2
-    results = run_distributed(_comm_worker, world, "qwen3", True)
-    for r in results:
+    world, case = 2, _case("qwen3", True)
+    layers = tiny_config("qwen3").num_hidden_layers
+    for per_rank in run_distributed(parity_worker, world, [case], None, True, timeout_s=400):
+        outcome, _ = per_rank[case.name]
         # forward gathers K and V once per layer; backward gathers them again instead of saving them
-        assert r["gloo"].get("gloo:all_gather", 0) == 4 * r["layers"]
-        torch.testing.assert_close(r["logits"], r["ref_logits"], atol=FP32_ATOL, rtol=FP32_RTOL)
-        for name, g in r["grads"].items():
-            torch.testing.assert_close(g, r["ref_grads"][name], atol=FP32_ATOL, rtol=FP32_RTOL, msg=name)
+        assert outcome.collectives.get("gloo:all_gather", 0) == 4 * layers
+        check_outcome(outcome)

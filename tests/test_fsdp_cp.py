@@ -23,6 +23,18 @@ import torch
 from cpcompile.plan import Workload
 from cpcompile.testing import packed_batch, tiny_model
 from tests._dist import run_distributed
+from tests.parity import (
+    EXACT,
+    GRAD_TOL,
+    LOGITS_TOL,
+    LOSS_TOL,
+    NORM_TOL,
+    PARAM_TOL,
+    REDUCTION_TOL,
+    SCALAR_ATOL,
+    cp_step,
+    reference_step,
+)
 
 #: The layout of every CP batch here: balanced, on blocks of 4 tokens (the default block of 128 would keep these
 #: short rows contiguous).
@@ -37,19 +49,6 @@ LR = 1e-2
 # (measured 1e-5 after one step with eps=1e-6 and inductor). eps=1e-4 caps that amplification at lr/eps = 100
 # while gradients of the size that matter here (~1e-3..1e-2) are normalised as usual.
 EPS = 1e-4
-# Loss: the same fp32 sums in a different order (per-rank partial sums, then an all-reduce).
-LOSS_TOL = dict(rtol=1e-6, atol=1e-6)
-# Gradients and norms: attention over gathered K/V and FSDP's sum reduce-scatter reorder fp32 additions;
-# measured differences are <= ~1e-7 (well below 1e-5 of a gradient entry of ~1e-2); a wrong combination
-# is off by ~4e-2.
-GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
-NORM_TOL = dict(rtol=1e-5, atol=1e-6)
-# Parameters after 1-3 steps: gradients agree to delta <= ~1e-7 (measured), so by the bound above a step
-# differs by <= 2 * lr * delta / eps = 2e-5 even for a zero gradient, and by ~1e-6 for |g| ~ 1e-3. Measured:
-# <= 1e-6 with aot_eager, ~2e-6 with inductor (its fused kernels round differently). A wrong CP gradient
-# combination moves parameters by ~lr = 1e-2 (the negative controls below: 2e-2 and 6e-2).
-PARAM_TOL = dict(rtol=1e-5, atol=2e-5)
-
 ROWS = [[7, 20, 18], [45], [12, 12, 21], [30, 15]]  # 4 rows of 45 tokens: CP=2 pads to 46, dp=2 takes 2 rows each
 
 
@@ -103,17 +102,23 @@ def _train(mesh, *, inner: str, mode: str = "cpcompile", be=None):
     for step in range(STEPS):
         batch = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in global_batch(step).items()}
         kwargs = {} if mode == "seed" else {"dp_group": dp_group}
-        with cpcompile.shard(batch, cp_group, **kwargs, **LAYOUT) as local:
-            rec["runs"].append(_runs())
-            out = compiled(**local)
-            out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss, group=cp_group)  # CP shares add up to the rows' loss
+        rec["runs"].append(_runs(batch, cp_group))
+        result = cp_step(
+            compiled,
+            model,
+            batch,
+            cp_group,
+            layout=LAYOUT["layout"],
+            shard_kwargs={"workload": LAYOUT["workload"]},
+            full_grads=_full_grads,
+            **kwargs,
+        )
+        loss = result.loss  # CP shares add up to the rows' loss
         dist.all_reduce(loss, group=dp_group)
         if mode == "seed":
             loss /= dp  # the seed averages DP ranks' losses
         rec["loss"].append(loss)
-        rec["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
+        rec["grads"].append(result.grads)
         rec["norm"].append(cpcompile.clip_grad_norm_(model.parameters(), MAX_NORM))
         opt.step()
         opt.zero_grad()
@@ -121,12 +126,20 @@ def _train(mesh, *, inner: str, mode: str = "cpcompile", be=None):
     return rec, be
 
 
-def _runs() -> int:
-    """The most runs of consecutive tokens one rank holds in the active shard context."""
+def _runs(batch, cp_group) -> int:
+    """The most runs of consecutive tokens one rank holds when ``shard`` places ``batch`` with :data:`LAYOUT`."""
+    import torch.distributed as dist
+
     import cpcompile
     from cpcompile.plan import count_runs
 
-    return int(count_runs(cpcompile.current_plan().indices).max())
+    plan = cpcompile.build_plan(batch, dist.get_world_size(cp_group), 0, **LAYOUT)
+    return int(count_runs(plan.indices).max())
+
+
+def _full_grads(model, group) -> dict[str, torch.Tensor]:
+    """FSDP2 already reduced every gradient over dp x cp: the whole gradient of every parameter."""
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
 
 
 LOGPROB_ROWS = [[5, 30, 11], [12, 20, 14]]  # T=46 -> 48, CP=4, c=12: [5,35) spans ranks 0-2; [0,5) and [0,12) one rank
@@ -156,7 +169,7 @@ def _logprobs(world: int):
     mask_full = _shifted(batch["labels"]) != -100
     res = {}
     with cpcompile.shard(batch, group, **LAYOUT) as local:
-        res["runs"] = _runs()
+        res["runs"] = _runs(batch, group)
         out = compiled(**local)
         lp_local = cpcompile.token_logprobs(out.logits, local["shift_labels"])
         ent_local = cpcompile.token_entropy(out.logits)
@@ -209,7 +222,7 @@ def _per_sample_mean_dp(mesh):
     rows = slice(2 * dp_rank, 2 * dp_rank + 2)
     mine = {**{k: v[rows] for k, v in batch.items()}, "values": values[rows]}
     with cpcompile.shard(mine, mesh.get_group("cp"), dp_group=mesh.get_group("dp"), **LAYOUT) as local:
-        runs = _runs()
+        runs = _runs(mine, mesh.get_group("cp"))
         loss = cpcompile.per_sample_mean(local["values"], local["shift_labels"] != -100, dp_group=mesh.get_group("dp"))
     loss.backward()
     loss, grad = loss.detach().clone(), values.grad.clone()
@@ -354,10 +367,9 @@ def reference():
     opt = make_optimizer(model.parameters())
     rec = {"loss": [], "norm": [], "grads": [], "params": []}
     for step in range(STEPS):
-        out = model(**global_batch(step), use_cache=False)
-        out.loss.backward()
-        rec["loss"].append(out.loss.detach())
-        rec["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        result = reference_step(model, global_batch(step))
+        rec["loss"].append(result.loss)
+        rec["grads"].append(result.grads)
         rec["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         opt.step()
         opt.zero_grad()
@@ -403,7 +415,7 @@ def test_all_ranks_hold_the_same_parameters(runs):
     final = [r["dp2_cp2"]["params"][-1] for r in runs]
     for other in final[1:]:
         for name, p in final[0].items():
-            torch.testing.assert_close(other[name], p, rtol=0, atol=0)
+            torch.testing.assert_close(other[name], p, **EXACT)
 
 
 @pytest.mark.parametrize("case", ["seed_dp2_cp2", "averaged_dp2_cp2"])
@@ -438,9 +450,9 @@ def test_gathered_logprobs_and_per_sample_means(runs):
     for rank, r in enumerate(runs):
         got = r["logprobs"]
         assert got["runs"] > 1, "the balanced layout kept contiguous chunks"
-        # logits differ from the single process by <= ~2e-7 (fp32 attention over gathered K/V)
-        torch.testing.assert_close(got["logprobs"], lp, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
-        torch.testing.assert_close(got["entropy"], ent, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
+        # per-token functions of the logits, which differ from the single process by fp32 reassociation
+        torch.testing.assert_close(got["logprobs"], lp, **LOGITS_TOL, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(got["entropy"], ent, **LOGITS_TOL, msg=lambda m: f"rank {rank}: {m}")
         torch.testing.assert_close(got["loss_gather"], loss_gather, **LOSS_TOL)
         torch.testing.assert_close(got["loss_local"], loss_local, **LOSS_TOL)
         for g, want in zip(got["grads_gather"], grads_gather, strict=True):
@@ -471,14 +483,14 @@ def test_clip_grad_norm_dtensor(runs, mesh_name, norm_type, nonfinite):
     for rank, r in enumerate(runs):
         got = r["clip"][(mesh_name, norm_type, repr(nonfinite))]
         # a sum of a few dozen fp32 squares in another order
-        torch.testing.assert_close(got["norm"], want, rtol=1e-6, atol=0, equal_nan=True)
+        torch.testing.assert_close(got["norm"], want, **REDUCTION_TOL, equal_nan=True)
         assert got["all_reduces"] == (0 if norm_type == math.inf else 1), got["all_reduces"]
         if nonfinite is None:
             expected = [p.grad for p in ref_params]  # torch's clipped gradients
         else:
             expected = [*sharded, plain]  # left unscaled; the non-finite norm is returned
         for g, e in zip(got["grads"], expected, strict=True):
-            torch.testing.assert_close(g, e, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"rank {rank}: {m}")
+            torch.testing.assert_close(g, e, **REDUCTION_TOL, equal_nan=True, msg=lambda m: f"rank {rank}: {m}")
 
 
 def test_example_matches_one_process(runs):
@@ -487,10 +499,8 @@ def test_example_matches_one_process(runs):
     assert len(checked) == 1, "rank 0 runs the single-process check"
     diffs = checked[0]
     print("example --check", {k: f"{v:.1e}" for k, v in diffs.items()})
-    # the loss (~7) and norm (~0.6) are fp32 values added up in another order: a few ulps of ~5e-7 each
-    example_tol = 5e-6
-    assert diffs["loss"] < example_tol, diffs
-    assert diffs["grad_norm"] < example_tol, diffs
+    assert diffs["loss"] < SCALAR_ATOL, diffs
+    assert diffs["grad_norm"] < SCALAR_ATOL, diffs
     assert diffs["grad"] < GRAD_TOL["atol"], diffs
     for r in runs:  # every rank reports the same global loss
         assert r["example"]["losses"] == runs[0]["example"]["losses"]
@@ -509,10 +519,10 @@ def test_clip_grad_norm_plain_single_process():
             r.grad = None if p.grad is None else p.grad.clone()
         want = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type)
         got = cpcompile.clip_grad_norm_(params, 0.5, norm_type)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got, want, **REDUCTION_TOL)
         assert params[2].grad is None
         for p, r in zip(params[:2], ref[:2], strict=True):
-            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+            torch.testing.assert_close(p.grad, r.grad, **REDUCTION_TOL)
     assert cpcompile.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
     with pytest.raises(ValueError, match="norm_type"):
         cpcompile.clip_grad_norm_(params, 1.0, -1)

@@ -384,3 +384,57 @@ def test_a_model_that_cannot_be_called_like_a_causal_lm_exits_1(capsys):
     assert main(["inspect", "torch.nn:Identity", "--cp-size", "2", "--seq-len", "8"]) == 1
     err = capsys.readouterr().err
     assert "tracing 'torch.nn:Identity' as rank 0 of 2 on meta failed" in err and "input_ids" in err
+
+
+def tiny_llama_one_layer():
+    """A model factory for the memory test: a transformers config of a 1-layer tiny Llama (built on meta)."""
+    return tiny_config("llama", num_hidden_layers=1, max_position_embeddings=1 << 16)
+
+
+_PEAK_RSS_CHILD = """
+import sys, tempfile
+from cpcompile.__main__ import main
+T = int(sys.argv[1])
+with tempfile.TemporaryDirectory() as tmp:
+    argv = ["inspect", "tests.test_inspect:tiny_llama_one_layer", "--cp-size", "4", "--seq-len", str(T),
+            "--docs", f"{T // 3},{T - T // 3}", "--rank", "0", "--dump", tmp + "/dump"]
+    assert main(argv) == 0
+with open("/proc/self/status") as f:
+    print("VmHWM_kB", next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")))
+"""
+
+
+def _inspect_peak_rss_kb(*seq_lens: int) -> list[int]:
+    """Peak resident memory of fresh processes (run side by side) doing ``cpcompile inspect ... --dump``."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PEAK_RSS_CHILD, str(n)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in seq_lens
+    ]
+    peaks = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        peaks.append(int(out.split("VmHWM_kB")[-1]))
+    return peaks
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc (Linux)")
+def test_inspect_peak_memory_at_4x_the_length_stays_under_2x():
+    """Inspect with a dump (trace, totals, summary.json, the PNG) needs no memory quadratic in the length.
+
+    Peak RSS of a fresh process (VmHWM: this process only, not the pytest parent's pages), CP=4, one traced
+    rank, 8,192 vs 32,768 tokens. A quadratic term would show: drawing the picture from every rank's dense
+    mask needed T^2 bytes of bool plus 4 T^2 of int32 (0.3 GB at 8k, 5 GB at 32k). Measured (torch 2.13 CPU):
+    figures in BENCHMARKS.md ("inspect at long lengths").
+    """
+    small, large = _inspect_peak_rss_kb(8192, 4 * 8192)
+    print(f"peak RSS: {small / 1024:.0f} MiB at 8k, {large / 1024:.0f} MiB at 32k")
+    assert large < 2 * small, (small, large)

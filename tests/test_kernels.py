@@ -13,15 +13,8 @@ from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dens
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
 from tests._dist import run_distributed
-
-# The kernel accumulates in fp32 in a different order (blockwise online softmax) than the reference, which
-# runs SDPA in fp64 on the same fp32 inputs: errors of a few fp32 ulps of O(1) values over a few hundred keys.
-FP32_ATOL = 2e-5
-FP32_RTOL = 2e-5
-# End to end (model logits/loss/grads, CP ranks vs one process): as for the dense CP path, fp32 reductions in
-# a different order through 2 layers.
-E2E_ATOL = 1e-5
-E2E_RTOL = 1e-4
+from tests._workers import parity_worker
+from tests.parity import ELEMENTWISE_TOL, EXACT, FP64_TOL, KERNEL_TOL, ParityCase, check_outcome
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +79,16 @@ def test_kernel_matches_sdpa_under_plan_mask(case: Case):
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
 
         assert out.dtype == q.dtype and out.shape == ref.shape
-        torch.testing.assert_close(out, ref.float(), atol=FP32_ATOL, rtol=FP32_RTOL)
+        torch.testing.assert_close(out, ref.float(), **KERNEL_TOL)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-            torch.testing.assert_close(got, want.float(), atol=FP32_ATOL, rtol=FP32_RTOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got, want.float(), **KERNEL_TOL, msg=lambda m: f"{name}: {m}")
 
         # the dense reference path builds exactly the plan's mask (same SDPA call: identical result)
         dense = dense_cp_attention(
             q, k, v, plan.token_indices(), keys, plan.doc_ids, window=case.window, enable_gqa=gqa
         )
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        torch.testing.assert_close(dense, want, atol=0, rtol=0)
+        torch.testing.assert_close(dense, want, **EXACT)
 
 
 def test_schedule_skips_masked_blocks():
@@ -105,7 +98,7 @@ def test_schedule_skips_masked_blocks():
     batch = packed_batch([[40, 3, 70, 44], [1, 100, 56]])
     for r in range(4):
         plan = build_plan(batch, 4, r)
-        bounds, sched = block_schedule(plan.doc_ids, plan.token_indices(), torch.arange(plan.padded_len), 8, 16)
+        bounds, sched = block_schedule(plan.visible_blocks(8, 16))
         mask = plan.mask(documents=True)
         covered = torch.zeros_like(mask)
         for b, row in enumerate(sched):
@@ -133,9 +126,7 @@ def test_schedule_skips_masked_blocks():
         computed = visible = 0
         for r in range(n):
             plan = build_plan(batch, n, r)
-            computed += computed_pairs(
-                *block_schedule(plan.doc_ids, plan.token_indices(), torch.arange(plan.padded_len), 128, 128)
-            )
+            computed += computed_pairs(*block_schedule(plan.visible_blocks(128, 128)))
             # query i sees its own document's keys 0..position_ids[i] (positions restart at every document)
             visible += int((plan.local(plan.position_ids) + 1).sum())
         assert visible <= computed <= 1.25 * visible, (n, computed / visible)
@@ -170,7 +161,7 @@ def test_varlen_layout_reproduces_plan_mask(window):
             q, k, v, attn_mask=plan.mask(documents=True, window=window), enable_gqa=True
         )
         # fp64 on both sides, same softmax over the same keys: only summation order differs
-        torch.testing.assert_close(out.view(B, c, 4, 8).transpose(1, 2), ref, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(out.view(B, c, 4, 8).transpose(1, 2), ref, **FP64_TOL)
 
 
 def test_bad_inputs_are_rejected():
@@ -206,55 +197,23 @@ def _grad_inside(x: torch.Tensor) -> torch.Tensor:
 def test_autograd_inside_custom_op():
     """The CUDA path's backward recomputes flex_attention under autograd inside an op implementation."""
     x = torch.randn(5, requires_grad=True)
-    torch.testing.assert_close(_grad_inside(x), x.detach().cos() * x.detach() + x.detach().sin(), atol=1e-6, rtol=1e-6)
-
-
-def _e2e_worker(rank: int, world_size: int, family: str):
-    import torch.distributed as dist
-
-    from cpcompile.testing import tiny_model
-
-    batch = packed_batch([[10, 20, 37], [5, 60, 2]], seed=1)  # 67 tokens: padded to 68, documents cross chunks
-    ref = tiny_model(family)
-    out_ref = ref(**batch, use_cache=False)
-    out_ref.loss.backward()
-    model = tiny_model(family)
-    group = dist.new_group(list(range(world_size)))
-    be = cpcompile.backend(group, inner="aot_eager", attention="block", block_size=16)
-    compiled = torch.compile(model, backend=be)
-    with cpcompile.shard(batch, group) as local:
-        out = compiled(**local)
-        out.loss.backward()
-        logits = cpcompile.gather(out.logits).detach()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    cpcompile.sync_grads(model.parameters(), group)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    return dict(
-        logits=(logits, out_ref.logits.detach()),
-        loss=(loss, out_ref.loss.detach()),
-        grads=(grads, ref_grads),
-        kernels=[(r.action, r.kernel) for r in be.reports],
-        comm=dataclasses.asdict(cpcompile.comm_stats()),
-    )
+    torch.testing.assert_close(_grad_inside(x), x.detach().cos() * x.detach() + x.detach().sin(), **ELEMENTWISE_TOL)
 
 
 def test_block_attention_end_to_end_cp2():
-    """Tiny Qwen3, CP=2, aot_eager, attention='block': logits, loss and every grad vs the eager model."""
-    results = run_distributed(_e2e_worker, 2, "qwen3")
-    for rank, res in enumerate(results):
-        assert res["kernels"] == [("rewritten", "block")] * 2, res["kernels"]
-        # 2 layers x (K, V), each gathered once and reduce-scattered once
-        assert res["comm"]["all_gathers"] == 4 and res["comm"]["reduce_scatters"] == 4, res["comm"]
-        torch.testing.assert_close(*res["logits"], atol=E2E_ATOL, rtol=E2E_RTOL)
-        torch.testing.assert_close(*res["loss"], atol=E2E_ATOL, rtol=E2E_RTOL)
-        got, want = res["grads"]
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(
-                got[name], want[name], atol=E2E_ATOL, rtol=E2E_RTOL, msg=lambda m: f"rank {rank} {name}: {m}"
-            )
+    """Tiny Qwen3, CP=2, aot_eager, attention='block' with blocks of 16 (several blocks per chunk): logits, loss
+    and every grad vs the eager model, both layers rewritten to the block kernel, K and V of each layer
+    gathered and reduce-scattered once (the parity harness, tests.parity)."""
+    case = ParityCase(
+        model="qwen3",
+        doc_lens=((10, 20, 37), (5, 60, 2)),  # 67 tokens: padded to 68, documents cross chunks
+        attention="block",
+        backend_kwargs=(("block_size", 16),),
+    )
+    for per_rank in run_distributed(parity_worker, 2, [case]):
+        outcome, _ = per_rank[case.name]
+        assert outcome.kernels == ["block"] * 2, outcome.kernels
+        check_outcome(outcome)
 
 
 def test_fake_kernels_match_real_outputs():

@@ -12,6 +12,7 @@ import torch
 from cpcompile.plan import IGNORE_INDEX, build_plan, document_ids
 from cpcompile.runtime import _local_batch
 from cpcompile.testing import packed_batch
+from tests.parity import EXACT
 
 # (doc lengths per row): T = 37 (prime), 8 (a multiple of 2 and 4), 5 with one-token documents; B = 2..3;
 # every T >= the largest CP size
@@ -91,13 +92,13 @@ def test_slicing_padding_and_round_trip(docs, n):
     x = torch.randn(B, T, 3)
     padded = plans[0].pad(x, 0.5)
     assert padded.shape == (B, Tp, 3)
-    torch.testing.assert_close(padded[:, :T], x, atol=0, rtol=0)
+    torch.testing.assert_close(padded[:, :T], x, **EXACT)
     assert bool((padded[:, T:] == 0.5).all())
     chunks = [p.local(padded) for p in plans]
     assert all(ch.is_contiguous() and ch.shape == (B, Tp // n, 3) for ch in chunks)
-    torch.testing.assert_close(plans[0].unpad(torch.cat(chunks, dim=1)), x, atol=0, rtol=0)
+    torch.testing.assert_close(plans[0].unpad(torch.cat(chunks, dim=1)), x, **EXACT)
     # unpad along another dimension (gathered logits laid out [B, H, T, ...])
-    torch.testing.assert_close(plans[0].unpad(padded.transpose(1, 2), dim=2), x.transpose(1, 2), atol=0, rtol=0)
+    torch.testing.assert_close(plans[0].unpad(padded.transpose(1, 2), dim=2), x.transpose(1, 2), **EXACT)
 
 
 @pytest.mark.parametrize("n", CP_SIZES)

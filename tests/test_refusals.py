@@ -17,7 +17,7 @@ from cpcompile import _compat
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _models
 from tests._graphs import run_pass
-from tests.parity import GRAD_TOL, LOGITS_TOL, LOSS_TOL
+from tests.parity import EXACT, GRAD_TOL, LOGITS_TOL, LOSS_TOL
 
 # T = 37, CP = 2: chunks of 19; documents cross the boundary
 DOCS = [[10, 20, 7], [5, 30, 2]]
@@ -152,8 +152,8 @@ def test_model_without_sdpa_is_unchanged(world):
         out = compiled(**local)
         ref = model(**local)
     # the same aten ops on the same inputs: bit-identical
-    torch.testing.assert_close(out.logits, ref.logits, atol=0, rtol=0)
-    torch.testing.assert_close(out.loss, ref.loss, atol=0, rtol=0)
+    torch.testing.assert_close(out.logits, ref.logits, **EXACT)
+    torch.testing.assert_close(out.loss, ref.loss, **EXACT)
     assert backend.reports == []
     assert _delta(before) == {"graphs": 1, "graphs_without_sdpa": 1}
 
@@ -212,3 +212,36 @@ def test_bad_arguments_raise_clear_errors(world):
     with pytest.raises(ValueError, match="masks out tokens"):
         with cpcompile.shard({**batch, "attention_mask": torch.zeros(2, 37, dtype=torch.bool)}, world):
             pass
+
+
+def test_model_mask_check_covers_every_block_of_rows(world):
+    """The first-call mask check compares the model's mask a block of query rows at a time: a difference in the
+    last block is found, and reported at its local query index."""
+    from cpcompile import ops
+
+    c = ops.MASK_CHECK_ROWS + 300  # two blocks of rows
+    with cpcompile.shard(packed_batch([[c, c], [2 * c]]), world):
+        plan = cpcompile.current_plan()
+        good = plan.local_rule_mask(documents=True)
+        bad = good.clone()
+        bad[1, 0, c - 1, 0] = ~bad[1, 0, c - 1, 0]
+        k = torch.zeros(2, 2, c, 4)
+
+        def check(name, mask):
+            spec = ops.SiteSpec(
+                site=f"test-mask-rows-{name}",
+                layer="test.layer",
+                group_name=plan.group_name,
+                cp_size=2,
+                cp_rank=0,
+                documents=True,
+                window=None,
+                kernel="dense",
+                needs_grad=False,
+            )
+            return torch.ops.cpcompile.site_plan(k, k, mask, ops.register_site(spec))
+
+        check("good", good)
+        difference = rf"row 1, local query {c - 1}, key 0: model False, expected True"
+        with pytest.raises(cpcompile.MaskMismatchError, match=difference):
+            check("bad", bad)

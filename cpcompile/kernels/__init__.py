@@ -2,25 +2,11 @@
 
 Main API: :func:`cp_attention` (the op ``torch.ops.cpcompile.cp_attention``, with autograd), its dense
 reference :func:`dense_cp_attention`, :func:`block_schedule` (the block pairs the CPU kernel visits) and
-:func:`varlen_layout` (the flash-attn varlen segments of the CUDA path).
+:func:`varlen_layout` (the flash-attn varlen segments of the CUDA path). The package exports exactly what
+:mod:`cpcompile.kernels.attention` declares in its ``__all__``.
 """
 
-from cpcompile.kernels.attention import (
-    BlockPiece,
-    VarlenLayout,
-    block_schedule,
-    computed_pairs,
-    cp_attention,
-    dense_cp_attention,
-    varlen_layout,
-)
+from cpcompile.kernels import attention
+from cpcompile.kernels.attention import *  # noqa: F403 - one list of public names, in attention.py
 
-__all__ = [
-    "BlockPiece",
-    "VarlenLayout",
-    "block_schedule",
-    "computed_pairs",
-    "cp_attention",
-    "dense_cp_attention",
-    "varlen_layout",
-]
+__all__ = attention.__all__

@@ -17,8 +17,9 @@ Implementations, chosen by the device of ``q``:
 * CUDA: flash-attn's varlen kernel when ``flash_attn`` is installed and q is fp16/bf16 (one segment per run of
   local queries of one document, keys from the document's start: :func:`varlen_layout`), else
   ``flex_attention`` (compiled) with a ``BlockMask`` whose ``mask_mod`` is :func:`cpcompile.plan.visible`. The
-  backward recomputes that forward under autograd. These paths log a warning on first use until they have been
-  validated on a GPU (``benchmarks/gpu_attention.py``); the varlen layout and flex's mask are checked on CPU.
+  backward recomputes that forward under autograd. Each of these paths logs a warning on its first use that
+  names ``benchmarks/gpu_attention.py`` (which checks it against dense SDPA); their status on GPUs is in
+  BENCHMARKS.md. The varlen layout and flex's mask are checked on CPU.
 
 Fully masked query rows (not produced by plan masks, where every token sees itself) give 0 output and zero
 gradients, like CPU SDPA.
@@ -33,7 +34,7 @@ import math
 import torch
 
 from cpcompile import _compat
-from cpcompile.plan import visible, visible_blocks, visible_mask
+from cpcompile.plan import VisibleBlocks, visible, visible_blocks, visible_mask
 
 __all__ = [
     "SPAN_KEYS",
@@ -61,27 +62,21 @@ class BlockPiece:
     masked: bool
 
 
-def block_schedule(
-    doc_ids: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-    block_q: int,
-    block_k: int,
-    window: int | None = None,
-) -> tuple[list[int], list[list[list[BlockPiece]]]]:
-    """``(q_bounds, schedule)``: the key pieces the CPU kernel visits; ``schedule[b][i]`` for query block ``i``
-    (local queries ``q_bounds[i]:q_bounds[i + 1]``) of row ``b``; keys by position in ascending ``kv_pos``.
+def block_schedule(vb: VisibleBlocks) -> tuple[list[int], list[list[list[BlockPiece]]]]:
+    """``(q_bounds, schedule)``: the key pieces the CPU kernel visits for the block visibility ``vb``
+    (:func:`cpcompile.plan.visible_blocks`); ``schedule[b][i]`` for query block ``i`` (local queries
+    ``q_bounds[i]:q_bounds[i + 1]``) of row ``b``; keys by position in ascending order.
 
-    Key blocks of ``block_k`` that intersect the block's visible interval are visited; those inside the
+    Key blocks of ``vb.block_k`` that intersect the block's visible interval are visited; those inside the
     interval every query sees are merged into unmasked spans of at most ``max(block_k, SPAN_KEYS)`` keys.
     """
-    vb = visible_blocks(doc_ids, q_pos, kv_pos, block_q, block_k, window)
-    K = int(kv_pos.shape[0])
+    block_k = vb.block_k
+    K = vb.kv_len
     span = max(block_k, SPAN_KEYS // block_k * block_k)
     first, end = (t.tolist() for t in vb.key_blocks())
     full_lo, full_hi = vb.full_lo.tolist(), vb.full_hi.tolist()
     schedule = []
-    for b in range(doc_ids.shape[0]):
+    for b in range(len(first)):
         row = []
         for i in range(len(first[b])):
             f, e = first[b][i], end[b][i]
@@ -130,9 +125,11 @@ def _check(q, k, v, q_pos, kv_pos, doc_ids, window, enable_gqa, block_q, block_k
             f"{tuple(doc_ids.shape)}; pass CPPlan.doc_ids (or zeros for plain causal attention)"
         )
     T = doc_ids.shape[1]
-    for name, pos in (("q_pos", q_pos), ("kv_pos", kv_pos)):
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= T):
-            raise ValueError(f"cp_attention: {name} holds indices outside [0, {T}) of doc_ids")
+    for name, pos, low in (("q_pos", q_pos, 0), ("kv_pos", kv_pos, -1)):
+        if pos.numel() and (int(pos.min()) < low or int(pos.max()) >= T):
+            raise ValueError(
+                f"cp_attention: {name} holds indices outside [{low}, {T}) of doc_ids (-1: an empty key slot)"
+            )
     if c > 1 and bool((q_pos[1:] <= q_pos[:-1]).any()):
         raise ValueError("cp_attention: q_pos must be strictly ascending (the plan's token indices of one rank)")
     if H % k.shape[1] or (not enable_gqa and H != k.shape[1]):
@@ -169,7 +166,8 @@ def _unsort(order: torch.Tensor | None, t: torch.Tensor, dim: int = 2) -> torch.
 
 def _block_mask(doc_row, q_pos, kv_pos, window) -> torch.Tensor:
     """``[len(q_pos), len(kv_pos)]`` bool mask of one row (:func:`cpcompile.plan.visible`)."""
-    return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], doc_row[kv_pos][None, :], window)
+    kv_doc = doc_row[kv_pos.clamp(min=0)]
+    return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], kv_doc[None, :], window)
 
 
 # -- CPU ------------------------------------------------------------------------------------------------
@@ -182,7 +180,7 @@ def _cpu_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     kf, vf = _sorted(order, k.float(), v.float())
-    bounds, schedule = block_schedule(doc_ids, q_pos, ks, block_q, block_k, window)
+    bounds, schedule = block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
     for b in range(B):
         qb = q[b].view(Hkv, R, c, D)
         ob, lb = out[b].view(Hkv, R, c, Dv), lse[b].view(Hkv, R, c)
@@ -223,7 +221,7 @@ def _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     kf, vf = _sorted(order, k.float(), v.float())
-    bounds, schedule = block_schedule(doc_ids, q_pos, ks, block_q, block_k, window)
+    bounds, schedule = block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
     for b in range(B):
         qb, dob = q[b].view(Hkv, R, c, D), dout[b].view(Hkv, R, c, Dv)
         lb, db = lse[b].view(Hkv, R, c), delta[b].view(Hkv, R, c)
@@ -251,7 +249,7 @@ def _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale
     return dq.to(q.dtype), _unsort(order, dk).to(k.dtype), _unsort(order, dv).to(v.dtype)
 
 
-# -- CUDA (not validated on a GPU yet: see the module docstring) -----------------------------------------
+# -- CUDA -------------------------------------------------------------------------------------------------
 _WARNED: set[str] = set()
 
 
@@ -269,7 +267,7 @@ def _warn_unvalidated(path: str) -> None:
 def _flex_block_mask(q_pos, kv_pos, doc_ids, window):
     def mask_mod(b, h, q_idx, kv_idx):
         qp, kp = q_pos[q_idx], kv_pos[kv_idx]
-        return visible(qp, kp, doc_ids[b, qp], doc_ids[b, kp], window)
+        return visible(qp, kp, doc_ids[b, qp], doc_ids[b, kp.clamp(min=0)], window)
 
     return _compat.flex_block_mask(mask_mod, doc_ids.shape[0], q_pos.shape[0], kv_pos.shape[0], doc_ids.device)
 
@@ -474,7 +472,7 @@ def cp_attention(
         k, v: ``[B, Hkv, K, D]`` / ``[B, Hkv, K, Dv]``, e.g. the whole padded sequence all-gathered.
         q_pos: ``[c]`` int64, strictly ascending: the queries' global indices (``CPPlan.token_indices()``).
         kv_pos: ``[K]`` int64: the keys' global indices in the order of ``k``/``v`` (any order; e.g.
-            ``CPPlan.gathered_indices()`` after an all-gather).
+            ``CPPlan.gathered_indices()`` after an all-gather); ``-1`` marks an empty slot (never attended).
         doc_ids: ``[B, T_pad]`` integer document ids by global index, non-decreasing per row
             (``CPPlan.doc_ids``; all zeros for plain causal attention).
         window: sliding window in tokens (``None``: none).

@@ -27,6 +27,9 @@ import torch.fx as fx
 
 from cpcompile import _compat, ops
 from cpcompile.options import BackendOptions
+from cpcompile.passes.kv_heads import KVSource
+from cpcompile.passes.kv_heads import kv_source as find_kv_source
+from cpcompile.plan import MAX_RUNS
 
 __all__ = [
     "PassContext",
@@ -126,6 +129,11 @@ class SiteReport:
     kernel: str = ""
     #: Sliding window of the site in tokens (``None``: none).
     window: int | None = None
+    #: How the keys of other ranks arrive: ``"all_gather"``, or ``"halo"`` (sliding window: only the keys the
+    #: local queries see, into ``halo_slots`` key slots per K and V; bytes depend on the batch, see
+    #: :meth:`cpcompile.plan.CPPlan.halo_needs`); ``""`` when not rewritten or nothing is exchanged.
+    exchange: str = ""
+    halo_slots: int = 0
     #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless gathered.
     gathered_shapes: tuple = ()
     #: Whether the gathered K/V require grad (then each is reduce-scattered in backward).
@@ -391,63 +399,10 @@ def find_non_sdpa_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]
     return found
 
 
-@dataclasses.dataclass(frozen=True)
-class _KVSource:
-    """What a site all-gathers: the K/V nodes, and whether they are the un-expanded KV heads."""
-
-    key: fx.Node
-    value: fx.Node
-    #: True when ``key``/``value`` are the sources of transformers' ``repeat_kv`` (so attention uses GQA).
-    unexpanded: bool
-
-
-def _repeat_kv_source(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """``(src, n_rep)`` when ``node`` is transformers' ``repeat_kv(src, n_rep)`` as Dynamo records it.
-
-    Pattern (``modeling_llama.repeat_kv``)::
-
-        e = src[:, :, None, :, :]                     # [B, Hkv, 1, T, D]
-        e = e.expand(B, Hkv, n_rep, T, D)
-        node = e.reshape(B, Hkv * n_rep, T, D)
-
-    Matched on the recorded shapes, so index spelling does not matter.
-    """
-    if node.op != "call_method" or node.target not in ("reshape", "view") or not node.args:
-        return None
-    exp = node.args[0]
-    if not isinstance(exp, fx.Node) or exp.op != "call_method" or exp.target != "expand" or not exp.args:
-        return None
-    unsq = exp.args[0]
-    if not isinstance(unsq, fx.Node) or unsq.op != "call_function" or unsq.target is not operator.getitem:
-        return None
-    src = unsq.args[0]
-    if not isinstance(src, fx.Node):
-        return None
-    vals = [n.meta.get("example_value") for n in (src, unsq, exp, node)]
-    if any(not isinstance(t, torch.Tensor) for t in vals):
-        return None
-    s, u, e, r = (tuple(t.shape) for t in vals)
-    if len(s) != 4 or len(u) != 5 or len(e) != 5 or len(r) != 4:
-        return None
-    same = _compat.statically_true
-    B, Hkv, T, D = s
-    if not (u[2] == 1 and all(same(a == b) for a, b in zip(u[:2] + u[3:], s))):
-        return None
-    n_rep = e[2]
-    if not (isinstance(n_rep, int) and all(same(a == b) for a, b in zip(e[:2] + e[3:], s))):
-        return None
-    if not all(same(a == b) for a, b in zip(r, (B, Hkv * n_rep, T, D))):
-        return None
-    return src, n_rep
-
-
-def kv_source(site: SDPASite) -> _KVSource:
-    """The tensors a site should all-gather: the KV-head sources of ``repeat_kv`` when both K and V come from
-    it with the same factor (the gather then moves KV-head bytes, not query-head bytes), else K and V."""
-    k, v = _repeat_kv_source(site.key), _repeat_kv_source(site.value)
-    if site.enable_gqa is False and k is not None and v is not None and k[1] == v[1]:
-        return _KVSource(k[0], v[0], unexpanded=True)
-    return _KVSource(site.key, site.value, unexpanded=False)
+def kv_source(site: SDPASite) -> KVSource:
+    """The tensors a site exchanges: the un-expanded KV heads when K and V are expanded from them in a spelling
+    :mod:`cpcompile.passes.kv_heads` recognises (the exchange then moves KV-head bytes), else K and V."""
+    return find_kv_source(site.key, site.value, site.enable_gqa)
 
 
 def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: PassContext) -> fx.Node:
@@ -470,6 +425,9 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
                    enable_gqa=True)            # spec.kernel == "dense"
         out = cpcompile::cp_attention(q, k_all, v_all, q_pos, kv_pos, docs, window, s, True, ...)[0]  # "block"
 
+    A sliding-window site with ``spec.exchange == "halo"`` receives only its halo instead (see
+    :mod:`cpcompile.ops`): ``k_all = cat([k_src, halo_exchange(k_src, ...)], dim=2)``, likewise for V.
+
     K/V are gathered with their KV heads (``enable_gqa=True`` replaces ``repeat_kv``) when both come from
     ``repeat_kv``; otherwise the tensors SDPA received are gathered. The collectives are issued before
     ``site_plan`` checks the active plan: a call outside a shard context on every rank still fails on every
@@ -480,18 +438,17 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     node = site.node
     graph = node.graph
     src = kv_source(site)
-    gather = spec.cp_size > 1
-    started = [ops.emit_gather_start(graph, t, spec) for t in (src.key, src.value)] if gather else []
+    k_src, v_src = (_heads_first(graph, t, src.layout) for t in (src.key, src.value))
+    gather = spec.cp_size > 1 and spec.exchange == "all_gather"
+    started = [ops.emit_gather_start(graph, t, spec) for t in (k_src, v_src)] if gather else []
     with graph.inserting_before(node):
-        positions = ops.emit_site_plan(graph, src.key, src.value, site.attn_mask, spec)
-        k_all, v_all = (
-            (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
-            if gather
-            else (
-                src.key,
-                src.value,
-            )
-        )
+        positions = ops.emit_site_plan(graph, k_src, v_src, site.attn_mask, spec)
+        if gather:
+            k_all, v_all = (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
+        elif spec.exchange == "halo":
+            k_all, v_all = ops.emit_halo_exchange(graph, k_src, v_src, spec)
+        else:
+            k_all, v_all = k_src, v_src
         new = ops.emit_attention(
             graph,
             spec,
@@ -510,25 +467,31 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     if src.unexpanded:
-        for expanded in (site.key, site.value):
-            _erase_unused_chain(graph, expanded)
+        for expanded, source in ((site.key, src.key), (site.value, src.value)):
+            _erase_unused_chain(graph, expanded, source)
     return new
 
 
+def _heads_first(graph: fx.Graph, t: fx.Node, layout: str) -> fx.Node:
+    """``t`` as ``[B, Hkv, T, D]``: itself, or (``"bthd"``) ``t.transpose(1, 2)`` inserted right after ``t``."""
+    if layout == "bhtd":
+        return t
+    with graph.inserting_after(t):
+        return graph.call_method("transpose", (t, 1, 2))
+
+
 def _kernel_for(site: SDPASite, attention: str) -> str:
-    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA elsewhere (the CUDA block path is
-    opt-in until validated on a GPU); ``"dense"``/``"block"`` are taken as given."""
+    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA for every other device (the CUDA block
+    path runs with ``"block"`` only); ``"dense"``/``"block"`` are taken as given."""
     if attention != "auto":
         return attention
     q = site.meta(site.query)
     return "block" if q is not None and q.device.type == "cpu" else "dense"
 
 
-def _erase_unused_chain(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase ``node`` and its now unused ``repeat_kv`` producers (reshape <- expand <- getitem)."""
-    for _ in range(3):
-        if node.users or node.op == "placeholder":
-            return
+def _erase_unused_chain(graph: fx.Graph, node: fx.Node, source: fx.Node) -> None:
+    """Erase ``node`` and its now unused producers up to ``source`` (the KV-head expansion chain)."""
+    while node is not source and not node.users and node.op != "placeholder":
         parent = node.args[0]
         graph.erase_node(node)
         if not isinstance(parent, fx.Node):
@@ -540,18 +503,30 @@ def _shape(t: torch.Tensor | None) -> tuple:
     return () if t is None else tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
 
 
+def _heads_first_meta(t: torch.Tensor | None, layout: str) -> torch.Tensor | None:
+    return t.transpose(1, 2) if t is not None and layout == "bthd" else t
+
+
+def _hint(size: object) -> int:
+    """The value of a (possibly symbolic) size at this compilation."""
+    value = _compat.sym_hint(size)
+    if value is None:
+        raise ValueError(f"size {size} has no value at this compilation (a data-dependent size)")
+    return value
+
+
 def _sizes(*tensors: torch.Tensor | None) -> tuple[tuple[str, int], ...]:
     """``(symbol, value)`` of the symbolic sizes of ``tensors`` at this compilation."""
-    found = {str(s): _compat.size_hint(s) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)}
+    found = {str(s): _hint(s) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)}
     return tuple(sorted(found.items()))
 
 
 def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", spec: ops.SiteSpec | None = None):
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
     src = kv_source(site)
-    gk, gv = site.meta(src.key), site.meta(src.value)
-    gathered = (gk, gv) if spec is not None and spec.cp_size > 1 else ()
-    gather_bytes = sum((spec.cp_size - 1) * _compat.size_hint(math.prod(t.shape)) * t.element_size() for t in gathered)
+    gk, gv = (_heads_first_meta(site.meta(n), src.layout) for n in (src.key, src.value))
+    gathered = (gk, gv) if spec is not None and spec.cp_size > 1 and spec.exchange == "all_gather" else ()
+    gather_bytes = sum((spec.cp_size - 1) * _hint(math.prod(t.shape)) * t.element_size() for t in gathered)
     return SiteReport(
         graph_id=graph_id,
         node=site.node.name,
@@ -568,6 +543,8 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", spec: 
         reason=reason,
         kernel=spec.kernel if spec is not None else "",
         window=spec.window if spec is not None else None,
+        exchange=spec.exchange if spec is not None and spec.cp_size > 1 else "",
+        halo_slots=spec.halo_slots if spec is not None else 0,
         gathered_shapes=tuple(_shape(t) for t in gathered),
         needs_grad=bool(spec is not None and spec.needs_grad),
         all_gather_bytes_per_call=gather_bytes,
@@ -627,6 +604,20 @@ def _non_sdpa_reason(node: fx.Node, what: str, config: object | None) -> str:
     return f"it is {what}, not a scaled_dot_product_attention call, and would only see this rank's tokens; {fix}"
 
 
+def _exchange(site: SDPASite, ctx: PassContext, window: int | None) -> dict:
+    """``exchange``/``halo_slots`` of a site: a halo of ``MAX_RUNS * (window - 1)`` key slots for a sliding-window
+    site when that is fewer keys than the all-gather's ``(N - 1) * c`` (at this compilation's length; with a
+    dynamic length the choice stays correct for every length, only less economical), else the all-gather."""
+    if window is None or ctx.cp_size == 1 or not ctx.options.halo:
+        return {}
+    slots = MAX_RUNS * (window - 1)
+    k = site.meta(site.key)
+    local_len = _hint(k.shape[2]) if k is not None else 0
+    if slots >= (ctx.cp_size - 1) * local_len:
+        return {}
+    return {"exchange": "halo", "halo_slots": slots}
+
+
 def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str) -> ops.SiteSpec:
     """The site's description; its id is ``<prefix>:<layer> (node <name>)#<digest of the description>``, the
     same in every run for the same graph and options (dumps are deterministic) and different for any change."""
@@ -641,6 +632,7 @@ def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str
         window=window,
         kernel=kernel,
         needs_grad=bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad)),
+        **_exchange(site, ctx, window),
     )
     digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
     return dataclasses.replace(spec, site=f"{ctx.site_prefix}:{site.where}#{digest}")

@@ -1,0 +1,97 @@
+"""What the backend did, in torch.compile's own tooling: ``TORCH_LOGS`` and the structured trace (``tlparse``).
+
+- ``TORCH_LOGS="cpcompile"`` (or ``torch._logging.set_logs(modules={"cpcompile": logging.INFO})``): as every graph
+  compiles, each rank logs one line for the graph and a table of its attention sites (layer, shapes, mask found,
+  what the backend did, bytes all-gathered per call), on the ``cpcompile.sites`` logger.
+- ``TORCH_LOGS="+cpcompile"`` (level DEBUG): also the graph before and after the pass (``cpcompile.graphs``).
+- ``TORCH_TRACE=dir`` (then ``tlparse dir/...log``): every compiled graph adds three artifacts under its compile id:
+  ``cpcompile_graph_before`` and ``cpcompile_graph_after`` (the code of ``cpcompile.dump.graph_source``) and
+  ``cpcompile_sites`` (JSON: rank, CP size, and the record of every site, ``SiteReport.to_json``).
+
+torch itself routes ``TORCH_LOGS`` names that are importable modules to the Python loggers of that module tree,
+so the loggers here are plain ``logging`` loggers under ``cpcompile``; nothing is printed unless asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from tabulate import tabulate
+
+from cpcompile import _compat
+
+__all__ = ["GraphTrace", "format_sites"]
+
+#: One summary line and a table of sites per compiled graph (INFO).
+sites_log = logging.getLogger("cpcompile.sites")
+#: The graph before and after the pass (DEBUG).
+graphs_log = logging.getLogger("cpcompile.graphs")
+
+_COLUMNS = (
+    ("layer", "layer"),
+    ("node", "node"),
+    ("q", "q_shape"),
+    ("k", "k_shape"),
+    ("dtype", "dtype"),
+    ("mask found", "mask_form"),
+    ("action", "action"),
+    ("kernel / reason", None),
+    ("AG bytes/call", "all_gather_bytes_per_call"),
+)
+
+
+def _shape(value) -> str:
+    return "[" + ",".join(str(s) for s in value) + "]" if isinstance(value, (list, tuple)) else str(value)
+
+
+def format_sites(reports: list) -> str:
+    """A text table of site reports (:class:`cpcompile.SiteReport`), one row per site.
+
+    Fields are read from the report's JSON record (``SiteReport.to_json``); a field a report does not have
+    shows as empty. Shapes show symbolic sizes by name (``s27``); the bytes use their values at this compilation.
+    """
+    rows = []
+    for report in reports:
+        record = report.to_json()
+        row = []
+        for _title, key in _COLUMNS:
+            if key is None:
+                value = record.get("reason") or record.get("kernel") or ""
+            else:
+                value = record.get(key, "")
+            row.append(_shape(value) if key and key.endswith("shape") else ("" if value is None else value))
+        rows.append(row)
+    return tabulate(rows, headers=[title for title, _ in _COLUMNS], disable_numparse=True)
+
+
+@dataclasses.dataclass
+class GraphTrace:
+    """The logs and trace artifacts of one graph through the backend, titled ``title``."""
+
+    title: str
+
+    def wants_code(self) -> bool:
+        """Whether a log or trace is listening for the graphs' code (so the backend renders it)."""
+        return graphs_log.isEnabledFor(logging.DEBUG) or _compat.structured_trace_enabled()
+
+    def emit(self, before: str, after: str, reports: list, *, rank: int, cp_size: int) -> None:
+        """Log the site table (INFO) and, when :meth:`wants_code`, the graphs (DEBUG) and the trace artifacts.
+
+        ``before``/``after``: the graph's code before and after the pass (``""`` when it was not rendered).
+        """
+        if sites_log.isEnabledFor(logging.INFO):
+            counts = {a: sum(r.action == a for r in reports) for a in ("rewritten", "refused", "untouched")}
+            summary = ", ".join(f"{n} {a}" for a, n in counts.items() if n) or "no attention"
+            text = f"{self.title}: {len(reports)} SDPA site(s): {summary}"
+            sites_log.info("%s", f"{text}\n{format_sites(reports)}" if reports else text)
+        if not (before and self.wants_code()):
+            return
+        graphs_log.debug("%s\n%s", before, after)
+        _compat.trace_artifact("cpcompile_graph_before", "string", lambda: before)
+        _compat.trace_artifact("cpcompile_graph_after", "string", lambda: after)
+        _compat.trace_artifact(
+            "cpcompile_sites",
+            "json",
+            lambda: {"title": self.title, "rank": rank, "cp_size": cp_size, "sites": [r.to_json() for r in reports]},
+        )

@@ -1,0 +1,189 @@
+"""A few steps of Hugging Face ``Trainer`` / TRL ``SFTTrainer`` on a tiny Qwen3, with or without cpcompile's CP.
+
+Launched by ``tests/test_integration_transformers.py``, as users launch training::
+
+    torchrun --standalone --nproc-per-node 2 tests/_hf_trainer_worker.py --mode cp --cp 2 --job trainer --out DIR
+    python tests/_hf_trainer_worker.py --mode reference --job trainer --out REF   # the same Trainer in one process
+
+Both sides build the same model (seed 0) and the same documents, packed padding-free by the trainer's collator
+(``DataCollatorWithFlattening``; SFTTrainer with ``padding_free=True``). Batches are taken in order
+(``train_sampling_strategy="sequential"``) so that step ``k`` of every run sees the same global batch: ``dp``
+replicas of ``--batch`` documents each under CP, one batch of ``dp * --batch`` documents in one process.
+For every ``--job`` (see :data:`JOBS`), rank 0 writes ``--out``/JOB.pt: the Trainer's logged history, the final
+parameters, and how many SDPA sites were rewritten and K/V all-gathers ran in the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+
+VOCAB = 128
+
+
+def documents(n: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """``n`` documents of 5-40 random tokens (ids 3..VOCAB-1; 0-2 are pad/bos/eos of the tokenizer)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(5, 41, (n,), generator=g).tolist()
+    return [{"input_ids": torch.randint(3, VOCAB, (k,), generator=g).tolist()} for k in lens]
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, built in memory (SFTTrainer needs one for its pad id)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+#: name -> (trainer, gradient accumulation steps, optimizer steps, negative control)
+JOBS = {
+    "trainer": ("trainer", 1, 2, None),  # transformers.Trainer, DataCollatorWithFlattening
+    "sft": ("sft", 2, 2, None),  # TRL SFTTrainer, padding_free=True, 2 micro-batches per step
+    # negative control: the loss denominator counts every CP rank's copy of the batch (get_cp_size() -> 1)
+    "control": ("trainer", 1, 1, "cp-count"),
+}
+
+
+def run_job(name: str, a: argparse.Namespace) -> None:
+    import transformers
+    from torch.distributed.tensor import DTensor
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    import cpcompile
+    from cpcompile.testing import tiny_model
+
+    kind, grad_accum, steps, control = JOBS[name]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = world // a.cp if a.mode == "cp" else a.dp
+    batch = a.batch if a.mode == "cp" else a.batch * a.dp
+    model = tiny_model("qwen3", seed=0, vocab_size=VOCAB)
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="hf-trainer-"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=grad_accum,
+        max_steps=steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,  # the tiny random model's norm is above 1: clipping is active
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        train_sampling_strategy=a.sampling,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        ddp_timeout=180,
+        seed=0,
+    )
+    if a.fsdp:
+        common.update(fsdp="full_shard", fsdp_config={"version": 2})
+    train = documents(a.batch * dp * grad_accum * steps)
+    if kind == "trainer":
+        kwargs = dict(args=TrainingArguments(**common), train_dataset=train, data_collator=DataCollatorWithFlattening())
+        base = transformers.Trainer
+    else:
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        kwargs = dict(  # bf16=False: SFTConfig defaults to bf16 autocast, this compares fp32 runs
+            args=SFTConfig(**common, padding_free=True, max_length=None, packing=False, bf16=False),
+            train_dataset=datasets.Dataset.from_list(train),
+            processing_class=tokenizer(),
+        )
+        base = SFTTrainer
+    if a.mode == "cp":
+        from cpcompile.integrations.transformers import ContextParallelMixin
+
+        cls = type(f"CP{base.__name__}", (ContextParallelMixin, base), {})
+        if control == "cp-count":
+            cls.get_cp_size = lambda self: 1
+        trainer = cls(model=model, cp_size=a.cp, cp_backend_kwargs={"inner": a.inner}, **kwargs)
+    else:
+        trainer = base(model=model, **kwargs)
+    rewritten_before = cpcompile.counters["sdpa_rewritten"]
+    trainer.train()
+    params = {  # full_tensor() is a collective: every rank calls it
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        for n, p in trainer.model.named_parameters()
+    }
+    result = {
+        "history": [h for h in trainer.state.log_history if "loss" in h],
+        "params": params,
+        "world": world,
+        "sharded": any(isinstance(p, DTensor) for p in trainer.model.parameters()),
+        "rewritten": cpcompile.counters["sdpa_rewritten"] - rewritten_before,
+        "all_gathers": cpcompile.comm_stats().all_gathers if a.mode == "cp" else 0,
+    }
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(result, os.path.join(a.out, f"{name}.pt"))
+
+
+#: refusal case -> (TrainingArguments overrides, cp_size)
+REFUSALS = {
+    "eval_strategy": ({"eval_strategy": "steps", "eval_steps": 1}, 2),
+    "label_smoothing": ({"label_smoothing_factor": 0.1}, 2),
+    "average_tokens": ({"average_tokens_across_devices": False}, 2),
+    "cp_size": ({}, 3),
+}
+
+
+def run_refusals(a: argparse.Namespace) -> None:
+    """Build the CP trainer with each refused setting; rank 0 writes {case: error message} to ``refusals.pt``."""
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from cpcompile.integrations.transformers import CPTrainer
+    from cpcompile.testing import tiny_model
+
+    messages = {}
+    for case, (overrides, cp_size) in REFUSALS.items():
+        out = tempfile.mkdtemp(prefix="hf-trainer-")
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", **overrides)
+        docs = documents(4)
+        try:
+            CPTrainer(
+                model=tiny_model("qwen3", seed=0, vocab_size=VOCAB),
+                args=args,
+                train_dataset=docs,
+                eval_dataset=docs,
+                data_collator=DataCollatorWithFlattening(),
+                cp_size=cp_size,
+            )
+            messages[case] = "no error"
+        except ValueError as e:
+            messages[case] = str(e)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(messages, os.path.join(a.out, "refusals.pt"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["cp", "reference"], required=True)
+    p.add_argument(
+        "--job", choices=[*sorted(JOBS), "refusals"], action="append", required=True, help="run these, in order"
+    )
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=1, help="reference only: the CP run's data-parallel size")
+    p.add_argument("--batch", type=int, default=4, help="documents per data-parallel replica and micro-batch")
+    p.add_argument("--inner", default="aot_eager")
+    p.add_argument("--sampling", default="sequential", choices=["sequential", "random"], help="train_sampling_strategy")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (the Trainer's fsdp option) instead of DDP")
+    p.add_argument("--out", required=True, help="folder: rank 0 writes JOB.pt per job")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    for name in a.job:
+        run_refusals(a) if name == "refusals" else run_job(name, a)
+
+
+if __name__ == "__main__":
+    main()

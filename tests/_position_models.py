@@ -1,0 +1,456 @@
+"""Small causal LMs that compute their own positions, the ways non-transformers model code does.
+
+Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.parity` and
+:func:`cpcompile.shard` treat it like one) but, except :func:`explicit_positions`, ignores ``position_ids``: like
+``model(tokens)`` in torchtitan, litgpt or nanoGPT, it derives the position of every token from the length of the
+sequence it is given. Attention is SDPA with ``is_causal=True`` (global causal order over the whole row, as those
+libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, models in train mode):
+
+* :func:`titan_style`: complex RoPE table per attention layer sliced by length, ``cache[0:T]`` (torchtitan's
+  ``ComplexRoPE``: ``view_as_complex``/``view_as_real``), ``enable_gqa=True``;
+* :func:`lit_style`: model-level ``cos``/``sin`` buffers sliced by length, ``cos[:T]`` (litgpt's ``GPT``), K/V
+  expanded with ``repeat_interleave``;
+* :func:`arange_rope`: RoPE computed in the graph from ``arange(T)`` (``outer`` with the inverse frequencies);
+* :func:`learned_positions`: learned absolute positions ``wpe(arange(0, T))`` (nanoGPT);
+* :func:`explicit_positions`: the same RoPE table indexed with the ``position_ids`` it is given (needs no rewrite);
+* :func:`all_forms`: one layer of each of the first four forms's attention and learned positions at the embedding:
+  one compile covers every form (the inductor CP=4 case);
+* :func:`mixed_positions`: positions from ``ones_like(input_ids).cumsum(-1) - 1``, which mixes along the sequence
+  before it meets the data: refused;
+* :func:`llama_without_positions`: a transformers Llama called without ``position_ids``, which then computes
+  them from ``cache_position = arange(past, past + T)`` in the graph;
+* :func:`torchtitan_llama3` and :func:`litgpt_gpt`: the real packages' models (optional test dependencies,
+  installed by ``scripts/setup.sh``), called as ``model(tokens)``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._models import causal_lm_loss
+
+#: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
+FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
+#: Attention form of each layer of the ``all_forms`` model (which adds learned positions at the embedding).
+ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions")
+#: Forms cpcompile refuses (each mixes positions, or uses the length, in its own way).
+REFUSED_FORMS = (
+    "mixed_positions",
+    "arange_cumsum",
+    "table_sum",
+    "arange_matmul",
+    "shifted_arange",
+    "length_value",
+    "linspace",
+)
+
+
+def _rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """``[B, T, H, D]`` projections, RoPE as the model's form asks, SDPA ``is_causal=True``."""
+
+    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, max_len: int) -> None:
+        super().__init__()
+        self.form, self.heads, self.kv_heads = form, heads, kv_heads
+        self.head_dim = hidden // heads
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        if form in ("titan_style", "explicit_positions"):
+            freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(self.head_dim))
+            self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        if form == "arange_rope":
+            self.register_buffer("inv_freq", _rope_inv_freq(self.head_dim), persistent=False)
+
+    def _complex_rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
+
+    def forward(self, x, rope, position_ids) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.head_dim)
+        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).unbind(2)
+        if self.form == "titan_style":  # torchtitan: rope_cache[0:seqlen].view(1, seqlen, 1, D/2)
+            freqs_cis = self.cache[0:T].view(1, T, 1, -1)
+            q, k = self._complex_rope(q, freqs_cis), self._complex_rope(k, freqs_cis)
+        elif self.form == "explicit_positions":  # torchtitan's path with positions: cache[positions]
+            freqs_cis = self.cache[position_ids].unsqueeze(2)
+            q, k = self._complex_rope(q, freqs_cis), self._complex_rope(k, freqs_cis)
+        elif self.form == "arange_rope":  # RoPE computed on the fly from arange(T)
+            t = torch.arange(T, device=x.device).type_as(self.inv_freq)
+            freqs = torch.outer(t, self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        elif self.form == "lit_style":  # litgpt: cos[:T], sin[:T] from the model, (1, T, D)
+            cos, sin = rope
+            cos, sin = cos.view(1, T, 1, -1), sin.view(1, T, 1, -1)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.form == "lit_style":  # litgpt expands K/V itself
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, max_len: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = Attention(form, hidden, heads, kv_heads, max_len)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def forward(self, x, rope, position_ids):
+        x = x + self.attn(self.norm1(x), rope, position_ids)
+        return x + self.mlp(self.norm2(x))
+
+
+class PositionLM(nn.Module):
+    """Embedding, ``layers`` blocks and an LM head; positions as ``form`` says (see the module docstring).
+
+    ``max_len`` is the number of rows of the position tables (RoPE caches, learned positions).
+    The attention modules are ``layers.<i>.attn``.
+    """
+
+    def __init__(
+        self,
+        form: str,
+        *,
+        vocab: int = 128,
+        hidden: int = 32,
+        heads: int = 4,
+        kv_heads: int = 2,
+        layers: int = 2,
+        max_len: int = 128,
+    ) -> None:
+        super().__init__()
+        if form not in (*FORMS, "all_forms", *REFUSED_FORMS):
+            raise ValueError(f"unknown position form {form!r}; known: {(*FORMS, 'all_forms', *REFUSED_FORMS)}")
+        self.form = form
+        layer_forms = ALL_FORMS_LAYERS if form == "all_forms" else (form,) * layers
+        self.embed = nn.Embedding(vocab, hidden)
+        if form in ("learned_positions", "all_forms", *REFUSED_FORMS):
+            self.wpe = nn.Embedding(max_len, hidden)
+        if "lit_style" in layer_forms:
+            freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden // heads))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
+        self.layers = nn.ModuleList(Block(f, hidden, heads, kv_heads, max_len) for f in layer_forms)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Absolute position embeddings ``[B or 1, T, hidden]`` of the learned / refused forms."""
+        T = ids.shape[1]
+        if self.form in ("learned_positions", "all_forms"):  # nanoGPT
+            return self.wpe(torch.arange(0, T, dtype=torch.long, device=ids.device))
+        if self.form == "mixed_positions":
+            return self.wpe(torch.ones_like(ids).cumsum(-1) - 1)
+        if self.form == "arange_cumsum":
+            return self.wpe(torch.arange(T, device=ids.device).cumsum(0) % 64)
+        if self.form == "table_sum":  # every position gets the sum over the local positions
+            return self.wpe.weight[:T].sum(0, keepdim=True)
+        if self.form == "arange_matmul":  # contracts the sequence dim of a position-derived value
+            t = torch.arange(T, device=ids.device, dtype=torch.float32)
+            return (t @ self.wpe.weight[:T])[None, None, :]
+        if self.form == "shifted_arange":  # the positions of the next tokens
+            return self.wpe(torch.arange(T + 1, device=ids.device)[1:])
+        if self.form == "length_value":  # relative position i / T: the local length used as a value
+            rel = torch.arange(T, device=ids.device).float() / T
+            return rel[:, None] * self.wpe.weight[0]
+        if self.form == "linspace":
+            return torch.linspace(0, 1, T, device=ids.device)[:, None] * self.wpe.weight[0]
+        raise AssertionError(self.form)
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        T = input_ids.shape[1]
+        x = self.embed(input_ids)
+        if hasattr(self, "wpe"):
+            x = x + self._positions(input_ids)
+        rope = (self.cos[:T].unsqueeze(0), self.sin[:T].unsqueeze(0)) if hasattr(self, "cos") else None
+        for layer in self.layers:
+            x = layer(x, rope, position_ids)
+        logits = self.head(x)
+        loss = None
+        if labels is not None or shift_labels is not None:
+            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def position_lm(form: str, *, seed: int = 0, **kwargs) -> PositionLM:
+    """A :class:`PositionLM` with weights drawn from ``seed``, in train mode."""
+    torch.manual_seed(seed)
+    return PositionLM(form, **kwargs).train()
+
+
+def titan_style(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("titan_style", seed=seed, **kwargs)
+
+
+def lit_style(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("lit_style", seed=seed, **kwargs)
+
+
+def arange_rope(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("arange_rope", seed=seed, **kwargs)
+
+
+def learned_positions(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("learned_positions", seed=seed, **kwargs)
+
+
+def explicit_positions(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("explicit_positions", seed=seed, **kwargs)
+
+
+def all_forms(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("all_forms", seed=seed, **kwargs)
+
+
+def mixed_positions(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("mixed_positions", seed=seed, **kwargs)
+
+
+#: Position forms of :class:`PositionOnlyLM` (each rewritten by cpcompile).
+POSITION_ONLY_FORMS = (
+    "arange",  # wpe(arange(T))
+    "arange_offset",  # wpe(arange(3, 3 + T))
+    "arange_step_float",  # arange(0, 2T, 2, dtype=float) * w
+    "table_slice",  # wpe.weight[:T]
+    "table_offset",  # wpe.weight[2:2 + T]
+    "table_narrow",  # wpe.weight.narrow(0, 1, T)
+    "table_columns",  # a [hidden, max_len] table sliced along dim 1, then transposed
+    "table_none_index",  # wpe.weight[None, 0:T]
+    "complex_table",  # a complex cache[0:T], view_as_real, flattened
+    "interleaved_rope",  # outer(arange(T), inv_freq).repeat_interleave(2, dim=-1).cos() (GPT-J-style pairs)
+    "full_slice",  # wpe(arange(T)[:T]): a slice that keeps every position
+    "checkpointed",  # wpe.weight[:T] inside an activation-checkpointed function (a nested graph)
+)
+
+
+class PositionOnlyLM(nn.Module):
+    """Token embedding + a position term of ``form`` + LM head, no attention: the local rows of a rank must equal
+    the whole model's rows of that rank's tokens, which one process can check for any rank."""
+
+    def __init__(self, form: str, *, vocab: int = 64, hidden: int = 16, max_len: int = 80) -> None:
+        super().__init__()
+        if form not in POSITION_ONLY_FORMS:
+            raise ValueError(f"unknown form {form!r}; known: {POSITION_ONLY_FORMS}")
+        self.form = form
+        self.embed = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(max_len, hidden)
+        self.columns = nn.Parameter(torch.randn(hidden, max_len))
+        freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
+        self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        self.register_buffer("inv_freq", _rope_inv_freq(hidden), persistent=False)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        T, dev, w = ids.shape[1], ids.device, self.wpe.weight
+        if self.form == "arange":
+            return self.wpe(torch.arange(T, device=dev))
+        if self.form == "arange_offset":
+            return self.wpe(torch.arange(3, 3 + T, device=dev))
+        if self.form == "arange_step_float":
+            return torch.arange(0, 2 * T, 2, device=dev, dtype=torch.float32)[:, None] * w[0] / 50
+        if self.form == "table_slice":
+            return w[:T]
+        if self.form == "table_offset":
+            return w[2 : 2 + T]
+        if self.form == "table_narrow":
+            return w.narrow(0, 1, T)
+        if self.form == "table_columns":
+            return self.columns[:, :T].t()
+        if self.form == "table_none_index":
+            return w[None, 0:T]
+        if self.form == "interleaved_rope":
+            t = torch.arange(T, device=dev).type_as(self.inv_freq)
+            return torch.outer(t, self.inv_freq).repeat_interleave(2, dim=-1).cos()
+        if self.form == "full_slice":
+            return self.wpe(torch.arange(T, device=dev)[:T])
+        if self.form == "checkpointed":
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(lambda i: w[: i.shape[1]] * 2.0, ids, use_reentrant=False)
+        return torch.view_as_real(self.cache[0:T]).flatten(1)
+
+    def forward(self, input_ids, **unused):
+        return self.head(self.embed(input_ids) + self._positions(input_ids))
+
+
+def position_only_lm(form: str, *, seed: int = 0, **kwargs) -> PositionOnlyLM:
+    torch.manual_seed(seed)
+    return PositionOnlyLM(form, **kwargs).train()
+
+
+class WithoutPositions(nn.Module):
+    """A transformers causal LM called without ``position_ids`` (it derives them from the sequence length)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = model.model.layers
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def llama_without_positions(*, seed: int = 0) -> WithoutPositions:
+    from cpcompile.testing import tiny_model
+
+    return WithoutPositions(tiny_model("llama", seed=seed))
+
+
+# -- the real packages -------------------------------------------------------------------------------------
+class TokensLM(nn.Module):
+    """A model called as ``model(tokens) -> logits`` (torchtitan, litgpt) behind a transformers causal LM's
+    keyword arguments; ``position_ids`` are ignored, as in those libraries' plain training call."""
+
+    def __init__(self, model: nn.Module, layers: int) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = layers
+
+    @property
+    def layers(self) -> list:
+        return [None] * self.num_layers  # the attention layer count tests.parity expects rewritten
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        logits = self.model(input_ids)
+        loss = None
+        if labels is not None or shift_labels is not None:
+            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def _stub_triton_only_modules() -> None:
+    """torchtitan 0.3.0's ``models.common`` imports ``distributed.minimal_async_ep``, whose kernels import triton
+    at module level; Llama 3 never uses it, so an empty module stands in for it where triton is missing."""
+    name = "torchtitan.distributed.minimal_async_ep"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if name not in sys.modules:
+            stub = types.ModuleType(name)
+            for attr in ("combine_op", "dispatch_op", "init_buffer", "maybe_update_minimal_async_ep_config"):
+                setattr(stub, attr, None)
+            stub.MinimalAsyncEPDispatchMetadata = None
+            sys.modules[name] = stub
+
+
+def torchtitan_llama3(*, seed: int = 0, max_len: int = 128) -> TokensLM:
+    """torchtitan's ``Llama3Model`` (2 layers, dim 64, 4 heads, 2 KV heads, complex RoPE with llama scaling)
+    with its ``ScaledDotProductAttention`` inner attention (``is_causal=True, enable_gqa=True``)."""
+    _stub_triton_only_modules()
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    dim, heads, vocab = 64, 4, 128
+    # torchtitan 0.3.0 maps every attn_backend name of its language models to flex/varlen attention; its SDPA
+    # inner attention is built directly, as torchtitan's own Flux model does.
+    original = llama3.get_attention_config
+    llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
+    try:
+        layers = llama3._build_llama3_layers(
+            n_layers=2,
+            dim=dim,
+            n_heads=heads,
+            n_kv_heads=2,
+            hidden_dim=128,
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_len, theta=500000, scaling="llama"),
+            attn_backend="sdpa",
+        )
+    finally:
+        llama3.get_attention_config = original
+    config = llama3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=layers,
+    )
+    torch.manual_seed(seed)
+    return TokensLM(config.build(), layers=2).train()
+
+
+def litgpt_gpt(*, seed: int = 0, max_len: int = 128) -> TokensLM:
+    """litgpt's ``GPT`` (2 layers, n_embd 64, 4 heads, 2 query groups, RMSNorm, LLaMA MLP, full RoPE)."""
+    from litgpt import GPT, Config
+
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_query_groups=2,
+        n_embd=64,
+        block_size=max_len,
+        vocab_size=128,
+        padded_vocab_size=128,
+        bias=False,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=128,
+    )
+    torch.manual_seed(seed)
+    return TokensLM(GPT(config), layers=2).train()
+
+
+def package_missing(name: str) -> str | None:
+    """Why the optional package ``name`` cannot be imported here (``None`` when it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        return f"{name} is not installed (scripts/setup.sh installs it with pip install --no-deps, see constraints.txt)"
+    return None
+
+
+__all__ = [
+    "FORMS",
+    "REFUSED_FORMS",
+    "ALL_FORMS_LAYERS",
+    "POSITION_ONLY_FORMS",
+    "PositionLM",
+    "PositionOnlyLM",
+    "TokensLM",
+    "all_forms",
+    "arange_rope",
+    "explicit_positions",
+    "learned_positions",
+    "lit_style",
+    "llama_without_positions",
+    "litgpt_gpt",
+    "mixed_positions",
+    "package_missing",
+    "position_lm",
+    "position_only_lm",
+    "titan_style",
+    "torchtitan_llama3",
+]

@@ -1,0 +1,112 @@
+"""A backend survives wrappers that copy or pickle their arguments (Lightning's ``torch.compile`` deep-copies them).
+
+The copy/pickle checks run in fresh interpreters with a fake process group (no other test's default group in the
+way); the Lightning check runs CP=2 on two gloo processes that imported ``lightning`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_distributed
+from tests.parity import LOGITS_TOL, LOSS_TOL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SAME_PROCESS = """
+import base64, copy, json, pickle
+import cpcompile
+from cpcompile import _compat
+with _compat.fake_process_group(0, 2) as group:
+    b = cpcompile.backend(group, inner="aot_eager", block_size=64)
+    out = {
+        "deepcopy_is_same": copy.deepcopy(b) is b,
+        "copy_is_same": copy.copy(b) is b,
+        "deepcopy_in_dict_is_same": copy.deepcopy({"backend": b, "mode": None})["backend"] is b,
+        "unpickled_is_same": pickle.loads(pickle.dumps(b)) is b,
+        "payload": base64.b64encode(pickle.dumps(b)).decode(),
+    }
+print(json.dumps(out))
+"""
+
+_OTHER_PROCESS = """
+import base64, json, pickle, sys
+import cpcompile
+from cpcompile import _compat
+payload = base64.b64decode(sys.argv[1])
+out = {}
+try:
+    pickle.loads(payload)
+    out["without_group"] = "no error"
+except TypeError as e:
+    out["without_group"] = str(e)
+with _compat.fake_process_group(1, 2):
+    b = pickle.loads(payload)
+    out["type"] = type(b).__name__
+    out["group_name"], out["cp_rank"], out["cp_size"] = b.group_name, b.cp_rank, b.cp_size
+    out["inner"], out["block_size"] = b.options.inner, b.options.block_size
+print(json.dumps(out))
+"""
+
+
+def _python(code: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_copy_and_pickle_give_the_backend_back():
+    same = _python(_SAME_PROCESS)
+    for key in ("deepcopy_is_same", "copy_is_same", "deepcopy_in_dict_is_same", "unpickled_is_same"):
+        assert same[key] is True, key
+
+    other = _python(_OTHER_PROCESS, same["payload"])
+    # no group of that name in a fresh process: a TypeError that names the fix
+    assert "process group '0' is not registered in this process" in other["without_group"], other
+    assert "cpcompile.backend(cp_group)" in other["without_group"], other
+    # with the same groups created, a new backend over this process's rank of the group, with the same options
+    assert other["type"] == "CPBackend"
+    assert (other["group_name"], other["cp_rank"], other["cp_size"]) == ("0", 1, 2)
+    assert (other["inner"], other["block_size"]) == ("aot_eager", 64)
+
+
+def _compile_after_lightning(rank: int, world: int) -> dict:
+    import lightning  # noqa: F401  (replaces torch.compile with a wrapper that deep-copies its keyword arguments)
+
+    import cpcompile
+    from cpcompile.testing import packed_batch, tiny_model
+
+    assert hasattr(torch.compile, "__wrapped__"), "lightning did not wrap torch.compile; the test checks nothing"
+    batch = packed_batch([[10, 20, 6], [30, 6]], seed=1)
+    reference = tiny_model("qwen3", seed=0)
+    ref = reference(**batch, use_cache=False)
+    model = tiny_model("qwen3", seed=0)
+    cp_backend = cpcompile.backend(dist.group.WORLD, inner="aot_eager")
+    compiled = torch.compile(model, backend=cp_backend)
+    with cpcompile.shard(batch, dist.group.WORLD) as local:
+        out = compiled(**local)
+        logits = cpcompile.gather(out.logits).detach()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)  # the per-rank shares add up to the global mean
+    return {
+        "stored_backend_is_ours": compiled._compile_kwargs["backend"] is cp_backend,
+        "rewritten": sum(r.action == "rewritten" for r in cp_backend.reports),
+        "loss": (loss, ref.loss.detach()),
+        "logits": (logits, ref.logits.detach()),
+    }
+
+
+def test_torch_compile_after_import_lightning():
+    pytest.importorskip("lightning", reason="lightning is an optional test dependency (pip install lightning)")
+    for rank, result in enumerate(run_distributed(_compile_after_lightning, 2)):
+        assert result["stored_backend_is_ours"], f"rank {rank}: lightning kept a copy of the backend"
+        assert result["rewritten"] == 2, f"rank {rank}: {result['rewritten']} SDPA sites rewritten (2 layers)"
+        torch.testing.assert_close(*result["loss"], **LOSS_TOL)
+        torch.testing.assert_close(*result["logits"], **LOGITS_TOL)

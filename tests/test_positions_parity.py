@@ -1,0 +1,176 @@
+"""Parity of models that compute their own positions: compiled with cpcompile at CP=2 and CP=4 (gloo processes) vs
+the same model run whole in one process on the same global batch.
+
+T = 37 is not a multiple of 2 or 4, so the last rank holds padding tokens, whose global indices (>= T) are
+clamped into the tables. Every case asserts the logits, the summed loss and every summed gradient
+(``tests.parity`` tolerances), every SDPA site rewritten, and the position sources the backend reports. The
+negative control compiles the same model with ``cpcompile.backend(..., positions="off")``: the parity check must
+fail (``explicit_positions`` takes its positions as input and needs no rewrite, so it has no control).
+
+Inductor runs every model at CP=2; at CP=4 (four processes on the CI's two cores; measured 120-200 s per model on a
+busy machine) one model that combines every form (``all_forms``: a layer per RoPE form, learned positions at the
+embedding, one layer taking explicit positions) stands for the five.
+
+Measured max abs differences (torch 2.13 CPU, fp32; tolerances 1e-5 logits/loss, 1e-6 gradients):
+
+| model | CP | inner | logits | loss | grad | with positions="off": logits / loss / grad |
+| --- | --- | --- | --- | --- | --- | --- |
+| titan_style | 2 | aot_eager | 3.6e-7 | 0 | 2.2e-8 | 6.2e-2 / 1.0e-3 / 2.3e-3 |
+| lit_style | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | 9.5e-2 / 1.5e-3 / 2.1e-3 |
+| arange_rope | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | 9.5e-2 / 1.5e-3 / 2.1e-3 |
+| learned_positions | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 2.2e-8 | 3.3 / 1.0e-1 / 9.9e-2 |
+| explicit_positions | 2 | aot_eager | 4.8e-7 | 9.5e-7 | 3.0e-8 | - |
+| learned_positions, 37 rows (padding clamped) | 2 | aot_eager | 4.8e-7 | 0 | 3.7e-8 | 3.3 / 4.8e-2 / 9.3e-2 |
+| transformers Llama without position_ids, T=38 | 2 | aot_eager | 2.1e-7 | 4.8e-7 | 3.0e-8 | 3.1e-3 / 1.0e-5 / 6.2e-4 |
+| titan_style | 4 | aot_eager | 3.6e-7 | 0 | 2.2e-8 | |
+| lit_style | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
+| arange_rope | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
+| learned_positions | 4 | aot_eager | 4.8e-7 | 0 | 2.2e-8 | |
+| explicit_positions | 4 | aot_eager | 4.8e-7 | 4.8e-7 | 2.6e-8 | |
+| learned_positions, 37 rows (3 padding tokens clamped) | 4 | aot_eager | 7.2e-7 | 0 | 3.7e-8 | |
+| all_forms | 4 | inductor | 7.2e-7 | 0 | 4.5e-8 | (measured once: 3.4 / 1.6e-2 / 9.1e-2) |
+| titan_style | 2 | inductor | 4.8e-7 | 0 | 2.2e-8 | |
+| lit_style | 2 | inductor | 4.8e-7 | 4.8e-7 | 1.9e-8 | |
+| arange_rope | 2 | inductor | 4.8e-7 | 4.8e-7 | 1.5e-8 | |
+| learned_positions | 2 | inductor | 9.5e-7 | 4.8e-7 | 3.0e-8 | |
+| explicit_positions | 2 | inductor | 4.2e-7 | 4.8e-7 | 3.0e-8 | |
+| torchtitan Llama 3 | 2 | aot_eager | 7.2e-7 | 4.8e-7 | 1.9e-8 | 6.0e-2 / 2.3e-3 / 1.6e-3 |
+| litgpt GPT | 2 | aot_eager | 4.8e-7 | 0 | 1.9e-8 | 3.6e-2 / 6.7e-4 / 1.7e-3 |
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _position_models as pm
+from tests._dist import run_distributed
+from tests.parity import ParityCase, assert_controls, check_case, report
+
+# T = 37: chunks of 19 (CP=2) and 10 (CP=4, 3 padding tokens on rank 3); documents cross chunk boundaries.
+DOCS = ((10, 20, 7), (5, 30, 2))
+#: (kind, action) of every position source each model must report.
+EXPECTED = {
+    "titan_style": (("table_slice", "rewritten"),) * 2,  # one RoPE cache per attention layer
+    "lit_style": (("table_slice", "rewritten"),) * 2,  # cos[:T] and sin[:T]
+    "arange_rope": (("arange", "rewritten"),) * 2,  # one arange per attention layer
+    "learned_positions": (("arange", "rewritten"),),
+    "explicit_positions": (),
+    "torchtitan_llama3": (("table_slice", "rewritten"),) * 2,
+    "litgpt_gpt": (("table_slice", "rewritten"),) * 2,
+    # cache_position = arange(T) feeds RoPE (rewritten); the mask's own aranges are left to the mask
+    "llama_without_positions": (("arange", "rewritten"), ("arange", "mask"), ("arange", "mask")),
+    # wpe(arange(T)), cos[:T], sin[:T], layer 0's RoPE cache, layer 2's arange (layer 3 takes positions as input)
+    "all_forms": (
+        ("arange", "rewritten"),
+        ("table_slice", "rewritten"),
+        ("table_slice", "rewritten"),
+        ("table_slice", "rewritten"),
+        ("arange", "rewritten"),
+    ),
+}
+MODELS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
+
+
+def _case(name: str, inner: str = "aot_eager", **overrides) -> ParityCase:
+    return ParityCase(
+        model=f"tests._position_models:{name}",
+        # without position_ids a transformers model sees one document per row, padding included, while the plan
+        # makes padding its own document: its mask matches the plan's (checked at run time) only without padding
+        doc_lens=((38,), (38,)) if name == "llama_without_positions" else DOCS,
+        inner=inner,
+        overrides=tuple(overrides.items()),
+        expected_sites=len(pm.ALL_FORMS_LAYERS) if name == "all_forms" else 2,
+        expected_positions=EXPECTED[name],
+    )
+
+
+def _worker(rank, world_size, cases, with_controls):
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for case in cases:
+        torch._dynamo.reset()
+        controls = ("positions_off",) if with_controls and case.expected_positions else ()
+        out.append(check_case(case, dist.group.WORLD, controls=controls))
+    return out
+
+
+def _report_and_check(summaries):
+    report(summaries)
+    assert_controls(summaries)
+
+
+# Generous limits: they only cut a hang on a shared machine (about 1-2 min each on 2 idle cores, more cold).
+TIMEOUT_S = 900
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_position_models_cp2_aot_eager():
+    # learned positions with exactly T rows: the padding token's index (37) must be clamped into the table
+    cases = [_case(m) for m in MODELS] + [_case("learned_positions", max_len=37), _case("llama_without_positions")]
+    results = run_distributed(_worker, 2, cases, True, timeout_s=TIMEOUT_S)
+    _report_and_check(results[0])
+    assert [len(s["controls"]) for s in results[0]] == [1, 1, 1, 1, 0, 1, 1]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_position_models_cp4_aot_eager():
+    cases = [_case(m) for m in MODELS] + [_case("learned_positions", max_len=37)]  # 3 padding tokens clamped
+    results = run_distributed(_worker, 4, cases, False, timeout_s=TIMEOUT_S)
+    _report_and_check(results[0])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_position_models_cp2_inductor():
+    results = run_distributed(_worker, 2, [_case(m, "inductor") for m in MODELS], False, timeout_s=TIMEOUT_S)
+    _report_and_check(results[0])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_position_models_cp4_inductor():
+    """Every form in one model (one layer per form, learned positions at the embedding): one inductor compile
+    per rank instead of five, and the check fails if any form is wrong on any rank."""
+    results = run_distributed(_worker, 4, [_case("all_forms", "inductor")], False, timeout_s=TIMEOUT_S)
+    _report_and_check(results[0])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("package, factory", [("torchtitan", "torchtitan_llama3"), ("litgpt", "litgpt_gpt")])
+def test_real_package_cp2(package, factory):
+    """The package's model in its plain ``model(tokens)`` call (RoPE sliced by the local length) is exact at
+    CP=2, and is not with the rewrite off."""
+    missing = pm.package_missing(package)
+    if missing is not None:
+        pytest.skip(missing)
+    results = run_distributed(_worker, 2, [_case(factory)], True, timeout_s=TIMEOUT_S)
+    _report_and_check(results[0])
+    assert len(results[0][0]["controls"]) == 1
+
+
+def _short_table_worker(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import cpcompile
+    from cpcompile.testing import packed_batch
+
+    model = pm.titan_style(max_len=30)  # 30 rows for T = 37
+    compiled = torch.compile(model, backend=cpcompile.backend(dist.group.WORLD, inner="aot_eager"))
+    try:
+        with cpcompile.shard(packed_batch([list(r) for r in DOCS]), dist.group.WORLD) as local:
+            compiled(**local)
+    except ValueError as e:
+        error = str(e)
+    else:
+        error = ""
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank is still in step
+    return error, float(t)
+
+
+def test_table_shorter_than_the_sequence_raises_on_every_rank():
+    results = run_distributed(_short_table_worker, 2, timeout_s=240)
+    for error, in_step in results:
+        assert "has 30 rows, but the global sequence has 37 tokens" in error, error
+        assert in_step == 2.0
