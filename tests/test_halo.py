@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpcompile.plan import LAYOUTS, MAX_RUNS, CPPlan, build_plan, runs
+from cpcompile.plan import LAYOUTS, MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan, runs
 from tests._dist import run_distributed
 from tests.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
 
@@ -44,7 +44,12 @@ def cases(draw):
         rows.append([b - a for a, b in zip(bounds, bounds[1:])])
     pos = torch.tensor([[p for n in row for p in range(n)] for row in rows])
     batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos}
-    return batch, cp_size, draw(st.sampled_from(sorted(LAYOUTS))), draw(st.integers(1, T + 2))
+    # small kernel blocks give the balanced layout something to balance at these lengths (several runs per rank)
+    layout = {
+        "layout": draw(st.sampled_from(sorted(LAYOUTS))),
+        "workload": Workload(block_size=draw(st.integers(1, 4))),
+    }
+    return batch, cp_size, layout, draw(st.integers(1, T + 2))
 
 
 @SETTINGS
@@ -52,7 +57,7 @@ def cases(draw):
 def test_halo_needs_are_exactly_the_keys_seen_on_other_ranks(case):
     batch, N, layout, window = case
     for r in range(N):
-        plan = build_plan(batch, N, r, layout=layout)
+        plan = build_plan(batch, N, r, **layout)
         assert len(runs(plan.token_indices())) <= MAX_RUNS
         assert plan.halo_needs(window).tolist() == brute_force_needs(plan, window, r), (layout, r)
 
@@ -63,7 +68,7 @@ def test_every_rank_computes_the_same_routing(case):
     """What rank s sends to rank r (its local slots, as global indices) is what r expects from s, in order."""
     batch, N, layout, window = case
     slots = MAX_RUNS * max(window - 1, 1)
-    plans = [build_plan(batch, N, r, layout=layout) for r in range(N)]
+    plans = [build_plan(batch, N, r, **layout) for r in range(N)]
     routes = [p.halo_routing(window, slots) for p in plans]
     for s, (plan_s, route_s) in enumerate(zip(plans, routes)):
         sent = plan_s.token_indices()[route_s.send_slots[: int(route_s.counts[0].sum())]].tolist()
@@ -85,7 +90,9 @@ DOCS = ((24, 30, 10), (5, 50, 1, 8))
 
 
 #: Per CP size: (the case whose bytes and negative control are checked, further cases). Chunks are 32, 22 and 16
-#: tokens: windows smaller than a chunk, equal to it (CP=3) and larger (CP=4: the halo spans two ranks).
+#: tokens; every window keeps the halo's ``MAX_RUNS * (window - 1)`` slots below the all-gather's ``(N - 1) * c``
+#: keys. At CP=4 the ranks hold runs of 8 tokens or fewer (head_tail, balanced), so a window of 12 reaches back
+#: over a whole run: the halo comes from two ranks.
 CASES = {
     2: (
         ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),)),
@@ -95,12 +102,18 @@ CASES = {
         ),
     ),
     3: (
-        ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 22),)),
+        ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 11),)),
         (ParityCase(model="gemma3", doc_lens=DOCS),),
     ),
     4: (
-        ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 23),), layout="head_tail"),
-        (ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 16),)),),
+        ParityCase(
+            model="mistral",
+            doc_lens=DOCS,
+            overrides=(("sliding_window", 12),),
+            layout="balanced",
+            shard_kwargs=(("workload", Workload(forms=(AttentionForm(window=12, layers=2),), block_size=4)),),
+        ),
+        (ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 12),), layout="head_tail"),),
     ),
 }
 
@@ -117,7 +130,7 @@ def _worker(rank, world_size, case, others):
     assert_parity(outcome)
     # bytes: every halo exchange received exactly the brute-force needs of this rank (K and V, both sites)
     window = dict(case.overrides)["sliding_window"]
-    plan = build_plan(runner.batch, world_size, rank, layout=case.layout)
+    plan = build_plan(runner.batch, world_size, rank, layout=case.layout, **dict(case.shard_kwargs))
     config = runner.model.config
     heads_dim = config.num_key_value_heads * (config.head_dim or config.hidden_size // config.num_attention_heads)
     per_exchange = len(brute_force_needs(plan, window, rank)) * len(case.doc_lens) * heads_dim * 4

@@ -220,7 +220,7 @@ def test_model_mask_check_covers_every_block_of_rows(world):
     from cpcompile import ops
 
     c = ops.MASK_CHECK_ROWS + 300  # two blocks of rows
-    with cpcompile.shard(packed_batch([[c, c], [2 * c]]), world):
+    with cpcompile.shard(packed_batch([[c, c], [2 * c]]), world, layout="contiguous"):
         plan = cpcompile.current_plan()
         good = plan.local_rule_mask(documents=True)
         bad = good.clone()
