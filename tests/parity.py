@@ -181,6 +181,11 @@ class ParityCase:
             kwargs["config"] = config
         return cpcompile.backend(group, **kwargs)
 
+    def max_runs(self, cp_size: int) -> int:
+        """The most runs of consecutive tokens one rank holds when ``shard`` places this case's batch."""
+        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **dict(self.shard_kwargs))
+        return int(cpcompile.plan.count_runs(plan.indices).max())
+
     def check_layout(self, cp_size: int) -> None:
         """Refuse a case that would not exercise CP: B >= 2 and some document held by more than one rank."""
         if len(self.doc_lens) < 2:
@@ -523,6 +528,7 @@ def check_case(
     summary = {
         "case": case.name,
         "cp": runner.cp_size,
+        "runs": case.max_runs(runner.cp_size),
         **outcome.errors(),
         "seconds": time.perf_counter() - t0,
         "controls": {},

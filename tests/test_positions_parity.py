@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import pytest
 
+from cpcompile.plan import Workload
 from tests import _position_models as pm
 from tests._dist import run_distributed
 from tests.parity import ParityCase, assert_controls, check_case, report
@@ -71,7 +72,7 @@ EXPECTED = {
 MODELS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
 
 
-def _case(name: str, inner: str = "aot_eager", **overrides) -> ParityCase:
+def _case(name: str, inner: str = "aot_eager", layout: str = "contiguous", **overrides) -> ParityCase:
     return ParityCase(
         model=f"tests._position_models:{name}",
         # without position_ids a transformers model sees one document per row, padding included, while the plan
@@ -81,6 +82,9 @@ def _case(name: str, inner: str = "aot_eager", **overrides) -> ParityCase:
         overrides=tuple(overrides.items()),
         expected_sites=len(pm.ALL_FORMS_LAYERS) if name == "all_forms" else 2,
         expected_positions=EXPECTED[name],
+        layout=layout,
+        # kernel blocks of 4 tokens give the balanced layout something to balance at this length
+        shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
     )
 
 
@@ -116,8 +120,11 @@ def test_position_models_cp2_aot_eager():
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_position_models_cp4_aot_eager():
-    cases = [_case(m) for m in MODELS] + [_case("learned_positions", max_len=37)]  # 3 padding tokens clamped
+    """The balanced layout: rewritten positions are the plan's global indices, whichever tokens a rank holds."""
+    cases = [_case(m, layout="balanced") for m in MODELS]
+    cases.append(_case("learned_positions", layout="balanced", max_len=37))  # 3 padding tokens clamped
     results = run_distributed(_worker, 4, cases, False, timeout_s=TIMEOUT_S)
+    assert all(s["runs"] > 1 for s in results[0]), "the balanced layout kept contiguous chunks; nothing was tested"
     _report_and_check(results[0])
 
 
