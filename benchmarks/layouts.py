@@ -32,14 +32,7 @@ LAYOUTS = ("contiguous", "head_tail", "balanced")
 
 
 def work_per_rank(plan, workload: Workload) -> list[int]:
-    bs = workload.block_size
-    return [
-        sum(
-            f.layers * plan.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=r).computed_pairs()
-            for f in workload.forms
-        )
-        for r in range(plan.cp_size)
-    ]
+    return [plan.work(workload, r) for r in range(plan.cp_size)]
 
 
 def max_over_mean(work: list[int]) -> float:

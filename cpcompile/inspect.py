@@ -632,7 +632,6 @@ def _rank_site(graph: TracedGraph, report: SiteReport, plan: CPPlan) -> RankSite
 def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workload) -> RankTotals:
     mine = [r for r in rows if r.rank == rank]
     done = [r for r in mine if r.action == "rewritten"]
-    bs = workload.block_size
     forms = [(f, f.layers) for f in workload.forms] if done else []
     return RankTotals(
         rank=rank,
@@ -646,10 +645,7 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workl
         halo_bytes=sum(r.halo_bytes_per_call * r.calls_per_forward for r in done),
         needed_bytes=sum(r.needed_bytes_per_call * r.calls_per_forward for r in done),
         visible_pairs=sum(n * plan.visible_pairs(documents=f.documents, window=f.window, rank=rank) for f, n in forms),
-        computed_pairs=sum(
-            n * plan.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=rank).computed_pairs()
-            for f, n in forms
-        ),
+        computed_pairs=plan.work(workload, rank) if done else 0,
     )
 
 

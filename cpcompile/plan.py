@@ -430,6 +430,16 @@ class CPPlan:
         q = self.token_indices(rank)
         return int((q + 1 - first_visible(self.attention_docs(documents), q, window)).sum())
 
+    def work(self, workload: Workload, rank: int | None = None) -> int:
+        """The (query, key) pairs ``rank``'s block kernel computes for ``workload``: the pairs of its not fully
+        masked blocks (:meth:`visible_blocks`) at the workload's block size, summed over its attention forms,
+        each times its number of layers. What the ``"balanced"`` layout evens out."""
+        bs = workload.block_size
+        return sum(
+            f.layers * self.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=rank).computed_pairs()
+            for f in workload.forms
+        )
+
     def keys_needed(
         self, window: int | None, rank: int | None = None, row: int | None = None, *, documents: bool = True
     ) -> torch.Tensor:

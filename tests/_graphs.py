@@ -31,3 +31,10 @@ def context(*, cp_size: int = 2, refuse: str = "raise", site_prefix: str | None 
 def run_pass(gm: torch.fx.GraphModule, *, cp_size: int = 2, refuse: str = "raise", **options) -> list[SiteReport]:
     """Rewrite ``gm``'s attention in place with the :func:`context` of these arguments."""
     return cp_attention_pass(gm, context(cp_size=cp_size, refuse=refuse, **options))
+
+
+def counter_delta(before: dict[str, int]) -> dict[str, int]:
+    """The ``cpcompile.counters`` that changed since the snapshot ``before``, by how much."""
+    import cpcompile
+
+    return {k: v - before.get(k, 0) for k, v in cpcompile.counters.items() if v != before.get(k, 0)}

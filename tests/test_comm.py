@@ -107,19 +107,19 @@ def _kv_bytes_per_gather(family: str, world: int, batch: int, chunk: int) -> int
     return (world - 1) * batch * config.num_key_value_heads * chunk * head_dim * 4
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_comm_stats_bytes_are_the_theoretical_minimum(family):
-    world, case = 2, _case(family, False)
-    layers = tiny_config(family).num_hidden_layers
-    chunk = -(-sum(case.doc_lens[0]) // world)
-    for per_rank in run_distributed(parity_worker, world, [case], None, True, timeout_s=400):
-        outcome, _ = per_rank[case.name]
-        check_outcome(outcome)  # parity with the unsharded model, K and V gathered once per layer
-        assert outcome.comm.all_gather_bytes == 2 * layers * _kv_bytes_per_gather(family, world, 2, chunk)
-        assert outcome.comm.all_gathers == 2 * layers
-        assert outcome.comm.reduce_scatters == 2 * layers
-        # independent count from the profiler: one gloo all-gather per gathered tensor
-        assert outcome.collectives.get("gloo:all_gather", 0) == 2 * layers
+def test_comm_stats_bytes_are_the_theoretical_minimum():
+    world, cases = 2, {family: _case(family, False) for family in FAMILIES}
+    for per_rank in run_distributed(parity_worker, world, list(cases.values()), None, True, timeout_s=400):
+        for family, case in cases.items():
+            layers = tiny_config(family).num_hidden_layers
+            chunk = -(-sum(case.doc_lens[0]) // world)
+            outcome, _ = per_rank[case.name]
+            check_outcome(outcome)  # parity with the unsharded model, K and V gathered once per layer
+            assert outcome.comm.all_gather_bytes == 2 * layers * _kv_bytes_per_gather(family, world, 2, chunk)
+            assert outcome.comm.all_gathers == 2 * layers
+            assert outcome.comm.reduce_scatters == 2 * layers
+            # independent count from the profiler: one gloo all-gather per gathered tensor
+            assert outcome.collectives.get("gloo:all_gather", 0) == 2 * layers
 
 
 def test_regather_kv_in_backward_gathers_again_and_stays_exact():

@@ -91,8 +91,13 @@ def test_failure_in_own_code_is_bounded_by_the_peer_timeout(results):
     assert reported["rank_failed"] and list(reported["failed"]) == [1], reported
     assert "the data loader of rank 1 failed" in reported["message"]
     assert reported["seconds"] < FAIL_PEER_TIMEOUT_S + SLACK_S
+    assert results[1]["own_code_unreported"]["message"].startswith("the data loader of rank 1 failed")
+    # with fail_together, rank 1 raises its own error, or, when its peer was in one of shard's control rounds and
+    # gave the verdict within the grace period (the balanced layout's workload round), the group's verdict
+    mine = results[1]["own_code_fail_together"]
+    own = mine["message"].startswith("the data loader of rank 1 failed")
+    assert own or (mine["rank_failed"] and "rank 1 failed" in mine["message"] and "the data loader" in mine["message"])
     for name in ("own_code_unreported", "own_code_fail_together"):
-        assert results[1][name]["message"].startswith("the data loader of rank 1 failed")
         # the failed rank's next step does not run against its out-of-step peer: it raises too
         assert results[1][name + "_next"]["rank_failed"], results[1][name + "_next"]
 

@@ -1,53 +1,39 @@
-"""Parity of compiled CP against the unsharded eager model, per transformers family.
+"""Parity of compiled CP against the unsharded eager model, per transformers family, on the dense path.
 
-Adding a family is one line in ``cpcompile.testing.FAMILIES`` (plus its name below). Each spawned group runs
-several families to pay the process start-up once. The comparison (logits, summed loss, every summed gradient,
-every attention layer rewritten, K and V gathered once per layer) is the parity harness's
-(:func:`tests.parity.check_outcome`, tolerances in :mod:`tests.parity`).
+Adding a family is one line in ``cpcompile.testing.FAMILIES``; every family runs the block kernel (what
+``attention="auto"`` picks on CPU) at CP=2, 3 and 4 under the default balanced layout in
+``tests/test_layouts_parity.py``. Here the dense path (SDPA under the plan's whole mask, what ``"auto"`` picks on
+CUDA) runs end to end with contiguous chunks for three families at CP=2 and CP=3 (CP=3: T=64 is padded to 66).
+Each spawned group runs several families to pay the process start-up once. The comparison (logits, summed
+loss, every summed gradient, every attention layer rewritten, K and V gathered once per layer) is the parity
+harness's (:func:`tests.parity.check_outcome`, tolerances in :mod:`tests.parity`).
 
-``attention="auto"`` runs the block kernel on CPU; the dense path (SDPA under the plan's whole mask, what
-``"auto"`` picks on CUDA) runs end to end for three families at CP=2 and CP=3 (CP=3: T=64 is padded to 66).
-
-Measured max abs differences (torch 2.13 CPU, fp32, aot_eager): block path at CP=2 and 4, logits <= 3.2e-7,
-loss <= 9.5e-7, gradients <= 1.2e-7 (gemma3); dense path at CP=2 and 3, logits bit-identical, loss <= 9.5e-7,
-gradients <= 2.6e-8. Mistral compiled with a config whose sliding window is one token larger is refused at
-compile time (UnsupportedAttentionError naming both windows).
+Measured max abs differences (torch 2.13 CPU, fp32, aot_eager): dense path at CP=2 and 3, logits
+bit-identical, loss <= 9.5e-7, gradients <= 2.6e-8. Mistral compiled with a config whose sliding window is one
+token larger is refused at compile time (UnsupportedAttentionError naming both windows).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from cpcompile.testing import FAMILIES
 from tests._dist import run_distributed
 from tests._workers import family_case, parity_worker
 from tests.parity import assert_controls, check_outcome
 
-#: The module fixtures spawn the groups (up to two runs of 400 s at most, which only cut a hang).
+#: The module fixtures spawn the groups (400 s at most each, which only cut a hang).
 pytestmark = pytest.mark.timeout(900)
 
-#: Every family at CP=2; at CP=4 the families whose masks depend on where chunk boundaries fall beyond
-#: causality and documents (a window smaller than a chunk; a window larger than a chunk next to global
-#: layers), to keep the suite's time budget.
-CP2_FAMILIES = sorted(FAMILIES)
-CP4_FAMILIES = ["gemma3", "mistral"]
 #: The dense path end to end: plain causal (llama), q/k norms and head_dim (qwen3), a sliding window (mistral).
 DENSE_FAMILIES = ["llama", "mistral", "qwen3"]
 #: A backend config whose window differs from the model's must be refused (mistral: every layer windowed).
-CONTROLS = {family_case("mistral").name: ("wrong_window",)}
-
-
-@pytest.fixture(scope="module")
-def cp2_results():
-    # two spawned groups of 4 families, each well inside its time limit on a loaded machine
-    halves = (CP2_FAMILIES[: len(CP2_FAMILIES) // 2], CP2_FAMILIES[len(CP2_FAMILIES) // 2 :])
-    results = [run_distributed(parity_worker, 2, [family_case(f) for f in h], CONTROLS, timeout_s=400) for h in halves]
-    return [{**first, **second} for first, second in zip(*results)]
+CONTROLS = {family_case("mistral", attention="dense").name: ("wrong_window",)}
 
 
 @pytest.fixture(scope="module")
 def dense_cp2_results():
-    return run_distributed(parity_worker, 2, [family_case(f, attention="dense") for f in DENSE_FAMILIES], timeout_s=400)
+    cases = [family_case(f, attention="dense") for f in DENSE_FAMILIES]
+    return run_distributed(parity_worker, 2, cases, CONTROLS, timeout_s=400)
 
 
 @pytest.fixture(scope="module")
@@ -55,27 +41,9 @@ def dense_cp3_results():
     return run_distributed(parity_worker, 3, [family_case(f, attention="dense") for f in DENSE_FAMILIES], timeout_s=400)
 
 
-@pytest.fixture(scope="module")
-def cp4_results():
-    return run_distributed(parity_worker, 4, [family_case(f) for f in CP4_FAMILIES], timeout_s=400)
-
-
 def _outcomes(results, case):
     """The case's outcome on every rank (the gathered and summed values are the same on all of them)."""
     return [per_rank[case.name][0] for per_rank in results]
-
-
-@pytest.mark.parametrize("family", CP2_FAMILIES)
-def test_parity_cp2(family, cp2_results):
-    for outcome in _outcomes(cp2_results, family_case(family)):
-        check_outcome(outcome)
-        assert set(outcome.kernels) == {"block"}  # attention="auto" on CPU
-
-
-@pytest.mark.parametrize("family", CP4_FAMILIES)
-def test_parity_cp4(family, cp4_results):
-    for outcome in _outcomes(cp4_results, family_case(family)):
-        check_outcome(outcome)
 
 
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
@@ -90,8 +58,8 @@ def test_dense_attention_parity_cp3(family, dense_cp3_results):
         check_outcome(outcome)
 
 
-def test_wrong_config_window_is_refused(cp2_results):
-    for per_rank in cp2_results:
-        _, caught = per_rank[family_case("mistral").name]
+def test_wrong_config_window_is_refused(dense_cp2_results):
+    for per_rank in dense_cp2_results:
+        _, caught = per_rank[family_case("mistral", attention="dense").name]
         assert set(caught) == {"wrong_window"}
         assert_controls([{"case": "mistral", "cp": 2, "controls": caught}])

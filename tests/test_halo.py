@@ -96,10 +96,7 @@ DOCS = ((24, 30, 10), (5, 50, 1, 8))
 CASES = {
     2: (
         ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),)),
-        (
-            ParityCase(model="gemma3", doc_lens=DOCS, layout="head_tail"),
-            ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),), inner="inductor"),
-        ),
+        (ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),), inner="inductor"),),
     ),
     3: (
         ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 11),)),

@@ -41,14 +41,7 @@ TARGET = 1.05
 
 def computed(plan, workload: Workload) -> list[int]:
     """Per rank: the block kernel's computed pairs, summed over the workload's layers."""
-    bs = workload.block_size
-    return [
-        sum(
-            f.layers * plan.visible_blocks(bs, bs, documents=f.documents, window=f.window, rank=r).computed_pairs()
-            for f in workload.forms
-        )
-        for r in range(plan.cp_size)
-    ]
+    return [plan.work(workload, r) for r in range(plan.cp_size)]
 
 
 def max_over_mean(work: list[int]) -> float:

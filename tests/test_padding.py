@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile import _compat
 from tests._dist import run_distributed
 from tests.parity import GRAD_TOL, LOSS_TOL
 
@@ -51,18 +50,11 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # -- padding values, one process (this process is rank 1 of a fake CP group of 2: it holds the padding) ---
-@pytest.fixture(scope="module")
-def last_rank():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in the pytest process; tests must not leave one")
-    _compat.init_fake_process_group(rank=1, world_size=2)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_default_pad_values_per_dtype(last_rank):
     batch = {**_batch(), "flags": torch.ones(B, T, dtype=torch.bool), "segment": torch.ones(B, T, 3)}
-    with cpcompile.shard(batch, last_rank, hf_kwargs=False) as local:
+    with cpcompile.shard(batch, last_rank, hf_kwargs=False, layout="contiguous") as local:
         real = cpcompile.real_tokens()
         assert local["input_ids"].shape == (B, 32)  # c = 32: tokens 32..62 and one padding token
         assert local["targets"][:, -1].tolist() == [-100, -100]
@@ -75,7 +67,9 @@ def test_default_pad_values_per_dtype(last_rank):
 
 
 def test_pad_values_override(last_rank):
-    with cpcompile.shard(_batch(), last_rank, pad_values={"targets": 0, "loss_mask": 1.0}) as local:
+    with cpcompile.shard(
+        _batch(), last_rank, pad_values={"targets": 0, "loss_mask": 1.0}, layout="contiguous"
+    ) as local:
         assert local["targets"][:, -1].tolist() == [0, 0] and local["loss_mask"][:, -1].tolist() == [1.0, 1.0]
         assert local["advantages"][:, -1].tolist() == [0.0, 0.0]  # not named: the default
 

@@ -49,7 +49,6 @@ CP2_CASES = (
     ParityCase(model="attn:causal_gqa", doc_lens=DOCS, expected_form=("is_causal", True)),
 )
 CP4_CASES = (
-    ParityCase(model="llama", doc_lens=DOCS),
     ParityCase(model="qwen3", doc_lens=DOCS_B3, batch_seed=3),
     # the load-balanced layout: rank r holds pieces r and 7 - r of 8 (T = 37 padded to 40, pieces of 5)
     ParityCase(model="qwen3", doc_lens=DOCS, layout="head_tail", expected_form=("bool-mask", False)),

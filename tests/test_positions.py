@@ -17,37 +17,17 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile import _compat
 from cpcompile.passes import positions_pass
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _position_models as pm
-from tests._graphs import context
+from tests._graphs import context, counter_delta
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 # T = 37, CP = 2: chunks of 19, one padding token on rank 1
 DOCS = [[10, 20, 7], [5, 30, 2]]
 FIX_WORDS = 'positions=local["position_ids"]'
-
-
-@pytest.fixture(scope="module")
-def world():
-    """A fake default process group of size 2 for this module (this process is rank 0)."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in the pytest process; tests must not leave one")
-    _compat.init_fake_process_group(rank=0, world_size=2)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _delta(before):
-    return {k: v - before.get(k, 0) for k, v in cpcompile.counters.items() if v != before.get(k, 0)}
 
 
 def _compile_and_run(model, group, *, dynamic=True, **backend_kwargs):
@@ -78,7 +58,7 @@ def test_sources_found_and_rewritten(world, form, expected):
     backend, out = _compile_and_run(pm.position_lm(form), world)
     assert _position_actions(backend) == expected
     assert all(r.reason == "" for r in backend.position_reports)
-    delta = _delta(before)
+    delta = counter_delta(before)
     assert delta.get("position_sources_found", 0) == len(expected)
     assert delta.get("position_sources_rewritten", 0) == len(expected)
     assert "position_sources_refused" not in delta
@@ -180,7 +160,7 @@ def test_refused_at_compile_time(world, form, node_words, reason_words):
     message = str(info.value)
     assert node_words in message and reason_words in message, message
     assert "<top level>" in message and FIX_WORDS in message and "position_ids" in message, message
-    delta = _delta(before)
+    delta = counter_delta(before)
     # nothing rewritten: every source of the graph is checked before the first rewrite
     assert delta.get("position_sources_refused", 0) >= 1 and "position_sources_rewritten" not in delta, delta
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
@@ -223,7 +203,7 @@ def test_token_positions_op_checks(world):
     op = torch.ops.cpcompile.token_positions
     with pytest.raises(RuntimeError, match=r"no cpcompile\.shard context is active"):
         op(torch.zeros(19), -1, "site-x")
-    with cpcompile.shard(packed_batch(DOCS), world):
+    with cpcompile.shard(packed_batch(DOCS), world, layout="contiguous"):
         torch.testing.assert_close(op(torch.zeros(19, 3), 37, "site-x"), torch.arange(19), atol=0, rtol=0)
         with pytest.raises(RuntimeError, match=r"site-x has 18 local positions.*chunk length 19"):
             op(torch.zeros(18), -1, "site-x")

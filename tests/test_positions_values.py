@@ -9,37 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import cpcompile
-from cpcompile import _compat
 from cpcompile.testing import packed_batch
 from tests import _position_models as pm
 from tests.parity import LOGITS_TOL
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 DOCS = [[10, 20, 7], [5, 30, 2]]  # T = 37: rank 1 of 2 holds tokens 19..36 and one padding token
-
-
-@pytest.fixture(scope="module")
-def last_rank():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in the pytest process; tests must not leave one")
-    _compat.init_fake_process_group(rank=1, world_size=2)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _local_logits(form, group, positions="rewrite", inner="eager"):
     backend = cpcompile.backend(group, inner=inner, positions=positions)
     compiled = torch.compile(pm.position_only_lm(form), backend=backend)
-    with cpcompile.shard(packed_batch(DOCS, vocab_size=64), group, hf_kwargs=False) as local:
+    with cpcompile.shard(packed_batch(DOCS, vocab_size=64), group, hf_kwargs=False, layout="contiguous") as local:
         logits = compiled(local["input_ids"])
         real = cpcompile.real_tokens()
     return logits, real, backend

@@ -13,37 +13,15 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile import _compat
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _models
-from tests._graphs import run_pass
+from tests._graphs import counter_delta, run_pass
 from tests.parity import EXACT, GRAD_TOL, LOGITS_TOL, LOSS_TOL
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 # T = 37, CP = 2: chunks of 19; documents cross the boundary
 DOCS = [[10, 20, 7], [5, 30, 2]]
-
-
-@pytest.fixture(scope="module")
-def world():
-    """A fake default process group of size 2 for this module."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in the pytest process; tests must not leave one")
-    _compat.init_fake_process_group(rank=0, world_size=2)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    # every test compiles a fresh model; without a reset Dynamo would accumulate guards on the shared forward
-    # code objects and, past its recompile limit, silently run them eagerly
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _delta(before):
-    return {k: v - before.get(k, 0) for k, v in cpcompile.counters.items() if v != before.get(k, 0)}
 
 
 # -- refused at compile time -----------------------------------------------------------------------------
@@ -68,7 +46,7 @@ def test_refused_at_compile_time(world, make, layer, words):
             compiled(**local)
     message = str(info.value)
     assert layer in message and words in message, message
-    delta = _delta(before)
+    delta = counter_delta(before)
     assert delta.get("sdpa_refused") == 1 and "sdpa_rewritten" not in delta, delta
 
 
@@ -155,7 +133,7 @@ def test_model_without_sdpa_is_unchanged(world):
     torch.testing.assert_close(out.logits, ref.logits, **EXACT)
     torch.testing.assert_close(out.loss, ref.loss, **EXACT)
     assert backend.reports == []
-    assert _delta(before) == {"graphs": 1, "graphs_without_sdpa": 1}
+    assert counter_delta(before) == {"graphs": 1, "graphs_without_sdpa": 1}
 
 
 def test_cp_group_of_size_one_is_a_noop(world):
@@ -174,7 +152,7 @@ def test_cp_group_of_size_one_is_a_noop(world):
         out.loss.backward()
         logits = cpcompile.gather(out.logits)
     assert [r.action for r in backend.reports] == ["untouched", "untouched"]
-    delta = _delta(before)
+    delta = counter_delta(before)
     assert delta.get("sdpa_found") == 2 and "sdpa_rewritten" not in delta, delta
     # aot_eager runs the same kernels as eager, but AOTAutograd may reorder the backward's additions
     torch.testing.assert_close(logits, ref_out.logits, **LOGITS_TOL)

@@ -8,54 +8,8 @@ refused) and its building blocks :func:`sequence_length`, :func:`find_position_s
 :func:`rewrite_source`.
 """
 
-from cpcompile.passes.positions import (
-    PositionCheck,
-    PositionReport,
-    PositionSource,
-    SequenceLength,
-    UnsupportedPositionError,
-    check_source,
-    find_position_sources,
-    positions_pass,
-    rewrite_source,
-    sequence_length,
-)
-from cpcompile.passes.sdpa_cp import (
-    SDPASite,
-    SiteReport,
-    UnsupportedAttentionError,
-    check_site,
-    config_window,
-    counters,
-    cp_attention_pass,
-    find_non_sdpa_attention,
-    find_sdpa_sites,
-    graph_windows,
-    rewrite_site,
-    site_window,
-)
+from cpcompile.passes import positions, sdpa_cp
+from cpcompile.passes.positions import *  # noqa: F403 - the package exports what its modules declare
+from cpcompile.passes.sdpa_cp import *  # noqa: F403
 
-__all__ = [
-    "PositionCheck",
-    "PositionReport",
-    "PositionSource",
-    "SequenceLength",
-    "UnsupportedPositionError",
-    "check_source",
-    "find_position_sources",
-    "positions_pass",
-    "rewrite_source",
-    "sequence_length",
-    "SDPASite",
-    "SiteReport",
-    "UnsupportedAttentionError",
-    "check_site",
-    "config_window",
-    "counters",
-    "cp_attention_pass",
-    "find_non_sdpa_attention",
-    "find_sdpa_sites",
-    "graph_windows",
-    "rewrite_site",
-    "site_window",
-]
+__all__ = [*positions.__all__, *sdpa_cp.__all__]

@@ -1,8 +1,9 @@
 """Positions a model computes from the local sequence length: made global in the graph, or refused.
 
-Under :func:`cpcompile.shard` a rank holds tokens ``[r*c, (r+1)*c)`` but the model sees a sequence of length
-``c``. A value the model derives from that length (``arange(T)``, ``table[:T]``) gives every rank the positions
-of tokens ``[0, c)``: silently wrong on every rank but the first. This pass finds such values (*position
+Under :func:`cpcompile.shard` a rank holds ``c`` tokens of the sequence (``[r*c, (r+1)*c)`` in the contiguous
+layout, a few runs of tokens in the balanced one) but the model sees a sequence of length ``c``. A value the
+model derives from that length (``arange(T)``, ``table[:T]``) gives every rank the positions of tokens
+``[0, c)``: silently wrong for every token held elsewhere. This pass finds such values (*position
 sources*) in a Dynamo graph and, for each one:
 
 * **rewrites** it so that every local token gets what the whole-sequence run gives that token: ``arange`` becomes
