@@ -19,9 +19,7 @@ Measured max abs differences (torch 2.13 CPU, fp32):
 | llama B3 T45 aot_eager | 2 | 1.6e-7 | 4.8e-7 | 1.7e-8 |
 | causal_gqa B2 T37 aot_eager | 2 | 6.0e-7 | 0 | 3.0e-8 |
 | llama B2 T37 aot_eager | 4 | 2.4e-7 | 0 | 2.6e-8 |
-| qwen3 B3 T45 aot_eager | 4 | 2.7e-7 | 0 | 3.0e-8 |
 | qwen3 B2 T37 aot_eager head_tail | 4 | 2.1e-7 | 0 | 3.4e-8 |
-| qwen3 B2 T37 inductor | 2 | 1.9e-7 | 4.8e-7 | 4.5e-8 |
 
 Negative controls (qwen3, CP=2): unshifted labels move the loss by 1.6e-2 and gradients by 1.2e-1 (logits
 2.1e-7, as in the correct run); the merged batch moves logits by 6.3e-1, the loss by 8.7e-3 and gradients by
@@ -49,7 +47,7 @@ CP2_CASES = (
     ParityCase(model="attn:causal_gqa", doc_lens=DOCS, expected_form=("is_causal", True)),
 )
 CP4_CASES = (
-    ParityCase(model="qwen3", doc_lens=DOCS_B3, batch_seed=3),
+    ParityCase(model="llama", doc_lens=DOCS),
     # the load-balanced layout: rank r holds pieces r and 7 - r of 8 (T = 37 padded to 40, pieces of 5)
     ParityCase(model="qwen3", doc_lens=DOCS, layout="head_tail", expected_form=("bool-mask", False)),
 )
@@ -117,10 +115,3 @@ def test_parity_cp4_aot_eager():
     results = run_distributed(_worker, 4, CP4_CASES, (), timeout_s=TIMEOUT_S)
     report(results[0])
     assert [len(r) for r in results] == [len(CP4_CASES)] * 4
-
-
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_parity_cp2_inductor():
-    case = ParityCase(model="qwen3", doc_lens=DOCS, inner="inductor", expected_form=("bool-mask", False))
-    results = run_distributed(_worker, 2, (case,), (), timeout_s=TIMEOUT_S)
-    report(results[0])

@@ -19,7 +19,6 @@ Measured max abs differences (torch 2.13 CPU, fp32; tolerances 1e-5 logits/loss,
 | titan_style | 2 | aot_eager | 3.6e-7 | 0 | 2.2e-8 | 6.2e-2 / 1.0e-3 / 2.3e-3 |
 | lit_style | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | 9.5e-2 / 1.5e-3 / 2.1e-3 |
 | arange_rope | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | 9.5e-2 / 1.5e-3 / 2.1e-3 |
-| learned_positions | 2 | aot_eager | 4.8e-7 | 4.8e-7 | 2.2e-8 | 3.3 / 1.0e-1 / 9.9e-2 |
 | explicit_positions | 2 | aot_eager | 4.8e-7 | 9.5e-7 | 3.0e-8 | - |
 | learned_positions, 37 rows (padding clamped) | 2 | aot_eager | 4.8e-7 | 0 | 3.7e-8 | 3.3 / 4.8e-2 / 9.3e-2 |
 | transformers Llama without position_ids, T=38 | 2 | aot_eager | 2.1e-7 | 4.8e-7 | 3.0e-8 | 3.1e-3 / 1.0e-5 / 6.2e-4 |
@@ -105,10 +104,11 @@ TIMEOUT_S = 900
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_position_models_cp2_aot_eager():
     # learned positions with exactly T rows: the padding token's index (37) must be clamped into the table
-    cases = [_case(m) for m in MODELS] + [_case("learned_positions", max_len=37), _case("llama_without_positions")]
+    cases = [_case(m) for m in MODELS if m != "learned_positions"]
+    cases += [_case("learned_positions", max_len=37), _case("llama_without_positions")]
     results = run_distributed(_worker, 2, cases, True, timeout_s=TIMEOUT_S)
     _report_and_check(results[0])
-    assert [len(s["controls"]) for s in results[0]] == [1, 1, 1, 1, 0, 1, 1]
+    assert [len(s["controls"]) for s in results[0]] == [1, 1, 1, 0, 1, 1]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
