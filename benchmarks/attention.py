@@ -100,10 +100,10 @@ def main() -> None:
         best = min(whole[path], _time(fn, args.repeats))
         for row in rows:
             if row["path"] == path:
-                row["speedup vs whole"] = best / row["slowest rank fwd+bwd (s)"]
-                row["speedup / N"] = row["speedup vs whole"] / row["CP"]
                 if row["CP"] == 1:
                     row["slowest rank fwd+bwd (s)"] = row["mean rank (s)"] = best
+                row["speedup vs whole"] = best / row["slowest rank fwd+bwd (s)"]
+                row["speedup / N"] = row["speedup vs whole"] / row["CP"]
     print_table(
         f"attention op fwd+bwd per rank: T={args.seq}, B=1, heads {H}/{Hkv} kv, head dim {D}, documents "
         f"{lo}..{hi} tokens, block {args.block}, 1 thread",
