@@ -150,7 +150,7 @@ class ParityCase:
         extra = "".join(
             f"/{v}" for v, default in ((self.attention, "auto"), (self.layout, "contiguous")) if v != default
         )
-        settings = "".join(f"/{k}={v}" for k, v in self.overrides)
+        settings = "".join(f"/{k}={v}" for k, v in (*self.overrides, *self.backend_kwargs))
         return f"{self.model}{settings}/B{len(self.doc_lens)}/T{T}/{self.inner}{extra}"
 
     def build_model(self) -> torch.nn.Module:

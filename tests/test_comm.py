@@ -107,10 +107,18 @@ def _kv_bytes_per_gather(family: str, world: int, batch: int, chunk: int) -> int
     return (world - 1) * batch * config.num_key_value_heads * chunk * head_dim * 4
 
 
-def test_comm_stats_bytes_are_the_theoretical_minimum():
-    world, cases = 2, {family: _case(family, False) for family in FAMILIES}
-    for per_rank in run_distributed(parity_worker, world, list(cases.values()), None, True, timeout_s=400):
-        for family, case in cases.items():
+@pytest.fixture(scope="module")
+def profiled():
+    """One spawned CP=2 group: each family plainly, and qwen3 re-gathering K/V in backward (profiled steps)."""
+    cases = [_case(family, False) for family in FAMILIES] + [_case("qwen3", True)]
+    return run_distributed(parity_worker, 2, cases, None, True, timeout_s=400)
+
+
+def test_comm_stats_bytes_are_the_theoretical_minimum(profiled):
+    world = 2
+    for per_rank in profiled:
+        for family in FAMILIES:
+            case = _case(family, False)
             layers = tiny_config(family).num_hidden_layers
             chunk = -(-sum(case.doc_lens[0]) // world)
             outcome, _ = per_rank[case.name]
@@ -122,10 +130,10 @@ def test_comm_stats_bytes_are_the_theoretical_minimum():
             assert outcome.collectives.get("gloo:all_gather", 0) == 2 * layers
 
 
-def test_regather_kv_in_backward_gathers_again_and_stays_exact():
-    world, case = 2, _case("qwen3", True)
+def test_regather_kv_in_backward_gathers_again_and_stays_exact(profiled):
+    case = _case("qwen3", True)
     layers = tiny_config("qwen3").num_hidden_layers
-    for per_rank in run_distributed(parity_worker, world, [case], None, True, timeout_s=400):
+    for per_rank in profiled:
         outcome, _ = per_rank[case.name]
         # forward gathers K and V once per layer; backward gathers them again instead of saving them
         assert outcome.collectives.get("gloo:all_gather", 0) == 4 * layers

@@ -12,9 +12,7 @@ from cpcompile import _compat
 from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dense_cp_attention, varlen_layout
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
-from tests._dist import run_distributed
-from tests._workers import parity_worker
-from tests.parity import ELEMENTWISE_TOL, EXACT, FP64_TOL, KERNEL_TOL, ParityCase, check_outcome
+from tests.parity import ELEMENTWISE_TOL, EXACT, FP64_TOL, KERNEL_TOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,22 +196,6 @@ def test_autograd_inside_custom_op():
     """The CUDA path's backward recomputes flex_attention under autograd inside an op implementation."""
     x = torch.randn(5, requires_grad=True)
     torch.testing.assert_close(_grad_inside(x), x.detach().cos() * x.detach() + x.detach().sin(), **ELEMENTWISE_TOL)
-
-
-def test_block_attention_end_to_end_cp2():
-    """Tiny Qwen3, CP=2, aot_eager, attention='block' with blocks of 16 (several blocks per chunk): logits, loss
-    and every grad vs the eager model, both layers rewritten to the block kernel, K and V of each layer
-    gathered and reduce-scattered once (the parity harness, tests.parity)."""
-    case = ParityCase(
-        model="qwen3",
-        doc_lens=((10, 20, 37), (5, 60, 2)),  # 67 tokens: padded to 68, documents cross chunks
-        attention="block",
-        backend_kwargs=(("block_size", 16),),
-    )
-    for per_rank in run_distributed(parity_worker, 2, [case]):
-        outcome, _ = per_rank[case.name]
-        assert outcome.kernels == ["block"] * 2, outcome.kernels
-        check_outcome(outcome)
 
 
 def test_fake_kernels_match_real_outputs():
