@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._models import _doc_ids, causal_lm_loss
+from tests._models import _doc_ids, lm_output, seeded
 
 SPELLINGS = (
     "repeat_kv",  # k[:, :, None].expand(B, Hkv, n, T, D).reshape(B, H, T, D)
@@ -100,21 +100,15 @@ class KVHeadsLM(nn.Module):
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
     ):
-        from transformers.modeling_outputs import CausalLMOutput
-
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)
         for layer in self.layers:
             x = x + layer["attn"](layer["norm"](x), position_ids)
         logits = self.head(x)
-        loss = None
-        if labels is not None or shift_labels is not None:
-            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
 def kv_heads_lm(spelling: str, *, seed: int = 0, **kwargs) -> KVHeadsLM:
     """A :class:`KVHeadsLM` with weights drawn from ``seed``, in train mode."""
-    torch.manual_seed(seed)
-    return KVHeadsLM(spelling, **kwargs).train()
+    return seeded(KVHeadsLM, spelling, **kwargs, seed=seed)

@@ -98,6 +98,22 @@ def causal_lm_loss(logits, labels, shift_labels, num_items_in_batch):
     return total / n
 
 
+def lm_output(logits, labels=None, shift_labels=None, num_items_in_batch=None):
+    """A transformers ``CausalLMOutput``: the logits and, when labels are given, :func:`causal_lm_loss`."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    loss = None
+    if labels is not None or shift_labels is not None:
+        loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+    return CausalLMOutput(loss=loss, logits=logits)
+
+
+def seeded(cls, *args, seed: int = 0, **kwargs) -> nn.Module:
+    """``cls(*args, **kwargs)`` with weights drawn from ``seed``, in train mode."""
+    torch.manual_seed(seed)
+    return cls(*args, **kwargs).train()
+
+
 class TinyAttentionLM(nn.Module):
     """Embedding + learned positions + ``layers`` blocks whose attention uses ``form`` + LM head.
 
@@ -126,18 +142,13 @@ class TinyAttentionLM(nn.Module):
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
     ):
-        from transformers.modeling_outputs import CausalLMOutput
-
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids) + self.pos(position_ids)
         for layer in self.layers:
             x = layer(x, position_ids)
         logits = self.head(x)
-        loss = None
-        if labels is not None or shift_labels is not None:
-            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
 class TinyMLPLM(nn.Module):
@@ -152,23 +163,16 @@ class TinyMLPLM(nn.Module):
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
     ):
-        from transformers.modeling_outputs import CausalLMOutput
-
         x = self.embed(input_ids)
         logits = self.head(x + self.mlp(x))
-        loss = None
-        if labels is not None or shift_labels is not None:
-            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
 def attention_lm(form: str, *, seed: int = 0, **kwargs) -> TinyAttentionLM:
     """A :class:`TinyAttentionLM` with weights drawn from ``seed``, in train mode."""
-    torch.manual_seed(seed)
-    return TinyAttentionLM(form, **kwargs).train()
+    return seeded(TinyAttentionLM, form, **kwargs, seed=seed)
 
 
 def mlp_lm(*, seed: int = 0, **kwargs) -> TinyMLPLM:
     """A :class:`TinyMLPLM` with weights drawn from ``seed``, in train mode."""
-    torch.manual_seed(seed)
-    return TinyMLPLM(**kwargs).train()
+    return seeded(TinyMLPLM, **kwargs, seed=seed)

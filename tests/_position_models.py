@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._models import causal_lm_loss
+from tests._models import lm_output, seeded
 
 #: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
 FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
@@ -182,8 +182,6 @@ class PositionLM(nn.Module):
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
     ):
-        from transformers.modeling_outputs import CausalLMOutput
-
         T = input_ids.shape[1]
         x = self.embed(input_ids)
         if hasattr(self, "wpe"):
@@ -192,16 +190,12 @@ class PositionLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, position_ids)
         logits = self.head(x)
-        loss = None
-        if labels is not None or shift_labels is not None:
-            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
 def position_lm(form: str, *, seed: int = 0, **kwargs) -> PositionLM:
     """A :class:`PositionLM` with weights drawn from ``seed``, in train mode."""
-    torch.manual_seed(seed)
-    return PositionLM(form, **kwargs).train()
+    return seeded(PositionLM, form, **kwargs, seed=seed)
 
 
 def titan_style(*, seed: int = 0, **kwargs) -> PositionLM:
@@ -300,8 +294,7 @@ class PositionOnlyLM(nn.Module):
 
 
 def position_only_lm(form: str, *, seed: int = 0, **kwargs) -> PositionOnlyLM:
-    torch.manual_seed(seed)
-    return PositionOnlyLM(form, **kwargs).train()
+    return seeded(PositionOnlyLM, form, **kwargs, seed=seed)
 
 
 class WithoutPositions(nn.Module):
@@ -339,13 +332,8 @@ class TokensLM(nn.Module):
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
     ):
-        from transformers.modeling_outputs import CausalLMOutput
-
         logits = self.model(input_ids)
-        loss = None
-        if labels is not None or shift_labels is not None:
-            loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
 def _stub_triton_only_modules() -> None:
