@@ -38,3 +38,17 @@ def counter_delta(before: dict[str, int]) -> dict[str, int]:
     import cpcompile
 
     return {k: v - before.get(k, 0) for k, v in cpcompile.counters.items() if v != before.get(k, 0)}
+
+
+def dynamo_graph(model: torch.nn.Module, **inputs) -> torch.fx.GraphModule:
+    """The one graph Dynamo traces of ``model(**inputs)`` (no pass applied; Dynamo is reset first)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(**inputs)
+    assert len(graphs) == 1, f"expected one graph of {type(model).__name__}, got {len(graphs)}"
+    return graphs[0]

@@ -9,7 +9,7 @@ from cpcompile import _compat
 from cpcompile.plan import visible_mask
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
 from tests._dist import run_distributed
-from tests._graphs import run_pass
+from tests._graphs import dynamo_graph, run_pass
 from tests._workers import parity_worker
 from tests.parity import ParityCase, check_outcome
 
@@ -18,18 +18,8 @@ FAMILIES = ["llama", "qwen3"]
 
 def _capture(family: str, **kw) -> torch.fx.GraphModule:
     """The Dynamo graph of a tiny model's training call (no pass applied)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    model = tiny_model(family)
     batch = packed_batch([[10, 20, 6], [5, 30, 1]], seed=1)
-    torch.compile(model, backend=capture)(**batch, use_cache=False, **kw)
-    assert len(graphs) == 1, f"expected one graph for {family}, got {len(graphs)}"
-    return graphs[0]
+    return dynamo_graph(tiny_model(family), **batch, use_cache=False, **kw)
 
 
 def _nodes(gm, target):

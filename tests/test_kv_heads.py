@@ -18,7 +18,7 @@ import cpcompile
 from cpcompile import _compat
 from cpcompile.testing import packed_batch
 from tests._dist import run_distributed
-from tests._graphs import run_pass
+from tests._graphs import dynamo_graph, run_pass
 from tests._kv_models import SPELLINGS, kv_heads_lm
 from tests.parity import ParityCase, check_case
 
@@ -26,15 +26,7 @@ DOCS = ((10, 20, 7), (5, 30, 2))  # T = 37
 
 
 def _captured(spelling: str, **kwargs) -> torch.fx.GraphModule:
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(kv_heads_lm(spelling, **kwargs), backend=capture)(**packed_batch([list(r) for r in DOCS]))
-    return graphs[0]
+    return dynamo_graph(kv_heads_lm(spelling, **kwargs), **packed_batch([list(r) for r in DOCS]))
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)

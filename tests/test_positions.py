@@ -21,7 +21,7 @@ from cpcompile.passes import positions_pass
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _position_models as pm
-from tests._graphs import context, counter_delta
+from tests._graphs import context, counter_delta, dynamo_graph
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -67,15 +67,8 @@ def test_sources_found_and_rewritten(world, form, expected):
 
 
 def _captured(model) -> torch.fx.GraphModule:
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     with cpcompile.shard(packed_batch(DOCS), dist.group.WORLD) as local:
-        torch.compile(model, backend=capture)(**local)
-    return graphs[0]
+        return dynamo_graph(model, **local)
 
 
 def test_rewritten_graph_reads_the_plan(world):

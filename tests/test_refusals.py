@@ -15,7 +15,7 @@ import torch.distributed as dist
 import cpcompile
 from cpcompile.testing import packed_batch, tiny_model
 from tests import _models
-from tests._graphs import counter_delta, run_pass
+from tests._graphs import counter_delta, dynamo_graph, run_pass
 from tests.parity import EXACT, GRAD_TOL, LOGITS_TOL, LOSS_TOL
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -108,16 +108,9 @@ def test_window_mask_built_in_the_graph_is_reproduced(world):
 
 
 def _captured_rewritten(model) -> torch.fx.GraphModule:
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=capture)(**packed_batch(DOCS), use_cache=False)
-    run_pass(graphs[0], cp_size=2)
-    return graphs[0]
+    gm = dynamo_graph(model, **packed_batch(DOCS), use_cache=False)
+    run_pass(gm, cp_size=2)
+    return gm
 
 
 # -- nothing to rewrite ----------------------------------------------------------------------------------
