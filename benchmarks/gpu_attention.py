@@ -49,7 +49,7 @@ def check_parity(device, dtype) -> dict:
     g = torch.Generator().manual_seed(0)
     errors = {}
     for rank in range(4):
-        plan = build_plan(batch, 4, rank)
+        plan = build_plan(batch, 4, rank, layout="contiguous")
         T, c = plan.padded_len, plan.chunk_len
         q, dout = (torch.randn(2, 8, c, 64, generator=g).to(device, dtype) for _ in range(2))
         k, v = (torch.randn(2, 2, T, 64, generator=g).to(device, dtype) for _ in range(2))
@@ -72,7 +72,7 @@ def check_flex_forward_on_cpu() -> float:
     from torch.nn.attention.flex_attention import flex_attention
 
     batch = packed_batch([[100, 3, 150], [253]])
-    plan = build_plan(batch, 2, 1)
+    plan = build_plan(batch, 2, 1, layout="contiguous")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, plan.chunk_len, 16, generator=g)
     k, v = (torch.randn(2, 2, plan.padded_len, 16, generator=g) for _ in range(2))
@@ -111,7 +111,7 @@ def main() -> None:
     rows = []
     for t_local in (int(x) for x in args.t_local.split(",")):
         batch = packed_batch(packed_doc_lens(args.cp * t_local, 1, lo, hi))
-        plan = build_plan(batch, args.cp, args.cp - 1)
+        plan = build_plan(batch, args.cp, args.cp - 1, layout="contiguous")
         visible = plan.visible_pairs()
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, H, t_local, D, generator=g).to(device, dtype).requires_grad_()

@@ -26,10 +26,11 @@ import torch
 from cpcompile import _compat
 from cpcompile.backend import CPBackend, TracedGraph
 from cpcompile.dump import RankDumpWriter, write_json
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, AttentionForm, Workload
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
 from cpcompile.pattern import PatternGeometry, attention_pattern_image, pattern_geometry
-from cpcompile.plan import AttentionForm, CPPlan, Workload, build_plan
+from cpcompile.plan import CPPlan, build_plan
 
 __all__ = [
     "Inspection",
@@ -486,8 +487,8 @@ def inspect_model(
     device: str = "meta",
     attn_implementation: str = "sdpa",
     attention: str = "auto",
-    layout: str = "balanced",
-    block_size: int = 128,
+    layout: str = DEFAULT_LAYOUT,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     use_config: bool = True,
 ) -> Inspection:
     """Trace ``model`` as each CP rank of a group of ``cp_size`` and report what the backend does with it.

@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Literal
 
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE
+
 __all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "POSITION_MODES", "BackendOptions"]
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -39,8 +41,8 @@ class BackendOptions:
     #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` for every other
     #: device (the CUDA block path, flex_attention or flash-attn varlen, runs with ``"block"`` only).
     attention: Literal["auto", "dense", "block"] = "auto"
-    #: Query and key block size of the block kernel (CPU).
-    block_size: int = 128
+    #: Query and key block size of the block kernel, and the block the balanced layout counts work in.
+    block_size: int = DEFAULT_BLOCK_SIZE
     #: Sliding-window sites receive only the keys their queries can see from other ranks (a halo of at most
     #: ``window - 1`` keys before each run of local tokens, :mod:`cpcompile.ops`) instead of all-gathering the
     #: whole sequence, when the halo is smaller than the all-gather. ``False``: all-gather at every site.

@@ -351,7 +351,7 @@ def test_pattern_picture_of_a_long_sequence_uses_blocks():
     # T = 300, CP = 3: ceil(300 / 128) = 3 tokens per cell, 100 cells, 512 // 100 = 5 px per cell, panel 500;
     # two batch rows: width = 56 + 2 * (500 + 16), height = 24 + 500 + 24.
     batch = packed_batch([[100, 200], [300]])
-    image = attention_pattern_image(cpcompile.build_plan(batch, 3, 0), documents=True)
+    image = attention_pattern_image(cpcompile.build_plan(batch, 3, 0, layout="contiguous"), documents=True)
     assert image.size == (1088, 548)
     rgb = image.convert("RGB")
 

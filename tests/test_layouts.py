@@ -16,8 +16,8 @@ import torch
 import cpcompile
 from benchmarks._common import packed_doc_lens
 from cpcompile import _compat, runtime
-from cpcompile.balance import balance, token_work
 from cpcompile.kernels import cp_attention, dense_cp_attention
+from cpcompile.layouts import balance, token_work
 from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
 from cpcompile.testing import packed_batch
 

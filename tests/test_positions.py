@@ -208,7 +208,7 @@ def test_plan_token_indices_and_real_tokens():
     """Rank r holds global tokens [r*c, (r+1)*c); indices >= T are padding (T = 37, CP = 4: c = 10)."""
     batch = packed_batch(DOCS)
     for rank in range(4):
-        plan = build_plan(batch, 4, rank)
+        plan = build_plan(batch, 4, rank, layout="contiguous")
         idx = plan.token_indices()
         assert idx.dtype == torch.long and idx.tolist() == list(range(10 * rank, 10 * rank + 10))
         real = plan.real_tokens()

@@ -34,7 +34,9 @@ import math
 import torch
 
 from cpcompile import _compat
-from cpcompile.plan import VisibleBlocks, visible, visible_blocks, visible_mask
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE
+from cpcompile.mask import visible, visible_mask
+from cpcompile.plan import VisibleBlocks, visible_blocks
 
 __all__ = [
     "SPAN_KEYS",
@@ -462,8 +464,8 @@ def cp_attention(
     window: int | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int = DEFAULT_BLOCK_SIZE,
+    block_k: int = DEFAULT_BLOCK_SIZE,
 ) -> torch.Tensor:
     """Attention of local queries at global indices ``q_pos`` against keys at ``kv_pos``; differentiable.
 

@@ -26,11 +26,11 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.layouts import MAX_RUNS
 from cpcompile.options import BackendOptions
 from cpcompile.passes.aliasing import last_write
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
-from cpcompile.plan import MAX_RUNS
 
 __all__ = [
     "PassContext",
