@@ -49,9 +49,10 @@ import torch.fx as fx
 
 from cpcompile import _compat, failsafe
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
+from cpcompile.errors import MaskMismatchError
 from cpcompile.mask import visible_mask
 from cpcompile.plan import CPPlan
-from cpcompile.runtime import Active, MaskMismatchError, active_context, record_attention_form
+from cpcompile.runtime import Active, active_context, record_attention_form
 
 __all__ = [
     "SiteSpec",

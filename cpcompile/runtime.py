@@ -22,7 +22,6 @@ from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 
 __all__ = [
     "CommStats",
-    "MaskMismatchError",
     "active_context",
     "check_group",
     "comm_stats",
@@ -35,10 +34,6 @@ __all__ = [
     "shard",
     "sync_grads",
 ]
-
-
-class MaskMismatchError(RuntimeError):
-    """The attention mask a model built differs from the mask cpcompile would apply across ranks."""
 
 
 @dataclasses.dataclass(frozen=True)

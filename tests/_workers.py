@@ -189,7 +189,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
 
     q = torch.zeros(2, 4, 8, 16)
     with cpcompile.shard(batch, group):
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
         model_mask = plan.mask(documents=True, window=3)[..., plan.token_indices()]
 
         def site(name, window):
@@ -306,7 +306,7 @@ def fail_together_worker(rank: int, world_size: int) -> dict:
 
     def unshared_positions():
         with cpcompile.shard({"input_ids": batch["input_ids"], "labels": batch["labels"]}, group) as local:
-            plan = cpcompile.current_plan()
+            plan = cpcompile.runtime.current_plan()
             cm(**{**local, "position_ids": plan.local(batch["position_ids"])})
 
     out["mask_mismatch"] = _outcome(unshared_positions)

@@ -180,9 +180,9 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="window"):
         cp_attention(q, k, k, q_pos, kv_pos, plan.doc_ids, window=0, enable_gqa=True)
     with pytest.raises(ValueError, match="attention='flash'"):
-        cpcompile.BackendOptions(attention="flash")
+        cpcompile.options.BackendOptions(attention="flash")
     with pytest.raises(ValueError, match="block_size"):
-        cpcompile.BackendOptions(block_size=0)
+        cpcompile.options.BackendOptions(block_size=0)
 
 
 @torch.library.custom_op("cpcompile_test::grad_inside", mutates_args=())

@@ -96,8 +96,8 @@ def _layout_changes(group) -> dict:
     out["compiles"] = len(compiles)
     # without a workload, shard balances what was compiled for the group: 2 full-causal layers, blocks of 8
     with cpcompile.shard(packed_batch([list(r) for r in FAMILY_DOCS]), group) as local:
-        out["default_workload"] = cpcompile.runtime.compiled_workload(cpcompile.current_plan().group_name)
-        out["default_runs"] = int(count_runs(cpcompile.current_plan().indices).max())
+        out["default_workload"] = cpcompile.runtime.compiled_workload(cpcompile.runtime.current_plan().group_name)
+        out["default_runs"] = int(count_runs(cpcompile.runtime.current_plan().indices).max())
         compiled(**local)
     out["compiles_with_default"] = len(compiles)
     return out
@@ -116,7 +116,7 @@ def _mask_checks(group, rank: int) -> dict:
     batch = packed_batch([list(r) for r in FAMILY_DOCS], seed=1)
     q = torch.zeros(2, 4, 16, 8)
     with cpcompile.shard(batch, group, layout="balanced", workload=WORKLOAD):
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
         out["runs"] = int((torch.diff(plan.token_indices()) != 1).sum()) + 1
 
         def check(name, model_mask):

@@ -62,8 +62,11 @@ def test_default_pad_values_per_dtype(last_rank):
         assert local["flags"][:, -1].tolist() == [False, False] and local["segment"][:, -1].eq(0).all()
         torch.testing.assert_close(local["targets"][:, :-1], batch["targets"][:, 32:], atol=0, rtol=0)
         assert real.shape == (B, 32) and real[:, :-1].all() and not real[:, -1].any()
-    assert cpcompile.default_pad_value(torch.int32) == -100
-    assert cpcompile.default_pad_value(torch.bfloat16) == 0.0 and cpcompile.default_pad_value(torch.bool) is False
+    assert cpcompile.runtime.default_pad_value(torch.int32) == -100
+    assert (
+        cpcompile.runtime.default_pad_value(torch.bfloat16) == 0.0
+        and cpcompile.runtime.default_pad_value(torch.bool) is False
+    )
 
 
 def test_pad_values_override(last_rank):

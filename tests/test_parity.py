@@ -87,7 +87,7 @@ def _check_gather_autograd(rank, world_size, group):
         x = chunks[rank].clone().requires_grad_()
         w = torch.randn(2, T, 3, generator=torch.Generator().manual_seed(99))
         with cpcompile.shard(batch, group, layout=layout, workload=Workload(block_size=4)):
-            held = cpcompile.current_plan().indices  # [N, c]: the global index of every rank's tokens
+            held = cpcompile.runtime.current_plan().indices  # [N, c]: the global index of every rank's tokens
             y = cpcompile.gather(x)
         if layout == "contiguous":
             assert torch.equal(held, torch.arange(world_size * c).view(world_size, c))

@@ -54,7 +54,7 @@ def _position_actions(backend):
     ],
 )
 def test_sources_found_and_rewritten(world, form, expected):
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     backend, out = _compile_and_run(pm.position_lm(form), world)
     assert _position_actions(backend) == expected
     assert all(r.reason == "" for r in backend.position_reports)
@@ -147,7 +147,7 @@ def test_one_token_per_rank(world):
     ],
 )
 def test_refused_at_compile_time(world, form, node_words, reason_words):
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     with pytest.raises(cpcompile.UnsupportedPositionError) as info:
         _compile_and_run(pm.position_lm(form), world)
     message = str(info.value)

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.options import BackendOptions
 from cpcompile.passes.aliasing import last_write
@@ -36,7 +37,6 @@ __all__ = [
     "PassContext",
     "SDPASite",
     "SiteReport",
-    "UnsupportedAttentionError",
     "counters",
     "find_sdpa_sites",
     "check_site",
@@ -55,13 +55,6 @@ counters: Counter[str] = Counter()
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-class UnsupportedAttentionError(_compat.PassThroughCompileError):
-    """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics.
-
-    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
-    """
 
 
 @dataclasses.dataclass(frozen=True)
