@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         choices=ATTENTION_PATHS,
         default="auto",
-        help="the backend's attention option (default auto: dense when tracing on meta, as on CUDA; block on cpu)",
+        help="the backend's attention option (default auto: the block loop on every device)",
     )
     p.add_argument(
         "--layout",

@@ -504,8 +504,7 @@ def inspect_model(
         device: ``meta`` (default: shapes only, nothing allocated) or ``cpu`` (real tensors, for models whose
             Python code reads tensor values).
         attn_implementation: for config specs, the transformers attention implementation (``sdpa``).
-        attention: the backend's ``attention`` option; ``auto`` resolves by the traced device like in
-            training (``meta`` as on CUDA: dense; ``cpu``: block).
+        attention: the backend's ``attention`` option (``auto``: the block loop, on every device).
         layout: the layout :func:`cpcompile.shard` uses (:data:`cpcompile.plan.LAYOUTS`; default
             ``"balanced"``, balancing the attention forms of the rewritten layers).
         block_size: the backend's ``block_size`` (block kernel; the computed pairs and the balance use it).

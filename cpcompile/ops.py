@@ -83,7 +83,8 @@ class SiteSpec:
     documents: bool
     #: Sliding window in tokens, or ``None``.
     window: int | None
-    #: Attention emitted: ``"dense"`` (SDPA under the whole mask) or ``"block"`` (``cpcompile::cp_attention``).
+    #: Attention emitted: ``"dense"`` (SDPA under the whole mask), or ``cpcompile::cp_attention`` with its
+    #: ``"block"`` loop, ``"flex"`` or ``"flash_varlen"`` (:mod:`cpcompile.kernels`).
     kernel: str
     #: Whether the gathered K/V require grad (each is then reduce-scattered in backward).
     needs_grad: bool
@@ -389,10 +390,11 @@ def emit_attention(
     """
     record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window, block_size)
     q_pos, kv_pos, docs = positions
-    if spec.kernel == "block":
+    if spec.kernel != "dense":
+        impl = "loop" if spec.kernel == "block" else spec.kernel
         att = graph.call_function(
             torch.ops.cpcompile.cp_attention.default,
-            (q, k, v, q_pos, kv_pos, docs, spec.window, scale, enable_gqa, block_size, block_size),
+            (q, k, v, q_pos, kv_pos, docs, spec.window, scale, enable_gqa, block_size, block_size, impl),
         )
         return graph.call_function(operator.getitem, (att, 0))
     mask = graph.call_function(visible_mask, (q_pos, kv_pos, docs, spec.window))

@@ -366,8 +366,14 @@ def test_pattern_picture_of_a_long_sequence_uses_blocks():
     assert cell(0, 10, 5) != cell(1, 50, 40)  # rank 0's rows have rank 0's colour
 
 
+def test_auto_attention_is_the_block_loop_on_meta_as_on_cpu(qwen3_inspection):
+    """meta stands in for CUDA: the default attention is the memory-bounded block loop on every device."""
+    assert qwen3_inspection.options.attention == "auto"
+    assert {row.kernel for row in qwen3_inspection.rows} == {"block"}
+
+
 def test_meta_trace_matches_a_real_cpu_trace_in_bfloat16(configs):
-    # attention="auto" resolves by the traced device (meta: dense, as on CUDA; cpu: block): fix it to compare
+    # dense: SDPA stays in the graph, so the two graphs compare as text
     kwargs = dict(cp_size=2, seq_len=16, doc_lens=[[5, 11]], ranks=[1], dtype="bfloat16", attention="dense")
     meta = cpcompile.inspect_model(configs["llama"], **kwargs)
     real = cpcompile.inspect_model(configs["llama"], device="cpu", **kwargs)

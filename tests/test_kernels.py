@@ -207,7 +207,7 @@ def test_fake_kernels_match_real_outputs():
     q = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     k, v = (torch.randn(1, 34, 2, 8, generator=g).transpose(1, 2) for _ in range(2))
     positions = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
-    args = (None, None, True, 8, 8)
+    args = (None, None, True, 8, 8, "loop")
     out, lse = torch.ops.cpcompile.cp_attention(q, k, v, *positions, *args)
     dout = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     only_fake = ("test_faketensor",)
@@ -217,3 +217,46 @@ def test_fake_kernels_match_real_outputs():
         (dout, q, k, v, *positions, out, lse, *args),
         test_utils=only_fake,
     )
+
+
+def _largest_tensor_made(fn) -> int:
+    """The most elements of any tensor an aten op returns while ``fn`` runs (inputs excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    with Largest():
+        fn()
+    return Largest.most
+
+
+def test_block_loop_memory_grows_with_the_chunk_not_with_chunk_times_length():
+    """The default path never builds a [c, T] mask or score matrix: per call, its largest tensor grows like
+    c * block (and the inputs), not like c * T; the dense path, the negative control, grows like c * T."""
+    largest = {}
+    for T in (512, 2048):  # CP=4: c = 128 and 512
+        batch = packed_batch([[T // 2, T // 2]])
+        plan = build_plan(batch, 4, 3, layout="contiguous")
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, plan.chunk_len, 8, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, 2, T, 8, generator=g, requires_grad=True) for _ in range(2))
+        positions = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
+        for name, fn in (
+            ("loop", lambda: cp_attention(q, k, v, *positions, block_q=32, block_k=32).sum().backward()),
+            ("dense", lambda: dense_cp_attention(q, k, v, *positions).sum().backward()),
+        ):
+            largest[name, T] = _largest_tensor_made(fn)
+    loop_growth, dense_growth = (
+        largest["loop", 2048] / largest["loop", 512],
+        largest["dense", 2048] / largest["dense", 512],
+    )
+    assert loop_growth <= 4.5, largest  # linear: the chunk (and the inputs) grew 4x
+    assert dense_growth >= 12, largest  # quadratic: c * T grew 16x

@@ -50,6 +50,14 @@ def test_refused_at_compile_time(world, make, layer, words):
     assert delta.get("sdpa_refused") == 1 and "sdpa_rewritten" not in delta, delta
 
 
+@pytest.mark.parametrize("attention", ["flex", "flash_varlen"])
+def test_cuda_only_attention_paths_are_refused_on_cpu(world, attention):
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=cpcompile.backend(world, attention=attention))
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        with pytest.raises(cpcompile.UnsupportedAttentionError, match=f"attention='{attention}' runs on CUDA only"):
+            compiled(**local)
+
+
 # -- errors at run time ----------------------------------------------------------------------------------
 def test_compiled_model_outside_shard_raises(world):
     backend = cpcompile.backend(world, inner="aot_eager")
