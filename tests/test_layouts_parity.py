@@ -21,26 +21,11 @@ import pytest
 from cpcompile.plan import AttentionForm, Workload
 from cpcompile.testing import FAMILIES
 from tests._dist import run_distributed
-from tests.parity import ParityCase
+from tests._workers import BALANCED_WORKLOAD as WORKLOAD
+from tests._workers import FAMILY_DOCS, balanced_case
 
-FAMILY_DOCS = ((24, 30, 10), (5, 50, 9))  # T = 64; a document crosses every chunk edge at CP = 2, 3, 4
-WORKLOAD = Workload(block_size=4)
 FAMILY_NAMES = sorted(FAMILIES)
-
-
-def layout_case(family: str) -> ParityCase:
-    """The balanced-layout parity case of ``family`` (kernel block 8: several blocks per rank to skip)."""
-    return ParityCase(
-        model=family,
-        doc_lens=FAMILY_DOCS,
-        inner="eager",
-        backend_kwargs=(("block_size", 8),),
-        layout="balanced",
-        shard_kwargs=(("workload", WORKLOAD),),
-    )
-
-
-LAYOUT_CASES = {family: layout_case(family) for family in FAMILY_NAMES}
+LAYOUT_CASES = {family: balanced_case(family) for family in FAMILY_NAMES}
 
 
 def _families(group, families) -> dict:
