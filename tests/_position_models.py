@@ -240,6 +240,21 @@ POSITION_ONLY_FORMS = (
     "interleaved_rope",  # outer(arange(T), inv_freq).repeat_interleave(2, dim=-1).cos() (GPT-J-style pairs)
     "full_slice",  # wpe(arange(T)[:T]): a slice that keeps every position
     "checkpointed",  # wpe.weight[:T] inside an activation-checkpointed function (a nested graph)
+    "dead_max",  # wpe(t) with max_pos = t.max() + 1 computed and never used
+    "dead_first_position",  # torch.max(position_ids[:, 0]) of an arange expanded to the batch, never used
+    "dead_inplace",  # a dead value written in place into a tensor that is itself dead
+    "tail_slice",  # outer(arange(T), inv_freq)[None][:, -T:, :]: the last T of T rows
+    "difference_slice",  # wpe(arange(k))[k - q : k] with k and q the same local length
+    "difference_narrow",  # outer(arange(k), inv_freq).narrow(0, k - q, q)
+    "ellipsis_einsum",  # einsum("..., f -> ... f", arange(T), inv_freq)
+)
+#: Near misses of the forms above that still mix or select positions: refused.
+POSITION_ONLY_REFUSED = (
+    "live_max",  # t.max() + 1 added to every position
+    "live_inplace",  # t.max() written in place into the position embedding that is returned
+    "table_tail",  # wpe.weight[-T:]: the last T rows of a longer table (an offset)
+    "partial_slice",  # outer(arange(T), inv_freq)[-(T - 1):]: a shift
+    "ellipsis_contraction",  # einsum("...f -> f", outer(arange(T), inv_freq)): a sum over positions
 )
 
 
@@ -249,8 +264,8 @@ class PositionOnlyLM(nn.Module):
 
     def __init__(self, form: str, *, vocab: int = 64, hidden: int = 16, max_len: int = 80) -> None:
         super().__init__()
-        if form not in POSITION_ONLY_FORMS:
-            raise ValueError(f"unknown form {form!r}; known: {POSITION_ONLY_FORMS}")
+        if form not in (*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED):
+            raise ValueError(f"unknown form {form!r}; known: {(*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED)}")
         self.form = form
         self.embed = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(max_len, hidden)
@@ -287,7 +302,52 @@ class PositionOnlyLM(nn.Module):
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(lambda i: w[: i.shape[1]] * 2.0, ids, use_reentrant=False)
-        return torch.view_as_real(self.cache[0:T]).flatten(1)
+        if self.form in ("complex_table",):
+            return torch.view_as_real(self.cache[0:T]).flatten(1)
+        return self._library_positions(ids)
+
+    def _library_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """The forms written the ways model libraries outside transformers write them."""
+        B, T, dev = ids.shape[0], ids.shape[1], ids.device
+        t = torch.arange(T, device=dev)
+        if self.form == "dead_max":
+            max_pos = t.max() + 1  # noqa: F841 - kept for an option that is off
+            return self.wpe(t)
+        if self.form == "dead_first_position":
+            position_ids = t.unsqueeze(0).expand(B, T)
+            first = torch.max(position_ids[:, 0])  # noqa: F841 - freed right after
+            del first
+            return self.wpe(position_ids)
+        if self.form == "dead_inplace":
+            scratch = t.float() * 2
+            scratch.add_(t.max())
+            return self.wpe(t)
+        freqs = torch.outer(t.type_as(self.inv_freq), self.inv_freq)  # [T, hidden / 2]
+        if self.form == "tail_slice":
+            return torch.cat((freqs, freqs), -1)[None][:, -T:, :].cos()
+        if self.form == "difference_slice":
+            k_len, q_len = T, ids.size(1)
+            return self.wpe(t)[k_len - q_len : k_len]
+        if self.form == "difference_narrow":
+            k, q = T, ids.size(1)
+            return torch.cat((freqs, freqs), -1).narrow(0, k - q, q).sin()
+        if self.form == "ellipsis_einsum":
+            f = torch.einsum("..., f -> ... f", t.type_as(self.inv_freq), self.inv_freq)
+            return torch.cat((f, f), -1).cos()
+        if self.form == "live_max":
+            return self.wpe(t) + (t.max() + 1)
+        if self.form == "live_inplace":
+            pe = self.wpe(t)
+            pe.add_(t.max())
+            return pe
+        if self.form == "table_tail":
+            return self.wpe.weight[-T:]
+        if self.form == "partial_slice":
+            e = torch.cat((freqs, freqs), -1)
+            return torch.cat((e[-(T - 1) :], e[:1]), 0).cos()  # a roll of the positions
+        if self.form == "ellipsis_contraction":
+            return torch.einsum("...f -> f", freqs).repeat(2)[None, :].expand(T, -1) / 64
+        raise AssertionError(self.form)
 
     def forward(self, input_ids, **unused):
         return self.head(self.embed(input_ids) + self._positions(input_ids))
@@ -425,6 +485,7 @@ __all__ = [
     "REFUSED_FORMS",
     "ALL_FORMS_LAYERS",
     "POSITION_ONLY_FORMS",
+    "POSITION_ONLY_REFUSED",
     "PositionLM",
     "PositionOnlyLM",
     "TokensLM",

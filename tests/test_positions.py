@@ -159,6 +159,41 @@ def test_refused_at_compile_time(world, form, node_words, reason_words):
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
 
 
+# near misses of the forms the pass proves (tests/test_positions_values.py checks those): the refusal names the
+# model's source line of the source and of the use, and the fix for that code
+@pytest.mark.parametrize(
+    "form, line_words, reason_words, fix_words",
+    [
+        ("live_max", "(return self.wpe(t) + (t.max() + 1))", "max mixes", "this reduction sees only"),
+        ("live_inplace", "(pe.add_(t.max()))", "max mixes", "this reduction sees only"),
+        ("table_tail", "(return self.wpe.weight[-T:])", "a slice at an offset", "table[-T:]"),
+        ("partial_slice", "(return torch.cat((e[-(T - 1) :]", "slice(neg, None, None) (a shift", "index the whole"),
+        ("ellipsis_contraction", 'einsum("...f -> f"', "einsum contracts the sequence dim", "this product sums"),
+    ],
+)
+def test_near_misses_refused_at_their_source_line(world, form, line_words, reason_words, fix_words):
+    compiled = torch.compile(pm.position_only_lm(form), backend=cpcompile.backend(world, inner="eager"))
+    with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+        with cpcompile.shard(packed_batch(DOCS, vocab_size=64), world, hf_kwargs=False) as local:
+            compiled(local["input_ids"])
+    message = str(info.value)
+    assert "tests/_position_models.py:" in message and line_words in message, message
+    assert reason_words in message and fix_words in message and FIX_WORDS in message, message
+    assert "torchtitan" not in message and "transformers" not in message, message
+    # the source line comes before the graph node it names
+    assert message.index("tests/_position_models.py:") < message.index("(node "), message
+
+
+def test_refused_graph_is_dumped(world, tmp_path):
+    with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+        _compile_and_run(pm.position_lm("arange_cumsum"), world, dump_dir=str(tmp_path))
+    summary = json.loads((tmp_path / "rank0" / "summary.json").read_text())
+    (graph,) = summary["graphs"]
+    assert str(info.value).startswith(graph["refused"]) and graph["after"] is None
+    assert "cumsum" in (tmp_path / "rank0" / graph["before"]).read_text()
+    assert not (tmp_path / "rank0" / "graph0_after.py").exists()
+
+
 def test_static_graph_refuses_what_it_would_rewrite(world):
     """Without a symbol for the length, a size equal to the chunk length may be a constant: refused, naming the
     static length and dynamic=True."""
