@@ -15,6 +15,9 @@ Attention forms (``ATTENTION_FORMS``):
 * ``float_bias``: the causal mask as a float additive bias (0 / -inf).
 * ``no_mask``: neither a mask nor ``is_causal``: bidirectional attention over the whole row.
 * ``dropout``: ``is_causal=True`` with ``dropout_p=0.1``.
+* ``head_expanded``: the ``packed_docs`` mask expanded to every head, ``mask.expand(B, H, T, T)`` (the same for
+  each head): rewritten like ``packed_docs``.
+* ``head_windows``: a causal same-document ``[B, H, T, T]`` mask whose window differs per head: refused.
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 WINDOW = 4
 
-ATTENTION_FORMS = ("causal_gqa", "packed_docs", "bidirectional", "window", "float_bias", "no_mask", "dropout")
+ATTENTION_FORMS = (
+    "causal_gqa",
+    "packed_docs",
+    "bidirectional",
+    "window",
+    "float_bias",
+    "no_mask",
+    "dropout",
+    "head_expanded",
+    "head_windows",
+)
 
 
 def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -56,14 +69,20 @@ class Attention(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         if self.form == "causal_gqa":
             kwargs = {"is_causal": True, "enable_gqa": True}
-        elif self.form in ("bidirectional", "window", "packed_docs"):
+        elif self.form in ("bidirectional", "window", "packed_docs", "head_expanded", "head_windows"):
             doc = _doc_ids(position_ids)
             mask = doc[:, :, None] == doc[:, None, :]
-            if self.form == "packed_docs":
+            if self.form in ("packed_docs", "head_expanded"):
                 mask = mask & causal
             elif self.form == "window":
                 mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
-            kwargs = {"attn_mask": mask[:, None]}
+            mask = mask[:, None]
+            if self.form == "head_expanded":
+                mask = mask.expand(B, self.heads, T, T)
+            elif self.form == "head_windows":  # head h sees the 2 + h tokens up to itself
+                window = torch.arange(2, 2 + self.heads, device=x.device)[None, :, None, None]
+                mask = mask & causal & (idx[None, None, None, :] > idx[None, None, :, None] - window)
+            kwargs = {"attn_mask": mask}
         elif self.form == "float_bias":
             bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
             kwargs = {"attn_mask": bias}

@@ -32,8 +32,10 @@ DOCS = [[10, 20, 7], [5, 30, 2]]
         (lambda: _models.attention_lm("dropout"), "layers.0.attn", "dropout p=0.1"),
         (lambda: _models.attention_lm("float_bias"), "layers.0.attn", "additive bias"),
         (lambda: _models.attention_lm("no_mask"), "layers.0.attn", "non-causal attention without a mask"),
+        # a [B, H, T, T] mask that may differ per head (a mask expanded to the heads is accepted)
+        (lambda: _models.attention_lm("head_windows"), "layers.0.attn", "per-head masks are not supported"),
     ],
-    ids=["hf-qwen3-dropout", "dropout", "float-bias", "noncausal-no-mask"],
+    ids=["hf-qwen3-dropout", "dropout", "float-bias", "noncausal-no-mask", "per-head-mask"],
 )
 def test_refused_at_compile_time(world, make, layer, words):
     model = make()
@@ -91,6 +93,17 @@ def test_model_mask_differing_from_the_plan_raises(world):
                 compiled(**local)
     assert "differs from the global causal same-document mask" in str(info.value)
     assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+
+
+def test_mask_expanded_to_the_heads_is_the_mask(world):
+    """``mask.expand(B, H, T, T)`` of a causal same-document mask: the site takes the [B, 1, T, T] mask it was
+    expanded from (the same for every head), checks it against the plan's on the first call and runs."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("head_expanded"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        out = compiled(**local)
+    assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+    assert torch.isfinite(out.loss)
 
 
 def test_window_mask_built_in_the_graph_is_reproduced(world):
