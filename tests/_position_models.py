@@ -255,6 +255,7 @@ POSITION_ONLY_REFUSED = (
     "table_tail",  # wpe.weight[-T:]: the last T rows of a longer table (an offset)
     "partial_slice",  # outer(arange(T), inv_freq)[-(T - 1):]: a shift
     "ellipsis_contraction",  # einsum("...f -> f", outer(arange(T), inv_freq)): a sum over positions
+    "cache_written",  # RoPE rows written into a buffer on a call that finds it short (cached[:T] = freqs), read
 )
 
 
@@ -273,6 +274,8 @@ class PositionOnlyLM(nn.Module):
         freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
         self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
         self.register_buffer("inv_freq", _rope_inv_freq(hidden), persistent=False)
+        self.register_buffer("cached", torch.zeros(max_len, hidden), persistent=False)
+        self.cached_rows = 0
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
@@ -345,6 +348,11 @@ class PositionOnlyLM(nn.Module):
         if self.form == "partial_slice":
             e = torch.cat((freqs, freqs), -1)
             return torch.cat((e[-(T - 1) :], e[:1]), 0).cos()  # a roll of the positions
+        if self.form == "cache_written":  # filled on the call that finds it short, read on every call
+            if self.cached_rows < T:
+                self.cached[:T] = torch.cat((freqs, freqs), -1).cos()
+                self.cached_rows = T
+            return self.cached[:T]
         if self.form == "ellipsis_contraction":
             return torch.einsum("...f -> f", freqs).repeat(2)[None, :].expand(T, -1) / 64
         raise AssertionError(self.form)

@@ -184,6 +184,23 @@ def test_near_misses_refused_at_their_source_line(world, form, line_words, reaso
     assert message.index("tests/_position_models.py:") < message.index("(node "), message
 
 
+def test_cache_written_in_place_is_refused_on_every_call(world):
+    """RoPE rows written into a buffer on the call that finds it short (``cached[:T] = freqs``), then read: the
+    write would keep this rank's rows for later calls, so every call that writes is refused (the buffer stays
+    as it was, and the next call, which finds it short again, is refused the same way)."""
+    model = pm.position_only_lm("cache_written")
+    compiled = torch.compile(model, backend=cpcompile.backend(world, inner="eager"))
+    for _ in range(2):
+        with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+            with cpcompile.shard(packed_batch(DOCS, vocab_size=64), world, hf_kwargs=False) as local:
+                compiled(local["input_ids"])
+        message = str(info.value)
+        assert "(self.cached[:T] = torch.cat((freqs, freqs), -1).cos())" in message, message
+        assert "setitem writes it in place into l_self_buffers_cached_, a buffer or parameter" in message, message
+        assert "fill the cache for every row once, outside the training call" in message, message
+    assert model.cached_rows == 0 and not model.cached.any()
+
+
 def test_refused_graph_is_dumped(world, tmp_path):
     with pytest.raises(cpcompile.UnsupportedPositionError) as info:
         _compile_and_run(pm.position_lm("arange_cumsum"), world, dump_dir=str(tmp_path))

@@ -106,7 +106,7 @@ REASON_FIXES = (
         "to the end of a longer table (table[-T:]) selects rows that depend on the local length",
     ),
     (
-        "is written in place into",
+        "that outlives this call (a cache that later calls read)",
         "fill the cache for every row once, outside the training call (at init, for the longest sequence), so "
         "that the training call only slices it (cache[:T]), which cpcompile rewrites",
     ),
@@ -883,6 +883,16 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
     if _mask_args(u)[1]:
         return "is used as the query, key or value of the attention"
     name = op_name(u)
+    written = mutated(u)
+    if written is not None and written is not t:
+        kept = viewed_bases(written)[-1]
+        if kept.op in ("placeholder", "get_attr"):
+            what = "a buffer or parameter" if _compat.is_module_state(kept) else "an input"
+            return (
+                f"{name} writes it in place into {kept.name}, {what} that outlives this call (a cache that "
+                "later calls read): this rank would store rows for its own tokens where the cache expects rows "
+                "0..T-1, and a later call could not tell them apart"
+            )
     base = name.rstrip("_") if is_inplace(name) and name != "setitem" else name
     if base in _ELEMENTWISE or name in INPLACE_OPERATORS or base in _LAYOUT:
         return None
