@@ -13,6 +13,10 @@ libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, model
 * :func:`arange_rope`: RoPE computed in the graph from ``arange(T)`` (``outer`` with the inverse frequencies);
 * :func:`learned_positions`: learned absolute positions ``wpe(arange(0, T))`` (nanoGPT);
 * :func:`explicit_positions`: the same RoPE table indexed with the ``position_ids`` it is given (needs no rewrite);
+* :func:`library_style`: RoPE as model libraries outside transformers write it in their plain training call: an
+  unused ``max_pos = t.max() + 1``, frequencies from an ellipsis einsum ``einsum("..., f -> ... f", t, inv_freq)``,
+  the last ``T`` of ``T`` rows ``emb[:, -T:, :]``, and ``narrow(1, k - q, q)`` with ``k`` and ``q`` the same
+  local length (no KV cache);
 * :func:`all_forms`: one layer of each of the first four forms's attention and learned positions at the embedding:
   one compile covers every form (the inductor CP=4 case);
 * :func:`mixed_positions`: positions from ``ones_like(input_ids).cumsum(-1) - 1``, which mixes along the sequence
@@ -35,9 +39,9 @@ import torch.nn.functional as F
 from tests._models import lm_output, seeded
 
 #: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
-FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
+FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions", "library_style")
 #: Attention form of each layer of the ``all_forms`` model (which adds learned positions at the embedding).
-ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions")
+ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions", "library_style")
 #: Forms cpcompile refuses (each mixes positions, or uses the length, in its own way).
 REFUSED_FORMS = (
     "mixed_positions",
@@ -72,7 +76,7 @@ class Attention(nn.Module):
         if form in ("titan_style", "explicit_positions"):
             freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(self.head_dim))
             self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
-        if form == "arange_rope":
+        if form in ("arange_rope", "library_style"):
             self.register_buffer("inv_freq", _rope_inv_freq(self.head_dim), persistent=False)
 
     def _complex_rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -94,6 +98,15 @@ class Attention(nn.Module):
             freqs = torch.outer(t, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        elif self.form == "library_style":
+            t = torch.arange(T, device=x.device).type_as(self.inv_freq)
+            max_pos = t.max() + 1  # noqa: F841 - computed for an option that is off
+            freqs = torch.einsum("..., f -> ... f", t, self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)[None]
+            k_len, q_len = emb.shape[1], q.shape[1]  # one length: no KV cache
+            cos, sin = emb.cos()[:, -q_len:, :], emb.sin().narrow(1, k_len - q_len, q_len)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         elif self.form == "lit_style":  # litgpt: cos[:T], sin[:T] from the model, (1, T, D)
             cos, sin = rope
@@ -216,6 +229,10 @@ def learned_positions(*, seed: int = 0, **kwargs) -> PositionLM:
 
 def explicit_positions(*, seed: int = 0, **kwargs) -> PositionLM:
     return position_lm("explicit_positions", seed=seed, **kwargs)
+
+
+def library_style(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("library_style", seed=seed, **kwargs)
 
 
 def all_forms(*, seed: int = 0, **kwargs) -> PositionLM:
@@ -501,6 +518,7 @@ __all__ = [
     "arange_rope",
     "explicit_positions",
     "learned_positions",
+    "library_style",
     "lit_style",
     "llama_without_positions",
     "litgpt_gpt",

@@ -51,6 +51,7 @@ def _position_actions(backend):
         ("arange_rope", [("layers.0.attn", "arange", "rewritten"), ("layers.1.attn", "arange", "rewritten")]),
         ("learned_positions", [("", "arange", "rewritten")]),
         ("explicit_positions", []),  # positions come from the input: nothing to rewrite
+        ("library_style", [("layers.0.attn", "arange", "rewritten"), ("layers.1.attn", "arange", "rewritten")]),
     ],
 )
 def test_sources_found_and_rewritten(world, form, expected):

@@ -106,6 +106,26 @@ def test_mask_expanded_to_the_heads_is_the_mask(world):
     assert torch.isfinite(out.loss)
 
 
+@pytest.mark.parametrize("form, error", [("document_ids", None), ("bidirectional", "layout='contiguous'")])
+def test_document_mask_under_several_runs(world, form, error):
+    """The head_tail layout gives a rank two runs of tokens (the balanced one, several). A mask built from
+    per-token document ids (an input sharded like the tokens) keeps a document whole across runs, unlike the
+    local rule (a new document at every run boundary): it is accepted as the whole-sequence mask among the
+    rank's tokens. A mask that is neither is refused, and the refusal names the contiguous layout."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm(form), backend=backend)
+    batch = packed_batch(DOCS)
+    batch["document_ids"] = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in DOCS])
+    with cpcompile.shard(batch, world, layout="head_tail") as local:
+        assert cpcompile.current_plan().runs() > 1  # else the case tests nothing
+        if error is None:
+            assert torch.isfinite(compiled(**local).loss)
+        else:
+            with pytest.raises(cpcompile.MaskMismatchError, match=error):
+                compiled(**local)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
+
+
 def test_window_mask_built_in_the_graph_is_reproduced(world):
     """A causal same-document mask with a 4-token window: the pass reads the window from the graph, so the
     plan's mask matches the model's (no MaskMismatchError) and every site's mask op carries window 4."""
