@@ -114,13 +114,18 @@ class CPBackend:
             site_prefix=f"{self.name}/graph{graph_id}",
             refuse="report" if self.trace_only else "raise",
         )
-        reports = cp_attention_pass(target, ctx)
-        self.reports += reports
-        positions: list[PositionReport] = []
-        if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals come first
-            plan = current_plan()
-            positions = positions_pass(target, ctx, plan.chunk_len if plan is not None else None)
-            self.position_reports += positions
+        try:
+            reports = cp_attention_pass(target, ctx)
+            self.reports += reports
+            positions: list[PositionReport] = []
+            if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals first
+                plan = current_plan()
+                positions = positions_pass(target, ctx, plan.chunk_len if plan is not None else None)
+                self.position_reports += positions
+        except _compat.PassThroughCompileError as e:  # a refusal: the refused graph is the one to look at
+            if self._dump is not None:
+                self._dump.add_graph(before, "", [], refused=str(e))
+            raise
         after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
         trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
         if self._dump is not None:

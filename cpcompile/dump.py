@@ -5,7 +5,8 @@ One folder per rank, names from a counter, no uuids, so two runs of the same mod
     DIR/rank{r}/graph{n}_before.py   # graph n as Dynamo traced it (GraphModule.print_readable)
     DIR/rank{r}/graph{n}_after.py    # the same graph after the cpcompile passes
     DIR/rank{r}/summary.json         # every dumped graph of this rank, what the passes did with each SDPA site
-                                     # ("sites") and each position source ("positions")
+                                     # ("sites") and each position source ("positions"); for a graph cpcompile
+                                     # refused, the refusal ("refused") and no graph{n}_after.py
 
 ``n`` counts the graphs dumped into ``DIR`` for rank ``r`` by this process, in compile order.
 """
@@ -95,12 +96,16 @@ class RankDumpWriter:
         *,
         calls_per_forward: int | None = None,
         positions: list[PositionReport] | tuple[PositionReport, ...] = (),
+        refused: str | None = None,
     ) -> list[str]:
-        """Write graph ``n`` (the next counter value) and the updated summary; return the paths written."""
+        """Write graph ``n`` (the next counter value) and the updated summary; return the paths written.
+
+        ``refused``: the message of the refusal that stopped the compile of this graph (only the graph before
+        the passes is written then)."""
         with self._lock:
             os.makedirs(self.folder, exist_ok=True)
             n = len(self.graphs)
-            names = (f"graph{n}_before.py", f"graph{n}_after.py")
+            names = (f"graph{n}_before.py",) if refused is not None else (f"graph{n}_before.py", f"graph{n}_after.py")
             for name, text in zip(names, (before, after)):
                 with open(os.path.join(self.folder, name), "w", encoding="utf-8") as f:
                     f.write(text)
@@ -108,10 +113,11 @@ class RankDumpWriter:
                 {
                     "graph": n,
                     "before": names[0],
-                    "after": names[1],
+                    "after": names[1] if len(names) > 1 else None,
                     "calls_per_forward": calls_per_forward,
                     "sites": [r.to_json() for r in reports],
                     "positions": [dataclasses.asdict(p) for p in positions],
+                    **({"refused": refused} if refused is not None else {}),
                 }
             )
             summary = os.path.join(self.folder, "summary.json")

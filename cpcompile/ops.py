@@ -212,17 +212,31 @@ def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> Ma
 
     Compared a block of :data:`MASK_CHECK_ROWS` query rows at a time: memory O(rows * c) besides the model's mask.
     """
+    # With several runs per rank, a mask built from document ids or per-document positions keeps a document
+    # whole across the runs: the whole-sequence mask among this rank's tokens (no new document at a run
+    # boundary). The model's mask must be one of the two rules on every row.
+    several_runs = plan.runs() > 1
+    first: MaskMismatchError | None = None
+    whole_sequence = several_runs
     for start in range(0, plan.chunk_len, MASK_CHECK_ROWS):
         rows = slice(start, start + MASK_CHECK_ROWS)
         ours = plan.local_rule_mask(documents=spec.documents, window=spec.window, rows=rows)
         theirs = model_mask[..., rows, :].to(torch.bool).expand_as(ours)
-        if not torch.equal(theirs, ours):
-            return _mismatch_error(spec, theirs, ours, start)
+        if first is None and not torch.equal(theirs, ours):
+            first = _mismatch_error(spec, theirs, ours, start, plan.layout if several_runs else None)
+        if whole_sequence:
+            rule = plan.local_global_mask(documents=spec.documents, window=spec.window, rows=rows)
+            whole_sequence = torch.equal(theirs, rule)
+        if first is not None and not whole_sequence:
+            return first
     return None
 
 
-def _mismatch_error(spec: SiteSpec, theirs: torch.Tensor, ours: torch.Tensor, first_row: int) -> MaskMismatchError:
-    """The :class:`MaskMismatchError` naming the first differing entry of a block of query rows."""
+def _mismatch_error(
+    spec: SiteSpec, theirs: torch.Tensor, ours: torch.Tensor, first_row: int, plan_layout: str | None = None
+) -> MaskMismatchError:
+    """The :class:`MaskMismatchError` naming the first differing entry of a block of query rows (``plan_layout``:
+    the layout, when it gives this rank several runs of tokens)."""
     b, _, i, j = (theirs != ours).nonzero()[0].tolist()
     form = (
         "global causal"
@@ -236,6 +250,14 @@ def _mismatch_error(spec: SiteSpec, theirs: torch.Tensor, ours: torch.Tensor, fi
         f"{bool(ours[b, 0, i, j])}); cpcompile refuses to run attention under a different mask. Build a causal "
         "mask (packed documents marked by position ids that restart at 0; with transformers: "
         "attn_implementation='sdpa' and use_cache=False), or run this model without context parallelism"
+        + (
+            f"; this rank holds several runs of tokens (the {plan_layout!r} layout), and neither the local "
+            "rule nor the whole-sequence mask among this rank's tokens matches: a mask the model builds from "
+            "per-token inputs in another way cannot be checked across runs, so call cpcompile.shard(..., "
+            "layout='contiguous')"
+            if plan_layout is not None
+            else ""
+        )
     )
 
 

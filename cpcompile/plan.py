@@ -266,6 +266,20 @@ class CPPlan:
         docs = document_ids(self.local(self.position_ids)) if documents else torch.zeros_like(self.doc_ids[:, idx])
         return visible_mask(idx[rows], idx, docs, window)
 
+    def local_global_mask(
+        self, *, documents: bool, window: int | None = None, rows: slice = slice(None)
+    ) -> torch.Tensor:
+        """The ``[B, 1, len(rows), c]`` block of :meth:`mask` among this rank's own tokens: the mask a model builds
+        on its local inputs from per-token document ids or per-document positions (a document starts where the
+        position is 0), which keep a document whole across this rank's runs of tokens. Equal to
+        :meth:`local_rule_mask` with the contiguous layout (one run)."""
+        idx = self.token_indices()
+        return visible_mask(idx[rows], idx, self.attention_docs(documents), window)
+
+    def runs(self) -> int:
+        """Number of runs of consecutive tokens this rank holds (1 with the contiguous layout)."""
+        return int((torch.diff(self.token_indices()) != 1).sum()) + 1
+
     def visible_blocks(
         self, block_q: int, block_k: int, *, documents: bool = True, window: int | None = None, rank: int | None = None
     ) -> VisibleBlocks:

@@ -15,6 +15,12 @@ Attention forms (``ATTENTION_FORMS``):
 * ``float_bias``: the causal mask as a float additive bias (0 / -inf).
 * ``no_mask``: neither a mask nor ``is_causal``: bidirectional attention over the whole row.
 * ``dropout``: ``is_causal=True`` with ``dropout_p=0.1``.
+* ``head_expanded``: the ``packed_docs`` mask expanded to every head, ``mask.expand(B, H, T, T)`` (the same for
+  each head): rewritten like ``packed_docs``.
+* ``head_windows``: a causal same-document ``[B, H, T, T]`` mask whose window differs per head: refused.
+* ``document_ids``: causal and same document, read from a per-token ``document_ids`` input (the model's
+  ``document_ids=`` keyword; ``position_ids`` still give the learned positions): one document stays whole
+  across a rank's runs of tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +32,18 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 WINDOW = 4
 
-ATTENTION_FORMS = ("causal_gqa", "packed_docs", "bidirectional", "window", "float_bias", "no_mask", "dropout")
+ATTENTION_FORMS = (
+    "causal_gqa",
+    "packed_docs",
+    "bidirectional",
+    "window",
+    "float_bias",
+    "no_mask",
+    "dropout",
+    "head_expanded",
+    "head_windows",
+    "document_ids",
+)
 
 
 def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -56,14 +73,20 @@ class Attention(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         if self.form == "causal_gqa":
             kwargs = {"is_causal": True, "enable_gqa": True}
-        elif self.form in ("bidirectional", "window", "packed_docs"):
-            doc = _doc_ids(position_ids)
+        elif self.form in ("bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids"):
+            doc = position_ids if self.form == "document_ids" else _doc_ids(position_ids)  # ids given as they are
             mask = doc[:, :, None] == doc[:, None, :]
-            if self.form == "packed_docs":
+            if self.form in ("packed_docs", "head_expanded", "document_ids"):
                 mask = mask & causal
             elif self.form == "window":
                 mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
-            kwargs = {"attn_mask": mask[:, None]}
+            mask = mask[:, None]
+            if self.form == "head_expanded":
+                mask = mask.expand(B, self.heads, T, T)
+            elif self.form == "head_windows":  # head h sees the 2 + h tokens up to itself
+                window = torch.arange(2, 2 + self.heads, device=x.device)[None, :, None, None]
+                mask = mask & causal & (idx[None, None, None, :] > idx[None, None, :, None] - window)
+            kwargs = {"attn_mask": mask}
         elif self.form == "float_bias":
             bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
             kwargs = {"attn_mask": bias}
@@ -140,11 +163,20 @@ class TinyAttentionLM(nn.Module):
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(
-        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+        self,
+        input_ids,
+        position_ids=None,
+        labels=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        use_cache=None,
+        document_ids=None,
     ):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids) + self.pos(position_ids)
+        # the attention reads documents from position_ids, or from document_ids when the model is given them
+        position_ids = position_ids if document_ids is None else document_ids
         for layer in self.layers:
             x = layer(x, position_ids)
         logits = self.head(x)

@@ -13,6 +13,10 @@ libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, model
 * :func:`arange_rope`: RoPE computed in the graph from ``arange(T)`` (``outer`` with the inverse frequencies);
 * :func:`learned_positions`: learned absolute positions ``wpe(arange(0, T))`` (nanoGPT);
 * :func:`explicit_positions`: the same RoPE table indexed with the ``position_ids`` it is given (needs no rewrite);
+* :func:`library_style`: RoPE as model libraries outside transformers write it in their plain training call: an
+  unused ``max_pos = t.max() + 1``, frequencies from an ellipsis einsum ``einsum("..., f -> ... f", t, inv_freq)``,
+  the last ``T`` of ``T`` rows ``emb[:, -T:, :]``, and ``narrow(1, k - q, q)`` with ``k`` and ``q`` the same
+  local length (no KV cache);
 * :func:`all_forms`: one layer of each of the first four forms's attention and learned positions at the embedding:
   one compile covers every form (the inductor CP=4 case);
 * :func:`mixed_positions`: positions from ``ones_like(input_ids).cumsum(-1) - 1``, which mixes along the sequence
@@ -35,9 +39,9 @@ import torch.nn.functional as F
 from tests._models import lm_output, seeded
 
 #: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
-FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
+FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions", "library_style")
 #: Attention form of each layer of the ``all_forms`` model (which adds learned positions at the embedding).
-ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions")
+ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions", "library_style")
 #: Forms cpcompile refuses (each mixes positions, or uses the length, in its own way).
 REFUSED_FORMS = (
     "mixed_positions",
@@ -72,7 +76,7 @@ class Attention(nn.Module):
         if form in ("titan_style", "explicit_positions"):
             freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(self.head_dim))
             self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
-        if form == "arange_rope":
+        if form in ("arange_rope", "library_style"):
             self.register_buffer("inv_freq", _rope_inv_freq(self.head_dim), persistent=False)
 
     def _complex_rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -94,6 +98,15 @@ class Attention(nn.Module):
             freqs = torch.outer(t, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        elif self.form == "library_style":
+            t = torch.arange(T, device=x.device).type_as(self.inv_freq)
+            max_pos = t.max() + 1  # noqa: F841 - computed for an option that is off
+            freqs = torch.einsum("..., f -> ... f", t, self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)[None]
+            k_len, q_len = emb.shape[1], q.shape[1]  # one length: no KV cache
+            cos, sin = emb.cos()[:, -q_len:, :], emb.sin().narrow(1, k_len - q_len, q_len)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         elif self.form == "lit_style":  # litgpt: cos[:T], sin[:T] from the model, (1, T, D)
             cos, sin = rope
@@ -218,6 +231,10 @@ def explicit_positions(*, seed: int = 0, **kwargs) -> PositionLM:
     return position_lm("explicit_positions", seed=seed, **kwargs)
 
 
+def library_style(*, seed: int = 0, **kwargs) -> PositionLM:
+    return position_lm("library_style", seed=seed, **kwargs)
+
+
 def all_forms(*, seed: int = 0, **kwargs) -> PositionLM:
     return position_lm("all_forms", seed=seed, **kwargs)
 
@@ -240,6 +257,22 @@ POSITION_ONLY_FORMS = (
     "interleaved_rope",  # outer(arange(T), inv_freq).repeat_interleave(2, dim=-1).cos() (GPT-J-style pairs)
     "full_slice",  # wpe(arange(T)[:T]): a slice that keeps every position
     "checkpointed",  # wpe.weight[:T] inside an activation-checkpointed function (a nested graph)
+    "dead_max",  # wpe(t) with max_pos = t.max() + 1 computed and never used
+    "dead_first_position",  # torch.max(position_ids[:, 0]) of an arange expanded to the batch, never used
+    "dead_inplace",  # a dead value written in place into a tensor that is itself dead
+    "tail_slice",  # outer(arange(T), inv_freq)[None][:, -T:, :]: the last T of T rows
+    "difference_slice",  # wpe(arange(k))[k - q : k] with k and q the same local length
+    "difference_narrow",  # outer(arange(k), inv_freq).narrow(0, k - q, q)
+    "ellipsis_einsum",  # einsum("..., f -> ... f", arange(T), inv_freq)
+)
+#: Near misses of the forms above that still mix or select positions: refused.
+POSITION_ONLY_REFUSED = (
+    "live_max",  # t.max() + 1 added to every position
+    "live_inplace",  # t.max() written in place into the position embedding that is returned
+    "table_tail",  # wpe.weight[-T:]: the last T rows of a longer table (an offset)
+    "partial_slice",  # outer(arange(T), inv_freq)[-(T - 1):]: a shift
+    "ellipsis_contraction",  # einsum("...f -> f", outer(arange(T), inv_freq)): a sum over positions
+    "cache_written",  # RoPE rows written into a buffer on a call that finds it short (cached[:T] = freqs), read
 )
 
 
@@ -249,8 +282,8 @@ class PositionOnlyLM(nn.Module):
 
     def __init__(self, form: str, *, vocab: int = 64, hidden: int = 16, max_len: int = 80) -> None:
         super().__init__()
-        if form not in POSITION_ONLY_FORMS:
-            raise ValueError(f"unknown form {form!r}; known: {POSITION_ONLY_FORMS}")
+        if form not in (*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED):
+            raise ValueError(f"unknown form {form!r}; known: {(*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED)}")
         self.form = form
         self.embed = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(max_len, hidden)
@@ -258,6 +291,8 @@ class PositionOnlyLM(nn.Module):
         freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
         self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
         self.register_buffer("inv_freq", _rope_inv_freq(hidden), persistent=False)
+        self.register_buffer("cached", torch.zeros(max_len, hidden), persistent=False)
+        self.cached_rows = 0
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
@@ -287,7 +322,57 @@ class PositionOnlyLM(nn.Module):
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(lambda i: w[: i.shape[1]] * 2.0, ids, use_reentrant=False)
-        return torch.view_as_real(self.cache[0:T]).flatten(1)
+        if self.form in ("complex_table",):
+            return torch.view_as_real(self.cache[0:T]).flatten(1)
+        return self._library_positions(ids)
+
+    def _library_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """The forms written the ways model libraries outside transformers write them."""
+        B, T, dev = ids.shape[0], ids.shape[1], ids.device
+        t = torch.arange(T, device=dev)
+        if self.form == "dead_max":
+            max_pos = t.max() + 1  # noqa: F841 - kept for an option that is off
+            return self.wpe(t)
+        if self.form == "dead_first_position":
+            position_ids = t.unsqueeze(0).expand(B, T)
+            first = torch.max(position_ids[:, 0])  # noqa: F841 - freed right after
+            del first
+            return self.wpe(position_ids)
+        if self.form == "dead_inplace":
+            scratch = t.float() * 2
+            scratch.add_(t.max())
+            return self.wpe(t)
+        freqs = torch.outer(t.type_as(self.inv_freq), self.inv_freq)  # [T, hidden / 2]
+        if self.form == "tail_slice":
+            return torch.cat((freqs, freqs), -1)[None][:, -T:, :].cos()
+        if self.form == "difference_slice":
+            k_len, q_len = T, ids.size(1)
+            return self.wpe(t)[k_len - q_len : k_len]
+        if self.form == "difference_narrow":
+            k, q = T, ids.size(1)
+            return torch.cat((freqs, freqs), -1).narrow(0, k - q, q).sin()
+        if self.form == "ellipsis_einsum":
+            f = torch.einsum("..., f -> ... f", t.type_as(self.inv_freq), self.inv_freq)
+            return torch.cat((f, f), -1).cos()
+        if self.form == "live_max":
+            return self.wpe(t) + (t.max() + 1)
+        if self.form == "live_inplace":
+            pe = self.wpe(t)
+            pe.add_(t.max())
+            return pe
+        if self.form == "table_tail":
+            return self.wpe.weight[-T:]
+        if self.form == "partial_slice":
+            e = torch.cat((freqs, freqs), -1)
+            return torch.cat((e[-(T - 1) :], e[:1]), 0).cos()  # a roll of the positions
+        if self.form == "cache_written":  # filled on the call that finds it short, read on every call
+            if self.cached_rows < T:
+                self.cached[:T] = torch.cat((freqs, freqs), -1).cos()
+                self.cached_rows = T
+            return self.cached[:T]
+        if self.form == "ellipsis_contraction":
+            return torch.einsum("...f -> f", freqs).repeat(2)[None, :].expand(T, -1) / 64
+        raise AssertionError(self.form)
 
     def forward(self, input_ids, **unused):
         return self.head(self.embed(input_ids) + self._positions(input_ids))
@@ -425,6 +510,7 @@ __all__ = [
     "REFUSED_FORMS",
     "ALL_FORMS_LAYERS",
     "POSITION_ONLY_FORMS",
+    "POSITION_ONLY_REFUSED",
     "PositionLM",
     "PositionOnlyLM",
     "TokensLM",
@@ -432,6 +518,7 @@ __all__ = [
     "arange_rope",
     "explicit_positions",
     "learned_positions",
+    "library_style",
     "lit_style",
     "llama_without_positions",
     "litgpt_gpt",

@@ -51,6 +51,7 @@ def _position_actions(backend):
         ("arange_rope", [("layers.0.attn", "arange", "rewritten"), ("layers.1.attn", "arange", "rewritten")]),
         ("learned_positions", [("", "arange", "rewritten")]),
         ("explicit_positions", []),  # positions come from the input: nothing to rewrite
+        ("library_style", [("layers.0.attn", "arange", "rewritten"), ("layers.1.attn", "arange", "rewritten")]),
     ],
 )
 def test_sources_found_and_rewritten(world, form, expected):
@@ -157,6 +158,58 @@ def test_refused_at_compile_time(world, form, node_words, reason_words):
     # nothing rewritten: every source of the graph is checked before the first rewrite
     assert delta.get("position_sources_refused", 0) >= 1 and "position_sources_rewritten" not in delta, delta
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
+
+
+# near misses of the forms the pass proves (tests/test_positions_values.py checks those): the refusal names the
+# model's source line of the source and of the use, and the fix for that code
+@pytest.mark.parametrize(
+    "form, line_words, reason_words, fix_words",
+    [
+        ("live_max", "(return self.wpe(t) + (t.max() + 1))", "max mixes", "this reduction sees only"),
+        ("live_inplace", "(pe.add_(t.max()))", "max mixes", "this reduction sees only"),
+        ("table_tail", "(return self.wpe.weight[-T:])", "a slice at an offset", "table[-T:]"),
+        ("partial_slice", "(return torch.cat((e[-(T - 1) :]", "slice(neg, None, None) (a shift", "index the whole"),
+        ("ellipsis_contraction", 'einsum("...f -> f"', "einsum contracts the sequence dim", "this product sums"),
+    ],
+)
+def test_near_misses_refused_at_their_source_line(world, form, line_words, reason_words, fix_words):
+    compiled = torch.compile(pm.position_only_lm(form), backend=cpcompile.backend(world, inner="eager"))
+    with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+        with cpcompile.shard(packed_batch(DOCS, vocab_size=64), world, hf_kwargs=False) as local:
+            compiled(local["input_ids"])
+    message = str(info.value)
+    assert "tests/_position_models.py:" in message and line_words in message, message
+    assert reason_words in message and fix_words in message and FIX_WORDS in message, message
+    assert "torchtitan" not in message and "transformers" not in message, message
+    # the source line comes before the graph node it names
+    assert message.index("tests/_position_models.py:") < message.index("(node "), message
+
+
+def test_cache_written_in_place_is_refused_on_every_call(world):
+    """RoPE rows written into a buffer on the call that finds it short (``cached[:T] = freqs``), then read: the
+    write would keep this rank's rows for later calls, so every call that writes is refused (the buffer stays
+    as it was, and the next call, which finds it short again, is refused the same way)."""
+    model = pm.position_only_lm("cache_written")
+    compiled = torch.compile(model, backend=cpcompile.backend(world, inner="eager"))
+    for _ in range(2):
+        with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+            with cpcompile.shard(packed_batch(DOCS, vocab_size=64), world, hf_kwargs=False) as local:
+                compiled(local["input_ids"])
+        message = str(info.value)
+        assert "(self.cached[:T] = torch.cat((freqs, freqs), -1).cos())" in message, message
+        assert "setitem writes it in place into l_self_buffers_cached_, a buffer or parameter" in message, message
+        assert "fill the cache for every row once, outside the training call" in message, message
+    assert model.cached_rows == 0 and not model.cached.any()
+
+
+def test_refused_graph_is_dumped(world, tmp_path):
+    with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+        _compile_and_run(pm.position_lm("arange_cumsum"), world, dump_dir=str(tmp_path))
+    summary = json.loads((tmp_path / "rank0" / "summary.json").read_text())
+    (graph,) = summary["graphs"]
+    assert str(info.value).startswith(graph["refused"]) and graph["after"] is None
+    assert "cumsum" in (tmp_path / "rank0" / graph["before"]).read_text()
+    assert not (tmp_path / "rank0" / "graph0_after.py").exists()
 
 
 def test_static_graph_refuses_what_it_would_rewrite(world):

@@ -32,8 +32,10 @@ DOCS = [[10, 20, 7], [5, 30, 2]]
         (lambda: _models.attention_lm("dropout"), "layers.0.attn", "dropout p=0.1"),
         (lambda: _models.attention_lm("float_bias"), "layers.0.attn", "additive bias"),
         (lambda: _models.attention_lm("no_mask"), "layers.0.attn", "non-causal attention without a mask"),
+        # a [B, H, T, T] mask that may differ per head (a mask expanded to the heads is accepted)
+        (lambda: _models.attention_lm("head_windows"), "layers.0.attn", "per-head masks are not supported"),
     ],
-    ids=["hf-qwen3-dropout", "dropout", "float-bias", "noncausal-no-mask"],
+    ids=["hf-qwen3-dropout", "dropout", "float-bias", "noncausal-no-mask", "per-head-mask"],
 )
 def test_refused_at_compile_time(world, make, layer, words):
     model = make()
@@ -99,6 +101,37 @@ def test_model_mask_differing_from_the_plan_raises(world):
                 compiled(**local)
     assert "differs from the global causal same-document mask" in str(info.value)
     assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+
+
+def test_mask_expanded_to_the_heads_is_the_mask(world):
+    """``mask.expand(B, H, T, T)`` of a causal same-document mask: the site takes the [B, 1, T, T] mask it was
+    expanded from (the same for every head), checks it against the plan's on the first call and runs."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm("head_expanded"), backend=backend)
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        out = compiled(**local)
+    assert [(r.action, r.mask_form) for r in backend.reports] == [("rewritten", "bool-mask")] * 2
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("form, error", [("document_ids", None), ("bidirectional", "layout='contiguous'")])
+def test_document_mask_under_several_runs(world, form, error):
+    """The head_tail layout gives a rank two runs of tokens (the balanced one, several). A mask built from
+    per-token document ids (an input sharded like the tokens) keeps a document whole across runs, unlike the
+    local rule (a new document at every run boundary): it is accepted as the whole-sequence mask among the
+    rank's tokens. A mask that is neither is refused, and the refusal names the contiguous layout."""
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_models.attention_lm(form), backend=backend)
+    batch = packed_batch(DOCS)
+    batch["document_ids"] = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in DOCS])
+    with cpcompile.shard(batch, world, layout="head_tail") as local:
+        assert cpcompile.current_plan().runs() > 1  # else the case tests nothing
+        if error is None:
+            assert torch.isfinite(compiled(**local).loss)
+        else:
+            with pytest.raises(cpcompile.MaskMismatchError, match=error):
+                compiled(**local)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
 
 
 def test_window_mask_built_in_the_graph_is_reproduced(world):

@@ -57,6 +57,7 @@ __all__ = [
     "positions_pass",
     "rewrite_source",
     "sequence_length",
+    "source_line",
 ]
 
 #: What the pass does with a source: see the module docstring.
@@ -64,13 +65,71 @@ Action = Literal["rewritten", "refused", "mask", "unchanged"]
 #: How a source derives from the local length.
 Kind = Literal["arange", "table_slice", "narrow", "factory", "length", "other"]
 
-#: The fix every refusal names.
+#: The fix every refusal ends with: positions as an input are sharded data, exact in every case.
 FIX = (
-    "make the model take its positions as an input and pass the global ones cpcompile.shard provides, e.g. "
-    'model(tokens, positions=local["position_ids"]) (torchtitan) or model(**local) (transformers: '
-    "position_ids); or derive positions only with arange / a table slice by the sequence length used "
-    "element-wise, which cpcompile rewrites"
+    "make the model take its positions as an input (a positions= or position_ids= argument of its forward) and "
+    'pass the global ones cpcompile.shard provides, e.g. model(tokens, positions=local["position_ids"])'
 )
+#: The fix for the code at hand, by the words of the refusal's reason (first match), before :data:`FIX`.
+REASON_FIXES = (
+    (
+        "mixes the values of different positions",
+        "this reduction sees only this rank's positions; compute what it needs from the global sequence length "
+        "or positions, or remove it if its result is not needed",
+    ),
+    (
+        "contracts the sequence dim",
+        "this product sums over this rank's positions only; compute it per position (outer, einsum keeping the "
+        "position index) or from positions passed as an input",
+    ),
+    (
+        "(a shift or a selection)",
+        "a shifted or selected position is another token's, which may live on another rank; index the whole "
+        "range (table[:T], table[k - q:k] with k = q the local length, x[..., -T:, :] of T rows) or pass "
+        "positions as an input",
+    ),
+    (
+        "joins position-derived values along the sequence",
+        "build the positions of the local tokens in one range (arange(T), table[:T]) instead of joining pieces",
+    ),
+    (
+        "the local sequence length used as a value",
+        "the local length is not the global one; pass the global length or positions as an input",
+    ),
+    (
+        "an index computed from the local sequence length",
+        "the local length is not the global one; pass the global length or positions as an input",
+    ),
+    (
+        "a slice at an offset that is only known at run time",
+        "slice the table from a constant first row (table[:T], table[a:a + T] with an int a); a slice relative "
+        "to the end of a longer table (table[-T:]) selects rows that depend on the local length",
+    ),
+    (
+        "that outlives this call (a cache that later calls read)",
+        "fill the cache for every row once, outside the training call (at init, for the longest sequence), so "
+        "that the training call only slices it (cache[:T]), which cpcompile rewrites",
+    ),
+)
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line (code)`` of the model code that made ``node`` (the innermost frame of its recorded stack
+    trace), or ``""`` when the graph has no stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.rstrip("\n").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            number = rest.split(",", 1)[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{path}:{number}" + (f" ({code})" if code else "")
+    return ""
+
+
+def _fix_for(reason: str) -> str:
+    return next((f"{fix}; or " for words, fix in REASON_FIXES if words in reason), "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +173,9 @@ class GraphFacts:
     #: Nodes every use of which ends in an SDPA ``attn_mask`` (or, for a pairwise ``[.., T, T]`` value, leaves
     #: the graph: the graph that receives it checks it as a mask).
     mask_only: frozenset
+    #: Nodes whose value reaches the graph's output or a side effect (see :func:`live_nodes`); the others are
+    #: dead code Dynamo keeps (``max_pos = t.max() + 1`` never used) and cannot change a result.
+    live: frozenset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +201,12 @@ class PositionSource:
     @property
     def where(self) -> str:
         return f"{self.layer or '<top level>'} (node {self.node.name})"
+
+    @property
+    def located(self) -> str:
+        """:attr:`where`, after the model's source line when the graph recorded it."""
+        line = source_line(self.node)
+        return f"{line}, {self.where}" if line else self.where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +355,15 @@ _REDUCE = {
 }  # fmt: skip
 _CONCAT = {"cat", "concat", "concatenate"}
 _MATMUL = {"matmul", "mm", "bmm", "linear", "einsum"}
+# Ops that always return a newly allocated tensor (never an alias of an argument).
+_FRESH_OPS = (
+    (_ELEMENTWISE - {"real", "imag", "conj", "resolve_conj", "pos"})
+    | (_FACTORIES - {"expand", "broadcast_to", "expand_as"})
+    | (set(_REDUCE) - {"max", "min", "sort", "topk", "kthvalue", "cummax", "cummin", "unique"})
+    | _MATMUL
+    | _CONCAT
+    | {"stack", "clone", "embedding", "index_select", "gather", "outer"}
+)
 
 
 def _value_inputs(n: fx.Node) -> list[fx.Node]:
@@ -351,11 +428,70 @@ def graph_facts(gm: fx.GraphModule, seq: SequenceLength) -> GraphFacts:
                     if written not in data:
                         data.add(written)
                         changed = True
+    live = live_nodes(gm)
     mask_only: set[fx.Node] = set()
     for n in reversed(nodes):
-        if n.users and all(_mask_use(n, u, seq, mask_only) for u in n.users):
+        users = [u for u in n.users if u in live]
+        if users and all(_mask_use(n, u, seq, mask_only) for u in users):
             mask_only.add(n)
-    return GraphFacts(gm, seq, frozenset(data), frozenset(mask_only))
+    return GraphFacts(gm, seq, frozenset(data), frozenset(mask_only), live)
+
+
+def _has_side_effect(n: fx.Node) -> bool:
+    """A call whose effect is not only its value: an op FX calls impure (collectives, asserts, random ops), a call
+    of a nested graph or a module, a call of an op the pass does not know (a ``cpcompile::`` op)."""
+    if n.op == "call_module" or _leaves_graph(n):
+        return True
+    if n.op != "call_function":
+        return False
+    try:
+        return n.is_impure()
+    except Exception:  # noqa: BLE001 - a target FX cannot judge is kept
+        return True
+
+
+def _fresh(n: fx.Node) -> bool:
+    """Whether ``n`` is a tensor the graph allocates itself (not an input, not a possible alias of another
+    tensor): a write into it is seen only through it and its views."""
+    if n.op not in ("call_function", "call_method") or mutated(n) is not None:
+        return False
+    name = op_name(n)
+    return name == "arange" or name in _FRESH_OPS
+
+
+def live_nodes(gm: fx.GraphModule) -> frozenset:
+    """The nodes of ``gm`` whose value can change what the graph returns or writes.
+
+    Live are the output, every call with a side effect, every in-place write (``add_``, ``setitem``, ``copy_``,
+    ``out=``) into a tensor that is a graph input (module state, an argument: the caller sees the write) or
+    whose base is live, and every input of a live node. A write into a view is a write into the viewed tensors,
+    so it is live when any of them is. What is left is dead: Dynamo keeps such nodes (a value computed for an
+    option that is off), and no result depends on them.
+    """
+    nodes = list(gm.graph.nodes)
+    live: set[fx.Node] = set()
+    changed = True
+    while changed:  # a write into a tensor becomes live once the tensor is: iterate to a fixed point
+        changed = False
+        for n in reversed(nodes):
+            if n in live:
+                continue
+            target = mutated(n)
+            alive = n.op == "output" or any(u in live for u in n.users)
+            if not alive and target is not None:
+                bases = viewed_bases(target)
+                alive = not _fresh(bases[-1]) or any(b in live for b in bases)
+            elif not alive:
+                alive = _has_side_effect(n)
+            if alive:
+                changed = True
+                stack = [n]
+                while stack:
+                    m = stack.pop()
+                    if m not in live:
+                        live.add(m)
+                        stack.extend(m.all_input_nodes)
+    return frozenset(live)
 
 
 def _mask_use(n: fx.Node, u: fx.Node, seq: SequenceLength, mask_only: set) -> bool:
@@ -429,6 +565,7 @@ def _slice_source(n: fx.Node, name: str, facts: GraphFacts, layer: str) -> Posit
         if not isinstance(dim, int) or not seq.involves(length) or seq.involves(base_shape[dim % len(base_shape)]):
             return None
         dim = dim % len(base_shape)
+        start = 0 if _is_zero(start) else start
         problem = "" if seq.is_length(out_shape[dim]) else "a narrow that is not of the local sequence length"
         if not (isinstance(start, int) and start >= 0):
             problem = problem or "a narrow at an offset that is only known at run time"
@@ -465,7 +602,7 @@ def _slice_source(n: fx.Node, name: str, facts: GraphFacts, layer: str) -> Posit
             return PositionSource(n, "length", layer, facts, problem="an index computed from the local sequence length")
         return None
     (i, e, in_d, out_d), problem = sliced[0], ""
-    start = 0 if e.start is None else e.start
+    start = 0 if _is_zero(e.start) else e.start
     if len(sliced) > 1:
         problem = "a slice of several dims by the local sequence length"
     elif not seq.is_length(out_shape[out_d]):
@@ -519,7 +656,7 @@ def find_position_sources(gm: fx.GraphModule, seq: SequenceLength) -> list[Posit
     for g in _graph_modules(gm):
         facts = graph_facts(g, seq)
         for n in g.graph.nodes:
-            if n.op in ("call_function", "call_method") and n.users and _is_tensorish(n):  # unused: no effect
+            if n.op in ("call_function", "call_method") and n in facts.live and _is_tensorish(n):  # dead: no effect
                 found = _classify(n, facts)
                 if found is not None:
                     sources.append(found)
@@ -564,12 +701,10 @@ def _check_matmul(u: fx.Node, name: str, seq: SequenceLength) -> str | None:
         eq, *operands = u.args
         if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
             operands = list(operands[0])
-        if not isinstance(eq, str) or "." in eq:
-            return f"einsum {eq!r} with a position-derived operand (only explicit subscripts are checked)"
-        lhs, _, out = eq.replace(" ", "").partition("->")
-        terms = lhs.split(",")
-        if "->" not in eq:
-            out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
+        parsed = _einsum_subscripts(eq, operands)
+        if parsed is None:
+            return f"einsum {eq!r} with a position-derived operand (its subscripts could not be read)"
+        terms, out = parsed
         for term, op in zip(terms, operands):
             if any(c not in out and _contracted_seq(op, d, seq) for d, c in enumerate(term)):
                 return reason
@@ -580,6 +715,45 @@ def _check_matmul(u: fx.Node, name: str, seq: SequenceLength) -> str | None:
     b_shape = _shape(b)
     db = -2 if b_shape is not None and len(b_shape) >= 2 else 0
     return reason if _contracted_seq(a, -1, seq) or _contracted_seq(b, db, seq) else None
+
+
+def _einsum_subscripts(eq: object, operands: list) -> tuple[list[str], str] | None:
+    """An einsum equation as explicit subscripts, one letter per dim: ``(terms, output)``.
+
+    ``...`` stands for the dims no letter names, right-aligned across operands as they broadcast; it becomes
+    letters that the equation does not use (``'..., f -> ... f'`` on a ``[T]`` and an ``[F]`` operand reads
+    ``'A,f->Af'``). Without ``->`` the output is the broadcast dims followed by the letters used once, in
+    alphabetical order. ``None`` when the equation cannot be read (a non-string, a shape missing).
+    """
+    if not isinstance(eq, str):
+        return None
+    eq = eq.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands) or any(t.count("...") > 1 for t in (*terms, out)):
+        return None
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    widest = 0
+    for i, (term, op) in enumerate(zip(terms, operands)):
+        if "..." not in term:
+            continue
+        shape = _shape(op)
+        if shape is None:
+            return None
+        k = len(shape) - (len(term) - 3)
+        if k < 0 or k > len(spare):
+            return None
+        widest = max(widest, k)
+        terms[i] = term.replace("...", "".join(spare[len(spare) - k :]))  # right-aligned broadcast dims
+    broadcast = "".join(spare[len(spare) - widest :]) if widest else ""
+    if not arrow:
+        singles = sorted(c for c in set("".join(terms)) if "".join(terms).count(c) == 1 and c not in broadcast)
+        out = broadcast + "".join(singles)
+    else:
+        out = out.replace("...", broadcast)
+    if any("." in t for t in (*terms, out)):
+        return None
+    return terms, out
 
 
 def _check_reshape(u: fx.Node, t: fx.Node, seq: SequenceLength) -> str | None:
@@ -626,12 +800,33 @@ def _check_getitem(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> s
     return None
 
 
+def _scalar(x: object) -> object:
+    """An index or size argument's value: a node's recorded (possibly symbolic) value, else ``x``."""
+    return _val(x) if isinstance(x, fx.Node) else x
+
+
+def _is_zero(x: object) -> bool:
+    """Whether an offset is 0, also when written as a symbolic difference (``k_len - q_len`` of one length)."""
+    v = _scalar(x)
+    return v is None or (isinstance(v, (int, torch.SymInt)) and _compat.statically_true(v == 0))
+
+
 def _is_full_slice(e: object, size: object) -> bool:
-    """Whether index entry ``e`` keeps every element of a dim of ``size`` in order (``:``, ``0:T``, ``:T``)."""
-    if not isinstance(e, slice) or e.start not in (None, 0) or e.step not in (None, 1):
+    """Whether index entry ``e`` keeps every element of a dim of ``size`` in order (``:``, ``0:T``, ``:T``,
+    ``k - q:k`` with ``k`` and ``q`` the same length, ``-T:`` of ``T`` rows)."""
+    if not isinstance(e, slice) or _scalar(e.step) not in (None, 1):
         return False
-    stop = _val(e.stop) if isinstance(e.stop, fx.Node) else e.stop
-    return stop is None or _compat.statically_true(stop >= size)
+    start, stop = _scalar(e.start), _scalar(e.stop)
+    from_first = _is_zero(start) or (
+        isinstance(start, (int, torch.SymInt)) and _compat.statically_true(start + size <= 0)
+    )
+    return from_first and (stop is None or _compat.statically_true(stop >= size))
+
+
+def _is_full_narrow(n: fx.Node, size: object) -> bool:
+    """Whether ``x.narrow(dim, start, length)`` keeps every element of the narrowed dim of ``size``."""
+    start, length = _scalar(_arg(n, 2, "start")), _scalar(_arg(n, 3, "length"))
+    return _is_zero(start) and length is not None and _compat.statically_true(length >= size)
 
 
 def _check_repeat(u: fx.Node, t: fx.Node, name: str, seq: SequenceLength) -> str | None:
@@ -681,6 +876,16 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
     if _mask_args(u)[1]:
         return "is used as the query, key or value of the attention"
     name = op_name(u)
+    written = mutated(u)
+    if written is not None and written is not t:
+        kept = viewed_bases(written)[-1]
+        if kept.op in ("placeholder", "get_attr"):
+            what = "a buffer or parameter" if _compat.is_module_state(kept) else "an input"
+            return (
+                f"{name} writes it in place into {kept.name}, {what} that outlives this call (a cache that "
+                "later calls read): this rank would store rows for its own tokens where the cache expects rows "
+                "0..T-1, and a later call could not tell them apart"
+            )
     base = name.rstrip("_") if is_inplace(name) and name != "setitem" else name
     if base in _ELEMENTWISE or name in INPLACE_OPERATORS or base in _LAYOUT:
         return None
@@ -690,6 +895,14 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
         return _check_getitem(u, t, facts, tainted)
     if name in ("embedding", "index_select", "gather", "take_along_dim"):
         return _check_lookup(u, t, name, facts, tainted)
+    if name == "narrow" and u.args and u.args[0] is t:
+        shape, dim = _shape(t), _arg(u, 1, "dim")
+        if shape is None or not isinstance(dim, int):
+            return "narrow of a position-derived value without a recorded shape or a constant dim"
+        dim %= len(shape)
+        if dim not in _seq_dims(t, seq) or _is_full_narrow(u, shape[dim]):
+            return None
+        return "narrow of the sequence dim of a position-derived value (a shift or a selection)"
     if name in _SPLITS:
         pos, kw, default = _SPLITS[name]
         dim = _arg(u, 1 + pos, kw, default)
@@ -789,12 +1002,13 @@ def check_source(src: PositionSource) -> PositionCheck:
     while queue:
         t = queue.pop(0)
         for u in t.users:
-            if u in facts.mask_only or (t not in _value_inputs(u) and not _leaves_graph(u)):
+            if u not in facts.live or u in facts.mask_only or (t not in _value_inputs(u) and not _leaves_graph(u)):
                 continue
             reason = _check_use(u, t, facts, tainted)
             if reason is not None:
                 where = f"{_compat.node_module_path(u) or '<top level>'} (node {u.name})"
-                return PositionCheck("refuse", f"its use at {where}: {reason}")
+                line = source_line(u)
+                return PositionCheck("refuse", f"its use at {line + ', ' if line else ''}{where}: {reason}")
             if u not in facts.data and not _leaves_graph(u) and u not in tainted:
                 tainted.add(u)
                 queue.append(u)
@@ -874,8 +1088,8 @@ STATIC_FIX = (
 
 def _refusal(src: PositionSource, reason: str, static: bool) -> UnsupportedPositionError:
     return UnsupportedPositionError(
-        f"cpcompile cannot make the positions computed at {src.where} ({src.kind}) global across CP ranks: "
-        f"{reason}. Fix: {FIX}{STATIC_FIX if static else ''}"
+        f"cpcompile cannot make the positions computed at {src.located} ({src.kind}) global across CP ranks: "
+        f"{reason}. Fix: {'' if static else _fix_for(reason)}{FIX}{STATIC_FIX if static else ''}"
     )
 
 

@@ -29,7 +29,7 @@ from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.options import BackendOptions
-from cpcompile.passes.aliasing import last_write
+from cpcompile.passes.aliasing import last_write, op_name
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
 
@@ -193,6 +193,35 @@ def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
 
 
+_HEAD_BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})
+
+
+def _recorded_shape(n: fx.Node) -> tuple | None:
+    v = n.meta.get("example_value", n.meta.get("val"))
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _one_mask_for_all_heads(mask: object) -> object:
+    """The ``[B, 1, T, T]`` mask a ``[B, H, T, T]`` mask was expanded from (``mask.expand(B, H, T, T)``, also
+    through ``expand_as``/``broadcast_to``): the same mask for every head, which the site then takes as its mask.
+    Any other mask as it is (a mask that may differ between heads keeps its shape, and is refused)."""
+    m = mask
+    while (
+        isinstance(m, fx.Node)
+        and m.op in ("call_function", "call_method")
+        and op_name(m) in _HEAD_BROADCASTS
+        and m.args
+        and isinstance(m.args[0], fx.Node)
+    ):
+        src = m.args[0]
+        shape, out = (_recorded_shape(n) for n in (src, m))
+        if shape is not None and len(shape) == 4 and _compat.statically_true(shape[1] == 1):
+            same_rows = out is not None and all(_compat.statically_true(shape[d] == out[d]) for d in (2, 3))
+            return src if same_rows else mask
+        m = src
+    return mask
+
+
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
     """Every SDPA call of ``gm`` and of its nested graphs (e.g. checkpointed layers), in graph order."""
     sites = []
@@ -208,7 +237,7 @@ def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
                 query=bound["query"],
                 key=bound["key"],
                 value=bound["value"],
-                attn_mask=bound["attn_mask"],
+                attn_mask=_one_mask_for_all_heads(bound["attn_mask"]),
                 dropout_p=bound["dropout_p"],
                 is_causal=bound["is_causal"],
                 scale=bound["scale"],
@@ -265,7 +294,10 @@ def check_site(site: SDPASite) -> str | None:
             f"ranks; {fix}"
         )
     if m.dim() != 4 or not _compat.statically_true(m.shape[1] == 1):
-        return f"expected a [B, 1, T, T] bool mask, got shape {tuple(m.shape)} (per-head masks are not supported)"
+        return (
+            f"expected a [B, 1, T, T] bool mask, got shape {tuple(m.shape)} (per-head masks are not supported); "
+            "pass a mask that is the same for every head as [B, 1, T, T], or expand it with mask.expand(B, H, T, T)"
+        )
     return None
 
 
