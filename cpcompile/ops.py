@@ -21,8 +21,9 @@ and of a sliding-window site that exchanges only its halo (``spec.exchange == "h
     ...                                                      # attention as above
 
 ``cpcompile::site_plan`` does four separate things, each a named function here: find and check the active plan
-(:func:`_site_context`), count the site's all-gathers (:func:`_count_collectives`), compare the model's own mask
-with the plan's local rule on the site's first call (:func:`_verify_model_mask_once`) and hand out the positions
+(:func:`_site_context`), count the site's all-gathers (:func:`_count_collectives`), hold the site's control
+rounds: its first call, and the model's own mask against the plan's local rule on every new batch
+(:func:`_check_site`), and hand out the positions
 (:func:`_site_positions`). ``cpcompile::cp_attention`` is the block kernel (:mod:`cpcompile.kernels`).
 
 Why the halo is an all-to-all inside an op: which keys a rank needs depends on the batch (the layout, and
@@ -91,12 +92,12 @@ class SiteSpec:
     halo_slots: int = 0
 
 
-#: Query rows of the model's mask compared at a time on a site's first call (bounds the check's memory).
+#: Query rows of the model's mask compared at a time (bounds the memory of the mask check).
 MASK_CHECK_ROWS = 1024
 
 _SITES: dict[str, SiteSpec] = {}
 _SITES_LOCK = threading.Lock()
-#: Sites whose model mask was already compared with the plan's (written only by _verify_model_mask_once).
+#: Sites that ran their first-call control round (written only by _check_site).
 _VERIFIED: set[str] = set()
 
 
@@ -131,14 +132,13 @@ def site_plan(
     length, and the bytes counted in :func:`cpcompile.comm_stats`). ``q_pos`` are this rank's global token
     indices, ``kv_pos`` the global index of every gathered slot, ``doc_ids`` the plan's document ids (all zeros
     when the site has no document condition). When ``model_mask`` (the mask the model built on its local
-    inputs) is given, the first call of the site compares it with :meth:`CPPlan.local_rule_mask` and raises
-    :class:`MaskMismatchError` when they differ.
+    inputs) is given, it is compared with :meth:`CPPlan.local_rule_mask` on every new batch (:func:`_check_site`)
+    and :class:`MaskMismatchError` is raised when they differ.
     """
     spec = site_spec(site)
     context = _site_context(spec, k)
     _count_collectives(context, spec, k, v)
-    if model_mask is not None:
-        _verify_model_mask_once(spec, context, model_mask)
+    _check_site(spec, context, model_mask)
     return _site_positions(context.plan, spec)
 
 
@@ -190,18 +190,32 @@ def _count_collectives(context: Active, spec: SiteSpec, k: torch.Tensor, v: torc
         context.comm.record_gather(v, spec.cp_size, spec.needs_grad)
 
 
-def _verify_model_mask_once(spec: SiteSpec, context: Active, model_mask: torch.Tensor) -> None:
-    """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs.
+def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None) -> None:
+    """The site's control rounds, decided together with the other CP ranks (:func:`cpcompile.failsafe.agree`).
 
-    Decided together with the other CP ranks (one control round, :func:`cpcompile.failsafe.agree`): every rank
-    raises the same :class:`MaskMismatchError`, naming the ranks whose mask differs.
+    One round on the site's first call, then one per step for every distinct model mask tensor and attention
+    form (the layers of a transformers model share one mask: one round per step for the whole model):
+
+    * ranks that reach different attention calls (a data-dependent branch, a recompile on one rank) meet in
+      different rounds and raise :class:`~cpcompile.failsafe.RanksDivergedError` at once, instead of waiting in
+      different collectives;
+    * the model's own mask is compared with the mask its rule gives on the local inputs
+      (:meth:`CPPlan.local_rule_mask`) on every step, so a mask that ignores the documents or depends on another
+      input is caught on the batch where it starts to differ: every rank raises the same
+      :class:`MaskMismatchError`, naming the ranks whose mask differs.
     """
-    if spec.site in _VERIFIED:
+    mask_key = None if model_mask is None else (model_mask.data_ptr(), model_mask._version, tuple(model_mask.shape))
+    key = (mask_key, spec.documents, spec.window)
+    if spec.site in _VERIFIED and key in context.checked_masks:
         return
-    error = _mask_mismatch(spec, context.plan, model_mask)
-    what = f"the first-call mask check of the CP attention at {spec.layer or spec.site}"
-    failsafe.agree(context.group, "mask", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
+    layer = spec.layer or spec.site.rsplit("#", 1)[0]  # the digest after "#" holds the rank: not in messages
+    if model_mask is None:
+        error, what = None, f"the step check of the CP attention at {layer} (no model mask)"
+    else:
+        error, what = _mask_mismatch(spec, context.plan, model_mask), f"the mask check of the CP attention at {layer}"
+    failsafe.agree(context.group, "site", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
     _VERIFIED.add(spec.site)
+    context.checked_masks.add(key)
 
 
 def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> MaskMismatchError | None:

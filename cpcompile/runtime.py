@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import threading
 from collections.abc import Iterator, Mapping
 
@@ -47,6 +49,8 @@ class Active:
     plan: CPPlan
     group: dist.ProcessGroup | None
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
+    #: The model masks already compared with the plan in this step (written only by the attention ops).
+    checked_masks: set = dataclasses.field(default_factory=set)
 
 
 class _State(threading.local):
@@ -97,7 +101,7 @@ def shard(
     dp_group: dist.ProcessGroup | None = None,
     pad_token_id: int = 0,
     hf_kwargs: bool = True,
-    check_batch: bool = False,
+    check_batch: bool = True,
     dynamic: bool = True,
     layout: str = "balanced",
     workload: Workload | None = None,
@@ -121,10 +125,16 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
-        check_batch: verify that every rank of ``cp_group`` passed the same global batch, and decide the batch
-            validation together: one control round per batch through the group's store (a few int64
-            fingerprints and the validation verdict per rank); ``ValueError`` on every rank naming the
-            differing ranks and key, or the rank whose batch failed validation and why.
+        check_batch: (default ``True``) decide the batch validation together and check that every rank of
+            ``cp_group`` passed the same global batch with the same options, in one control round per step
+            through the group's store (never a collective): every rank posts its verdict, the keys, shapes and
+            dtypes of the batch, an int64 fingerprint of every tensor's contents (token ids, positions and so
+            the document boundaries, labels, extra keys), the layout, the balanced layout's workload and the
+            options that change what a rank holds. A difference raises the same ``ValueError`` on every rank,
+            naming the ranks and what differs, before anything is compiled or communicated. ``False`` skips
+            the round (one store write instead); ranks that pass different batches then run silently wrong,
+            and a batch whose ``T`` or ``B`` differs between ranks reaches the K/V collectives. Every rank must
+            pass the same value.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
         layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"balanced"``
@@ -159,30 +169,37 @@ def shard(
     cp_size, cp_rank, group_name = check_group(cp_group)
     if dp_group is not None:
         check_group(dp_group, "dp_group")
-        if num_items_in_batch is not None:
-            raise ValueError(
-                f"cpcompile.shard got both num_items_in_batch={num_items_in_batch!r} and dp_group: pass either a "
-                "precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
-            )
     if _STATE.active is not None:
         raise RuntimeError(
             "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
-    if workload is None and layout == "balanced":
-        workload = compiled_workload(group_name)
+    if not isinstance(check_batch, bool):
+        raise TypeError(f"check_batch must be True or False, got {check_batch!r}")
+    options = _ShardOptions(
+        layout=layout,
+        workload=workload,
+        num_items_in_batch=num_items_in_batch,
+        dp_group=dp_group,
+        pad_token_id=pad_token_id,
+        hf_kwargs=hf_kwargs,
+        dynamic=dynamic,
+        pad_values=pad_values,
+    )
     comm = CommStats()
     failsafe.enter_step(cp_group, comm)
     with failsafe.scope(cp_group, "the batch validation of cpcompile.shard", in_step=True):
-        if layout == "balanced" and cp_size > 1:
-            _agree_on_workload(cp_group, group_name, workload, comm)
-        pads = _pad_values(batch, pad_values)
         if check_batch and cp_size > 1:
-            plan = _check_same_batch(batch, cp_group, cp_rank, comm, layout, workload)
+            plan, workload, pads = _checked_plan(batch, cp_group, cp_rank, group_name, comm, options)
         else:
+            workload, pads = _validate_options(batch, group_name, options)
             plan = build_plan(batch, cp_size, cp_rank, layout=layout, workload=workload, group_name=group_name)
+            if cp_size > 1:
+                failsafe.set_fingerprint(cp_group, "")
+                if layout == "balanced" and _AGREED_WORKLOAD.get(group_name, _UNSET) != workload:
+                    _agree_on_workload(cp_group, group_name, workload, comm)
+                else:
+                    failsafe.skip(cp_group, "a step without the batch check (cpcompile.shard(check_batch=False))", comm)
         local = _local_batch(
             batch,
             plan,
@@ -225,14 +242,13 @@ _AGREED_WORKLOAD: dict[str, Workload | None] = {}
 
 
 def _agree_on_workload(group: dist.ProcessGroup, group_name: str, workload: Workload | None, comm: CommStats) -> None:
-    """Check, in one control round, that every rank balances with the same workload, whenever it changes.
+    """With ``shard(check_batch=False)``: check, in one control round, that every rank balances with the same
+    workload, whenever it changes (the batch check compares it on every step otherwise).
 
     Every rank computes every rank's tokens from its own workload, so two workloads would split the sequence
     two ways (tokens held twice or never). The compiled workload changes when graphs compile, which every rank
     does in the same step; a rank that compiled other attention layers than its peers is reported here.
     """
-    if group_name in _AGREED_WORKLOAD and _AGREED_WORKLOAD[group_name] == workload:
-        return
     posts = failsafe.agree(
         group, "workload", None, what="the balanced layout's workload", payload=repr(workload), stats=comm
     )
@@ -365,66 +381,201 @@ def _pad_values(batch: Mapping[str, object], pad_values: Mapping[str, object] | 
     return dict(pad_values)
 
 
-#: Fingerprint slots of :func:`_check_same_batch`: the batch's structure, then the contents of these keys,
-#: then everything else.
-_FINGERPRINT_KEYS = ("input_ids", "position_ids", "labels")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ShardOptions:
+    """The options of one :func:`shard` call that change what a rank holds (compared across the CP ranks)."""
+
+    layout: str
+    workload: Workload | None
+    num_items_in_batch: int | torch.Tensor | None
+    dp_group: dist.ProcessGroup | None
+    pad_token_id: int
+    hf_kwargs: bool
+    dynamic: bool
+    pad_values: Mapping[str, int | float | bool] | None
+
+    def summary(self) -> dict:
+        """What every CP rank must pass alike, JSON-serialisable (the workload is added by the caller)."""
+        items = self.num_items_in_batch
+        if isinstance(items, torch.Tensor):
+            items = "a tensor" if items.numel() != 1 else items.item()
+        return {
+            "layout": self.layout,
+            "num_items_in_batch": items,
+            "dp_group": None if self.dp_group is None else _compat.group_name_of(self.dp_group),
+            "pad_token_id": self.pad_token_id,
+            "hf_kwargs": self.hf_kwargs,
+            "dynamic": self.dynamic,
+            "pad_values": None if self.pad_values is None else repr(sorted(dict(self.pad_values).items())),
+        }
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """An int64 fingerprint of a tensor's bytes (position-weighted sum, so permutations differ)."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-    w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) * 2654435761 % 4294967291
-    return (b * w).sum()
+_UNSET = object()
 
 
-def _batch_fingerprints(batch: Mapping[str, object]) -> list[int]:
-    import hashlib
+def _validate_options(
+    batch: Mapping[str, object], group_name: str, options: _ShardOptions
+) -> tuple[Workload | None, dict[str, object]]:
+    """Check the options of :func:`shard` against each other and the batch; return the workload and pad values."""
+    if options.dp_group is not None and options.num_items_in_batch is not None:
+        raise ValueError(
+            f"cpcompile.shard got both num_items_in_batch={options.num_items_in_batch!r} and dp_group: pass either "
+            "a precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
+        )
+    if options.layout not in LAYOUTS:
+        raise ValueError(f"layout={options.layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    workload = options.workload
+    if workload is None and options.layout == "balanced":
+        workload = compiled_workload(group_name)
+    return workload, _pad_values(batch, options.pad_values)
 
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
-    slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
-    slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
-    others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
-    slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
-    return slots
+
+#: Keys whose contents the batch check names by meaning; any other tensor is named by its key.
+_CONTENTS = {
+    "input_ids": "the token ids",
+    "position_ids": "the positions (document boundaries: a new document wherever a position does not step by +1)",
+    "labels": "the labels",
+    "attention_mask": "the attention mask",
+}
 
 
-def _check_same_batch(
+def _checked_plan(
     batch: Mapping[str, object],
     group: dist.ProcessGroup,
     cp_rank: int,
+    group_name: str,
     comm: CommStats,
-    layout: str,
-    workload: Workload | None,
-) -> CPPlan:
-    """Validate the batch and compare its fingerprints across the CP group in one control round."""
-    plan, error, slots = None, None, None
+    options: _ShardOptions,
+) -> tuple[CPPlan, Workload | None, dict[str, object]]:
+    """Validate the batch and options, and compare them across the CP group in one control round.
+
+    Every rank posts its validation verdict and a summary of its batch (keys, shapes and dtypes, an int64
+    fingerprint of every tensor's contents, the layout, workload and options); every rank raises the same
+    ``ValueError`` when one rank's batch is invalid or the summaries differ. The group's later rounds of this
+    step carry a digest of the summary.
+    """
+    plan, workload, pads, summary, error = None, None, {}, None, None
     try:
-        size, name = dist.get_world_size(group), _compat.group_name_of(group)
-        plan = build_plan(batch, size, cp_rank, layout=layout, workload=workload, group_name=name)
-        slots = _batch_fingerprints(batch)
+        workload, pads = _validate_options(batch, group_name, options)
+        size = dist.get_world_size(group)
+        plan = build_plan(batch, size, cp_rank, layout=options.layout, workload=workload, group_name=group_name)
+        summary = _batch_summary(batch, options, workload)
     except (ValueError, TypeError) as e:
         error = e
-    posts = failsafe.agree(
-        group, "batch", error, what="the batch validation of cpcompile.shard", payload=slots, stats=comm
-    )
-    allv = torch.tensor(posts, dtype=torch.int64)
-    names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
-    for slot, name in enumerate(names):
-        col = allv[:, slot]
-        if bool((col != col[0]).any()):
-            groups: dict[int, list[int]] = {}
-            for r, v in enumerate(col.tolist()):
-                groups.setdefault(v, []).append(r)
-            raise failsafe.mark_agreed(
-                ValueError(
-                    f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
-                    f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
-                    "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
-                    "replica the same data (same sampler seed and DP rank)"
-                )
+    step = failsafe.current_step(group)
+    what = "the batch validation of cpcompile.shard"
+    posts = failsafe.agree(group, "batch", error, what=what, payload=summary, stats=comm)
+    differences = _differences(posts)
+    if differences:
+        raise failsafe.mark_agreed(
+            ValueError(
+                f"cpcompile.shard: the CP ranks passed different batches or options in step {step} "
+                f"(check_batch=True, the default):\n" + "\n".join(f"  - {d}" for d in differences) + "\nEvery "
+                "rank of the CP group must pass the same FULL global batch with the same shard(...) options: "
+                "give the CP ranks of one data-parallel replica the same data (same sampler seed and DP rank)"
             )
-    return plan
+        )
+    digest = hashlib.sha256(json.dumps(posts[0], sort_keys=True).encode()).hexdigest()[:16]
+    failsafe.set_fingerprint(group, digest)
+    if options.layout == "balanced":
+        _AGREED_WORKLOAD[group_name] = workload
+    return plan, workload, pads
+
+
+def _batch_summary(batch: Mapping[str, object], options: _ShardOptions, workload: Workload | None) -> dict:
+    tensors = {k: v for k, v in sorted(batch.items()) if isinstance(v, torch.Tensor)}
+    prints = torch.stack([_fingerprint(v) for v in tensors.values()]).tolist()  # one host synchronisation
+    return {
+        "shapes": {k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()},
+        "passed through": sorted(str(k) for k, v in batch.items() if not isinstance(v, torch.Tensor)),
+        "options": options.summary(),
+        "workload": repr(workload) if options.layout == "balanced" else None,
+        "contents": dict(zip(tensors, prints)),
+    }
+
+
+def _by_value(values: list) -> str:
+    """``rank 0: v, ranks [1, 2]: w`` for per-rank values (JSON-comparable)."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(json.dumps(v, sort_keys=True), []).append(r)
+    return "; ".join(
+        f"{'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs}: {v}" for v, rs in groups.items()
+    )
+
+
+def _groups(values: list) -> list[list[int]]:
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(json.dumps(v, sort_keys=True), []).append(r)
+    return sorted(groups.values())
+
+
+def _differences(posts: list[dict]) -> list[str]:
+    """What differs between the ranks' batch summaries, one line per difference (the same on every rank)."""
+    out = []
+    shapes = [p["shapes"] for p in posts]
+    keys = [sorted(s) for s in shapes]
+    if len({json.dumps(k) for k in keys}) > 1:
+        out.append(f"the tensor keys of the batch differ ({_by_value(keys)})")
+    for key in sorted(set().union(*shapes)):
+        values = [s.get(key) for s in shapes]
+        if len({json.dumps(v) for v in values}) == 1:
+            continue
+        dims = [None if v is None else v[0] for v in values]
+        parts = []
+        for d, name in ((0, "B (rows)"), (1, "T (sequence length)")):
+            sizes = [None if s is None or len(s) <= d else s[d] for s in dims]
+            if len(set(map(str, sizes))) > 1:
+                parts.append(f"{name}: {_by_value(sizes)}")
+        if not parts:
+            parts.append(f"shape and dtype: {_by_value(values)}")
+        out.append(f"batch[{key!r}] " + "; ".join(parts))
+    others = [p["passed through"] for p in posts]
+    if len({json.dumps(o) for o in others}) > 1:
+        out.append(f"the keys passed through (not tensors) differ ({_by_value(others)})")
+    for name in posts[0]["options"]:
+        values = [p["options"][name] for p in posts]
+        if len({json.dumps(v) for v in values}) > 1:
+            out.append(f"shard(..., {name}=...) differs ({_by_value(values)})")
+    workloads = [p["workload"] for p in posts]
+    if len(set(workloads)) > 1:
+        out.append(
+            f"the balanced layout's workload differs ({_by_value(workloads)}): every rank must compile the same "
+            "attention layers before the step: pass the same workload=cpcompile.Workload(...) on every rank, "
+            "or use layout='contiguous'"
+        )
+    if not out:  # same shapes and options: compare the contents
+        for key in posts[0]["contents"]:
+            values = [p["contents"][key] for p in posts]
+            if len(set(values)) > 1:
+                what = _CONTENTS.get(key, "the values")
+                out.append(f"batch[{key!r}]: {what} differ (ranks grouped by value: {_groups(values)})")
+    return out
+
+
+#: Position weights of :func:`_fingerprint`, by device and length (a step reuses the previous step's).
+_WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An int64 fingerprint of a tensor's values (position-weighted sum with wrap-around, so that a change of one
+    value or a permutation changes it; exact integer arithmetic, so equal tensors give equal fingerprints on
+    every device). One pass over the tensor and one host synchronisation when read."""
+    x = t.detach().reshape(-1)
+    if x.dtype.is_floating_point or x.dtype.is_complex:  # compare the bits (a NaN equals itself)
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        x = x.contiguous().view(ints.get(x.element_size(), torch.uint8))
+    x = x.to(torch.int64)
+    n = x.numel()
+    key = (str(x.device), n)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = (torch.arange(1, n + 1, device=x.device, dtype=torch.int64) * 2654435761) % 4294967291 + 1
+        if len(_WEIGHTS) > 16:
+            _WEIGHTS.clear()
+        _WEIGHTS[key] = w
+    return (x * w).sum() + n
 
 
 def real_tokens() -> torch.Tensor:
