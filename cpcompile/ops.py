@@ -175,12 +175,19 @@ def _site_context(spec: SiteSpec, k: torch.Tensor) -> Active:
             f"is rank {plan.cp_rank} of its group; compile the model in the process that runs it"
         )
     if k.shape[0] != plan.batch_size or k.shape[2] != plan.chunk_len:
-        raise RuntimeError(
-            f"the CP attention at {spec.site} got a chunk of batch {k.shape[0]} and length {k.shape[2]}, but the "
-            f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
-            "with the `local` batch of the active cpcompile.shard context"
+        raise ValueError(
+            f"the CP attention at {_site_name(spec)} got {k.shape[0]} rows of {k.shape[2]} tokens, but this step's "
+            f"cpcompile.shard holds {plan.batch_size} rows of {plan.chunk_len} tokens per rank (global length "
+            f"{plan.seq_len}, CP size {plan.cp_size}): the model was called with a batch sliced for another CP "
+            "size, by hand, or with the global batch; call the model with the `local` batch that the active "
+            "cpcompile.shard context yields"
         )
     return context
+
+
+def _site_name(spec: SiteSpec) -> str:
+    """The site's layer, or its id without the digest (which differs between ranks): the same on every rank."""
+    return spec.layer or spec.site.rsplit("#", 1)[0]
 
 
 def _count_collectives(context: Active, spec: SiteSpec, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -208,7 +215,7 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
     key = (mask_key, spec.documents, spec.window)
     if spec.site in _VERIFIED and key in context.checked_masks:
         return
-    layer = spec.layer or spec.site.rsplit("#", 1)[0]  # the digest after "#" holds the rank: not in messages
+    layer = _site_name(spec)
     if model_mask is None:
         error, what = None, f"the step check of the CP attention at {layer} (no model mask)"
     else:

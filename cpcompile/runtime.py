@@ -216,7 +216,12 @@ def shard(
     try:
         yield local
     except BaseException as e:
-        failsafe.on_failure(cp_group, e, where="the `with cpcompile.shard(...)` block", in_step=True)
+        where = "the `with cpcompile.shard(...)` block"
+        explained = _padding_error(e, batch, plan, pads)
+        if explained is not None:
+            failsafe.on_failure(cp_group, explained, where=where, in_step=True)
+            raise explained from e
+        failsafe.on_failure(cp_group, e, where=where, in_step=True)
         raise
     finally:
         _STATE.active = None
@@ -313,15 +318,15 @@ def _local_batch(
                 )
         elif key == "input_ids":
             local[key] = plan.local(plan.pad(value, pad_token_id))
-        elif key == "labels":
-            local[key] = plan.local(plan.pad(value, IGNORE_INDEX))
+        elif key == "labels":  # int64 whatever integer type came in: the loss (cross entropy) needs it
+            local[key] = plan.local(plan.pad(value.to(torch.long), IGNORE_INDEX))
         else:
             pad = (pad_values or {}).get(key, default_pad_value(value.dtype))
             local[key] = plan.local(plan.pad(value, pad))
     local["position_ids"] = plan.local(plan.position_ids)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and hf_kwargs:
-        shifted = plan.labels_shifted(labels)
+        shifted = plan.labels_shifted(labels.to(torch.long))
         local["shift_labels"] = plan.local(shifted)
         if num_items_in_batch is None:
             num_items_in_batch = (shifted != IGNORE_INDEX).sum()
@@ -331,6 +336,35 @@ def _local_batch(
     if hf_kwargs:
         local["use_cache"] = False
     return local
+
+
+def _padding_error(
+    exc: BaseException, batch: Mapping[str, object], plan: CPPlan, pads: Mapping[str, object]
+) -> ValueError | None:
+    """The ``ValueError`` to raise instead of an index error in the ``shard`` block when integer extra keys were
+    padded with the default ``-100`` (an index key such as ``segment_ids`` then indexes out of range)."""
+    index_error = isinstance(exc, IndexError) or (isinstance(exc, RuntimeError) and "index out of range" in str(exc))
+    if not index_error or plan.num_padding == 0:
+        return None
+    keys = [
+        k
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor)
+        and k not in _OWN_PADDING
+        and k not in pads
+        and not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)
+    ]
+    if not keys:
+        return None
+    fix = ", ".join(f"{k!r}: 0" for k in keys)
+    return ValueError(
+        f"an index went out of range in the `with cpcompile.shard(...)` block ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}), and the integer key(s) {keys} of the batch were padded "
+        f"with {IGNORE_INDEX} (T = {plan.seq_len} is padded to {plan.padded_len}, a multiple of the CP size "
+        f"{plan.cp_size}): -100 is the default so that pre-shifted targets ignore padding, but an index key "
+        "(segment ids, token type ids) cannot hold it. Pass a value the model accepts, e.g. "
+        f"cpcompile.shard(..., pad_values={{{fix}}}), and mask padding in the loss with cpcompile.real_tokens()"
+    )
 
 
 #: Keys whose padding cpcompile decides (``pad_token_id`` for ``input_ids``, the ignore index for ``labels``).

@@ -221,3 +221,84 @@ def disagree_worker(rank: int, world_size: int) -> dict:
         lambda: _model_step(cm, dict(one_doc, prefix=prefix), group, layout="contiguous")
     )
     return out
+
+
+def misuse_worker(rank: int, world_size: int) -> dict:
+    """Every bad input of the misuse table on one CP group of ``world_size``; ``{case: (type, message)}``.
+
+    Every rank passes the same bad input, except ``T_changes`` (the last rank's batch is longer).
+    """
+    import cpcompile
+    from cpcompile.testing import packed_batch
+    from tests._models import attention_lm
+    from tests._workers import _error_of
+
+    group = _group(world_size)
+    batch = packed_batch([[10, 7], [17]], seed=0)  # T = 17: padded at CP = 2 and 3
+    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    last = rank == world_size - 1
+
+    def enter(b, **kw):
+        def run():
+            with cpcompile.shard(b, group, **kw):
+                pass
+
+        return run
+
+    out = {}
+    out["B0"] = _error_of(enter({"input_ids": ids[:0], "position_ids": pos[:0]}))
+    out["T0"] = _error_of(enter({"input_ids": ids[:, :0]}))
+    out["keys_T"] = _error_of(enter(dict(batch, labels=labels[:, :-2])))
+    out["T_changes"] = _error_of(enter(packed_batch([[10, 9], [19]], seed=0) if last else batch))
+    out["labels_float"] = _error_of(enter(dict(batch, labels=labels.float())))
+    out["positions_jump"] = _error_of(enter(dict(batch, position_ids=torch.cat([pos[:, :12], pos[:, 12:] + 3], 1))))
+    out["positions_continue"] = _error_of(enter(dict(batch, position_ids=pos + 5 * (pos == torch.arange(17)))))
+    out["layout"] = _error_of(enter(batch, layout="zigzag"))
+    out["pad_values_key"] = _error_of(enter(batch, pad_values={"segment_ids": 0}))
+
+    # int32 labels: taken as int64 (the loss needs it), same loss as int64 labels
+    model = _compiled(attention_lm("packed_docs"), group)
+
+    def loss_of(b):
+        with cpcompile.shard(b, group) as local:
+            dtype = local["labels"].dtype, local["shift_labels"].dtype
+            return float(model(**local).loss), dtype
+
+    out["labels_int32"] = _error_of(lambda: loss_of(dict(batch, labels=labels.int())))
+    out["labels_int32_loss"] = (loss_of(dict(batch, labels=labels.int())), loss_of(batch))
+    _short(group)
+
+    # the model called with a batch sliced for another CP size
+    def other_size():
+        with cpcompile.shard(batch, group) as local:
+            c = local["input_ids"].shape[1]
+            model(**{k: v[:, : c - 1] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in local.items()})
+
+    out["other_cp_size"] = _error_of(other_size)
+
+    # torch.compile(dynamic=True) on a transformers model in eval mode (dropout 0.0): refused naming dynamic=True
+    from cpcompile.testing import tiny_model
+
+    torch._dynamo.reset()
+    long_waits = cpcompile.FailsafeOptions(peer_timeout_s=120, report_grace_s=GRACE_S)
+    cpcompile.configure_failsafe(group, long_waits)  # a compile may take longer on one rank
+    dyn = torch.compile(tiny_model("llama").eval(), backend=cpcompile.backend(group, inner="aot_eager"), dynamic=True)
+
+    def dynamic_true():
+        with cpcompile.shard(batch, group) as local:
+            dyn(**local)
+
+    out["dynamic_true"] = _error_of(dynamic_true)
+    _short(group)
+    # an integer extra key used as an index (segment ids) padded with the default -100: the rank holding the
+    # padding fails in the embedding; the others go on into a collective (gather) and learn it from the group
+    segments = nn.Embedding(2, 4)
+
+    def segment_ids(pad_values=None):
+        b = dict(batch, segment_ids=(pos > 4).long())
+        with cpcompile.shard(b, group, hf_kwargs=False, pad_values=pad_values) as local:
+            cpcompile.gather(segments(local["segment_ids"]))
+
+    out["segment_ids_fixed"] = _error_of(lambda: segment_ids({"segment_ids": 0}))
+    out["segment_ids"] = _error_of(segment_ids)
+    return out
