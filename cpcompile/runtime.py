@@ -734,14 +734,39 @@ def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     """Sum the gradients of ``parameters`` over ``cp_group`` (for models not wrapped in FSDP/DDP).
 
     Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
-    gradient of the whole sequence. One flat all-reduce per dtype.
+    gradient of the whole sequence. A parameter whose gradient is ``None`` on some ranks only (an MoE expert
+    that only some ranks' tokens were routed to) contributes zeros there and gets the sum everywhere; one that
+    has no gradient on any rank stays ``None``. Every rank must pass the same parameters in the same order
+    (``ValueError`` on every rank otherwise). Two small all-reduces (the number of parameters, which gradients
+    exist), then one flat all-reduce per dtype.
     """
     with failsafe.scope(cp_group, "cpcompile.sync_grads"):
-        _sum_grads(parameters, cp_group)
+        _sum_grads(list(parameters), cp_group)
 
 
-def _sum_grads(parameters, cp_group: dist.ProcessGroup) -> None:
-    grads = [p.grad for p in parameters if p.grad is not None]
+def _sum_grads(params: list[torch.Tensor], cp_group: dist.ProcessGroup) -> None:
+    if not params:
+        return
+    device = params[0].device
+    n = len(params)
+    # every rank passes as many parameters (a fixed-size all-reduce first), then which gradients exist anywhere
+    count = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=cp_group)
+    if int(count[0]) != n or int(count[1]) != -n:
+        raise ValueError(
+            f"cpcompile.sync_grads: the CP ranks passed different numbers of parameters (between "
+            f"{-int(count[1])} and {int(count[0])}); pass the same model's parameters, in the same order, on "
+            "every rank"
+        )
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp_group)
+    grads = []
+    for p, anywhere in zip(params, present.tolist()):
+        if not anywhere:
+            continue
+        if p.grad is None:  # another rank's tokens reached this parameter: this rank's part is zero
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)

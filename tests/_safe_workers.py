@@ -302,3 +302,36 @@ def misuse_worker(rank: int, world_size: int) -> dict:
     out["segment_ids_fixed"] = _error_of(lambda: segment_ids({"segment_ids": 0}))
     out["segment_ids"] = _error_of(segment_ids)
     return out
+
+
+def grads_worker(rank: int, world_size: int) -> dict:
+    """Gradients that exist on different parameters of different ranks (two MoE experts of the same shape, each
+    reached by one rank's tokens only): ``sync_grads`` and ``clip_grad_norm_``. Returns each rank's gradients
+    before and after, for the parent to sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import cpcompile
+    from tests._workers import _error_of
+
+    group = dist.new_group(list(range(world_size)))
+    g = torch.Generator().manual_seed(rank)
+    experts = [nn.Linear(4, 4, bias=False) for _ in range(2)]
+    unused = nn.Linear(4, 4, bias=False)
+    x = torch.randn(3, 4, generator=g)
+    experts[rank % 2](x).square().sum().backward()  # rank 0 routes to expert 0, rank 1 to expert 1
+    params = [e.weight for e in experts] + [unused.weight]
+    out: dict = {"before": [None if p.grad is None else p.grad.clone() for p in params]}
+    cpcompile.sync_grads(params, group)
+    out["after"] = [None if p.grad is None else p.grad.clone() for p in params]
+    out["count_mismatch"] = _error_of(lambda: cpcompile.sync_grads(params[: 2 + rank], group))
+
+    # DTensor (FSDP2-style, sharded over the ranks) gradients: rank 1 holds none at all
+    mesh = init_device_mesh("cpu", (world_size,))
+    locals_ = [torch.randn(2, 4, generator=g) for _ in range(2)]
+    sharded = [DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)], run_check=False) for _ in range(2)]
+    for p, local in zip(sharded, locals_):
+        p.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False) if rank == 0 else None
+    out["dtensor_locals"] = locals_ if rank == 0 else []
+    out["dtensor_norm"] = float(cpcompile.clip_grad_norm_(sharded, max_norm=1e9))
+    return out
