@@ -436,7 +436,8 @@ class _ShardOptions:
         return {
             "layout": self.layout,
             "num_items_in_batch": items,
-            "dp_group": None if self.dp_group is None else _compat.group_name_of(self.dp_group),
+            # each CP rank belongs to its own DP group: compare its size, not its name
+            "dp_group": None if self.dp_group is None else f"a group of {dist.get_world_size(self.dp_group)}",
             "pad_token_id": self.pad_token_id,
             "hf_kwargs": self.hf_kwargs,
             "dynamic": self.dynamic,
