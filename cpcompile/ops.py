@@ -137,6 +137,7 @@ def site_plan(
     """
     spec = site_spec(site)
     context = _site_context(spec, k)
+    context.ran.sites += 1
     _count_collectives(context, spec, k, v)
     _check_site(spec, context, model_mask)
     return _site_positions(context.plan, spec)

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "gather",
     "real_tokens",
     "record_attention_form",
+    "record_attention_free_graph",
     "shard",
     "sync_grads",
 ]
@@ -40,6 +42,16 @@ __all__ = [
 
 class MaskMismatchError(RuntimeError):
     """The attention mask a model built differs from the mask cpcompile would apply across ranks."""
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What ran in one :func:`shard` step: rewritten attention calls, and compiled graphs without attention."""
+
+    #: Calls of rewritten attention sites (``cpcompile::site_plan``).
+    sites: int = 0
+    #: Frames of the compiled graphs of this CP group that have no rewritten attention and ran in the step.
+    attention_free: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +63,7 @@ class Active:
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
     #: The model masks already compared with the plan in this step (written only by the attention ops).
     checked_masks: set = dataclasses.field(default_factory=set)
+    ran: StepRecord = dataclasses.field(default_factory=StepRecord)
 
 
 class _State(threading.local):
@@ -215,6 +228,8 @@ def shard(
     _STATE.active = context
     try:
         yield local
+        if cp_size > 1:
+            _warn_if_no_attention(context, group_name)
     except BaseException as e:
         where = "the `with cpcompile.shard(...)` block"
         explained = _padding_error(e, batch, plan, pads)
@@ -226,6 +241,42 @@ def shard(
     finally:
         _STATE.active = None
         _STATE.last_comm = context.comm
+
+
+def record_attention_free_graph(group_name: str, frame: str) -> None:
+    """Note that a graph compiled for ``group_name`` without rewritten attention ran (called by the backend)."""
+    current = _STATE.active
+    if current is not None and current.plan.group_name == group_name and frame not in current.ran.attention_free:
+        current.ran.attention_free.append(frame)
+
+
+#: (group name, frames) already warned about by :func:`_warn_if_no_attention`.
+_WARNED_NO_ATTENTION: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _warn_if_no_attention(context: Active, group_name: str) -> None:
+    """Warn once when compiled graphs of the group ran in this step but no rewritten attention did.
+
+    A warning, not an error: a model without attention (token-wise layers only) is exact under CP, and the
+    backend cannot tell it from a model whose attention ran outside the compiled graphs (a
+    ``@torch.compiler.disable`` function, a graph break around it), which attends over this rank's chunk only.
+    """
+    ran = context.ran
+    if ran.sites or not ran.attention_free:
+        return
+    key = (group_name, tuple(ran.attention_free))
+    if key in _WARNED_NO_ATTENTION:
+        return
+    _WARNED_NO_ATTENTION.add(key)
+    warnings.warn(
+        f"cpcompile.shard: the model ran {len(ran.attention_free)} graph(s) compiled for CP group {group_name!r} "
+        f"in this step ({'; '.join(ran.attention_free)}) and none of them held attention: if the model has "
+        "attention, it ran outside the compiled graphs (inside a @torch.compiler.disable function, or cut off by "
+        "a graph break) and attended over this rank's tokens only, which is wrong under context parallelism. "
+        "Let Dynamo trace the attention (remove the disable, fix the graph break: TORCH_LOGS=graph_breaks). A "
+        "model without attention can ignore this warning",
+        stacklevel=3,
+    )
 
 
 #: What was compiled per CP group: group name -> ((documents, window) -> layer names, block sizes of the kernel).

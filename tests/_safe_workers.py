@@ -100,6 +100,39 @@ class MaskLM(nn.Module):
         return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
+@torch.compiler.disable
+def _hidden_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class HiddenAttentionLM(nn.Module):
+    """Causal attention inside a ``@torch.compiler.disable`` function: Dynamo never shows it to the backend."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
+        from tests._models import lm_output
+
+        x = self.embed(input_ids)
+        B, T, H = x.shape
+        q, k, v = (t.view(B, T, 2, H // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        out = _hidden_sdpa(q, k, v).transpose(1, 2).reshape(B, T, H)
+        return lm_output(self.head(x + out), labels, shift_labels, num_items_in_batch)
+
+
+def _warnings_of(fn) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if "none of them held attention" in str(w.message)]
+
+
 def _model_step(cm, batch, group, *, backward=True, **kw) -> float:
     import cpcompile
 
@@ -208,6 +241,7 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     group = _group(world_size)
     cm = _compiled(MaskLM("causal"), group)
     out["mask_causal_first"] = _outcome(lambda: _model_step(cm, one_doc, group))
+    out["attention_warnings"] = _warnings_of(lambda: _model_step(cm, one_doc, group))  # attention compiled: none
     _short(group)
     out["mask_causal_packed"] = _outcome(lambda: _model_step(cm, batch, group))
     group = _group(world_size)
@@ -220,6 +254,11 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     out["mask_prefix_second"] = _outcome(
         lambda: _model_step(cm, dict(one_doc, prefix=prefix), group, layout="contiguous")
     )
+
+    # 7. attention hidden from Dynamo: the step runs compiled graphs but no rewritten attention: warned once
+    group = _group(world_size)
+    cm = _compiled(HiddenAttentionLM(), group)
+    out["hidden"] = [_warnings_of(lambda: _model_step(cm, one_doc, group)) for _ in range(2)]
     return out
 
 

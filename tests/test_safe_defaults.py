@@ -120,3 +120,15 @@ def test_mask_is_checked_on_every_new_batch(results, mask):
         assert got["mask_mismatch"], f"rank {rank}: {got}"
         assert "differs from the global causal same-document mask" in got["message"]
         assert got["seconds"] < AT_ONCE_S + SLACK_S
+
+
+def test_attention_hidden_from_the_backend_is_warned_once(results):
+    """Attention inside a ``@torch.compiler.disable`` function runs on the local chunk only: the step ran compiled
+    graphs of the CP group and no rewritten attention, so shard warns once (a model without attention is exact,
+    hence a warning, not an error); a model whose attention is compiled gets no such warning."""
+    for rank, res in enumerate(results):
+        first, second = res["hidden"]
+        assert len(first) == 1 and second == [], f"rank {rank}: {res['hidden']}"
+        assert "attended over this rank's tokens only" in first[0] and "@torch.compiler.disable" in first[0]
+        assert "in forward" in first[0], first[0]  # names the frame of the graph that ran
+        assert res["attention_warnings"] == [], res["attention_warnings"]
