@@ -16,7 +16,7 @@ from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
 from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
-from cpcompile.runtime import check_group, current_plan
+from cpcompile.runtime import check_group, current_plan, record_attention_free_graph
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
@@ -139,9 +139,34 @@ class CPBackend:
                 return gm.forward(*args)
 
             return run
-        if self.options.inner == "eager":
-            return gm.forward
-        return _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
+        compiled = gm.forward if self.options.inner == "eager" else None
+        if compiled is None:
+            compiled = _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
+        if self.cp_size > 1 and not any(r.action == "rewritten" for r in reports):
+            return _noting_attention_free(compiled, self.group_name, _frame_of(gm, graph_id))
+        return compiled
+
+
+def _frame_of(gm: fx.GraphModule, graph_id: int) -> str:
+    """Where a graph's code comes from: the innermost frame of its first node's stack trace, for messages."""
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace:
+            lines = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+            if lines:
+                return f"graph {graph_id}: {lines[-1]}"
+    return f"graph {graph_id}"
+
+
+def _noting_attention_free(compiled, group_name: str, frame: str):
+    """``compiled``, noting each run in the active shard step (``runtime.record_attention_free_graph``)."""
+
+    def run(*args):
+        record_attention_free_graph(group_name, frame)
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo calls a boxed function with one list
+    return run
 
 
 def _unpickle_backend(pid: int, key: int, group_name: str, options: dict, trace_only: bool) -> CPBackend:

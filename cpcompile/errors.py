@@ -6,7 +6,7 @@
   global exactly);
 * at run time: :class:`MaskMismatchError` (the model's own attention mask differs from the one cpcompile
   applies), :class:`RankFailedError` and its ``ValueError``/``TypeError`` variants (a rank of the CP group
-  failed: raised on every rank).
+  failed: raised on every rank), :class:`RanksDivergedError` (the ranks took different paths through a step).
 
 Bad arguments raise the built-in ``ValueError``/``TypeError`` with the value, what was expected and the fix.
 The modules that raise these errors import them from here.
@@ -23,6 +23,7 @@ __all__ = [
     "RankFailedError",
     "RankFailedTypeError",
     "RankFailedValueError",
+    "RanksDivergedError",
     "UnsupportedAttentionError",
     "UnsupportedPositionError",
 ]
@@ -77,6 +78,13 @@ class RankFailedError(RuntimeError):
     def __reduce__(self):
         kwargs = {"failed": self.failed, "dead": self.dead, "silent": self.silent, "step": self.step}
         return _rebuild, (type(self), str(self), kwargs)
+
+
+class RanksDivergedError(RankFailedError):
+    """The CP ranks arrived at different control rounds (another kind of check, another attention site, another
+    step, or a round one rank skipped): they took different paths through the step. Raised on every rank that
+    takes part in the round; the group's collectives may be out of step, so the group cannot be used again.
+    """
 
 
 class RankFailedValueError(RankFailedError, ValueError):

@@ -70,7 +70,7 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 
 from cpcompile import _compat
-from cpcompile.errors import RankFailedError, RankFailedTypeError, RankFailedValueError
+from cpcompile.errors import RankFailedError, RankFailedTypeError, RankFailedValueError, RanksDivergedError
 
 __all__ = [
     "PEER_TIMEOUT_ENV",
@@ -78,11 +78,14 @@ __all__ = [
     "FailsafeOptions",
     "agree",
     "configure",
+    "current_step",
     "enter_step",
     "fail_together",
     "mark_agreed",
     "on_failure",
     "scope",
+    "set_fingerprint",
+    "skip",
 ]
 
 #: Environment variable: default of :attr:`FailsafeOptions.peer_timeout_s` (seconds).
@@ -166,9 +169,13 @@ class _Group:
     #: A failure round this rank posted to whose verdict is still open (its peers had not all reported).
     open: int | None = None
     said_hello: bool = False
-    #: Next round number of each agreement series, and this rank's key of its last round (deleted later).
-    rounds: dict[str, int] = dataclasses.field(default_factory=dict)
-    last_key: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Next control round of the group: one sequence for every kind of round (a rank that arrives at another
+    #: kind of round than its peers is seen in that round), and this rank's key of its last round (deleted later).
+    seq: int = 0
+    last_key: str | None = None
+    #: Fingerprint of the batch of the current step (``""``: not computed, ``shard(check_batch=False)``),
+    #: carried by every control round of the step.
+    fingerprint: str = ""
 
     @property
     def peer_timeout_s(self) -> float:
@@ -358,9 +365,12 @@ def agree(
 ) -> list:
     """Decide a check together: post this rank's verdict, wait for every rank's, raise the same error everywhere.
 
-    ``error`` is this rank's verdict (``None``: passed); ``series`` names the kind of check (rounds of one
-    series are numbered, so every rank must run the checks of a series in the same order); ``what`` says what
-    was checked, for the message; ``payload`` (JSON-serialisable) is handed to every rank. When any rank
+    ``error`` is this rank's verdict (``None``: passed); ``series`` names the kind of check and ``what`` says
+    what was checked. Every round of the group (of every kind) takes the next number of one sequence, and each
+    post carries its kind, ``what``, the ``shard`` step and the step's batch fingerprint
+    (:func:`set_fingerprint`): ranks that arrive at different rounds, or with different batches, all raise
+    :class:`RanksDivergedError` naming where each rank was, and a peer that skipped this turn (:func:`skip`) is
+    seen at once; ``payload`` (JSON-serialisable) is handed to every rank. When any rank
     failed, every rank raises an error of the first failing rank's type (one of ``kinds``, ``ValueError``,
     ``TypeError``, else ``RuntimeError``) naming the failing ranks and their messages. When a peer fails
     elsewhere, dies or does not post within the peer timeout, :class:`RankFailedError` instead.
@@ -374,28 +384,93 @@ def agree(
             raise error
         return [payload]
     _say_hello(state, stats)
-    seq = state.rounds.get(series, 0)
-    base = f"agree/{series}/{seq}"
-    keys = [f"{base}/{r}" for r in range(state.size)]
+    seq = state.seq
+    keys = [f"agree/{seq}/{r}" for r in range(state.size)]
     verdict = None if error is None else {"type": type(error).__name__, "message": _clip(str(error))}
+    round_id = {"kind": series, "what": what, "step": state.step, "fp": state.fingerprint}
     with _store_errors(state, error):
-        nbytes = _put(state, keys[state.rank], {"error": verdict, "payload": payload})
+        nbytes = _put(state, keys[state.rank], {"error": verdict, "payload": payload, "round": round_id})
         _wait_for_posts(state, keys, what, error)
         raw = state.store.multi_get(keys)
-        previous = state.last_key.get(series)
-        if previous is not None:  # every rank has read the previous round: it posted this one after reading it
-            state.store.delete_key(previous)
-    state.rounds[series] = seq + 1
-    state.last_key[series] = keys[state.rank]
+        if state.last_key is not None:  # every rank has read the previous round: it posted this one after reading it
+            state.store.delete_key(state.last_key)
+    state.seq = seq + 1
+    state.last_key = keys[state.rank]
     if stats is not None:
         stats.record_control(nbytes + sum(len(v) for v in raw))
     posts = [json.loads(v) for v in raw]
+    _check_same_round(state, seq, [p["round"] for p in posts], error)
     failed = {r: p["error"] for r, p in enumerate(posts) if p["error"] is not None}
     if failed:
         exc = _agreed_error(state, what, failed, kinds)
         mark_agreed(exc)
         raise exc from error
     return [p["payload"] for p in posts]
+
+
+def skip(group: dist.ProcessGroup, what: str, stats=None) -> None:
+    """Take this rank's turn of the group's next control round without one: a step that opts out of its check.
+
+    One store write, no wait: a peer that holds a round at this turn sees at once that this rank skipped it
+    (:class:`RanksDivergedError` naming ``what``) instead of waiting for it until the peer timeout.
+    """
+    state = _usable(group)
+    if state.store is None:
+        return
+    _say_hello(state, stats)
+    with _store_errors(state, None):
+        nbytes = _put(state, f"skip/{state.rank}", {"seq": state.seq, "what": what, "step": state.step})
+    state.seq += 1
+    if stats is not None:
+        stats.record_control(nbytes, rounds=0)
+
+
+def current_step(group: dist.ProcessGroup) -> int:
+    """The number of the current ``shard`` step on ``group`` (counted from 1; 0 before the first)."""
+    return _group(group).step
+
+
+def set_fingerprint(group: dist.ProcessGroup, fingerprint: str) -> None:
+    """Set the batch fingerprint that this step's control rounds carry (``shard`` calls this every step)."""
+    _group(group).fingerprint = fingerprint
+
+
+def _describe_round(r: dict) -> str:
+    return f"{r.get('what', '?')} in step {r.get('step', '?')}"
+
+
+def _check_same_round(state: _Group, seq: int, rounds: list[dict], error: BaseException | None) -> None:
+    """Every rank must have come to the same round (kind, check, step) with the same batch; else every rank
+    raises :class:`RanksDivergedError` (the same message, from the same posts) and the group is marked failed."""
+    ident = [(r["kind"], r["what"], r["step"]) for r in rounds]
+    fps = {r["fp"] for r in rounds}
+    if len(set(ident)) == 1 and len(fps) == 1:
+        return
+    by: dict[str, list[int]] = {}
+    if len(set(ident)) > 1:
+        for rank, r in enumerate(rounds):
+            by.setdefault(_describe_round(r), []).append(rank)
+        head = f"the CP ranks of group {state.name!r} arrived at different control rounds (round {seq})"
+        why = (
+            "they took different paths through the step: a data-dependent branch in the model, a recompile on "
+            "some ranks only (a batch shape that differs), a skipped backward(), an error caught on one rank, or "
+            "shard(...) options that differ between ranks"
+        )
+    else:
+        for rank, r in enumerate(rounds):
+            by.setdefault(f"batch fingerprint {r['fp'] or '(not computed: check_batch=False)'}", []).append(rank)
+        first = rounds[0]
+        head = f"the CP ranks of group {state.name!r} run {first['what']} in step {first['step']} on different batches"
+        why = "every rank of the CP group must pass the same FULL global batch to cpcompile.shard"
+    lines = [f"  {_ranks(ranks)}: {desc}" for desc, ranks in by.items()]
+    err = RanksDivergedError(
+        head + "; every rank of the group raises this error:\n" + "\n".join(lines) + f"\n{why}. The group's "
+        "collectives may be out of step: destroy the CP group and create a new one, or restart the job.",
+        step=state.step,
+    )
+    state.broken = err
+    mark_agreed(err)
+    raise err from error
 
 
 def _agreed_error(state: _Group, what: str, failed: dict[int, dict], kinds) -> BaseException:
@@ -428,11 +503,26 @@ def _wait_for_posts(state: _Group, keys: list[str], what: str, cause: BaseExcept
     while not state.store.check(keys):
         now = time.monotonic()
         missing = None
+        skipped = _skipped(state, keys)
+        if skipped:
+            err = RanksDivergedError(
+                f"CP {_ranks(sorted(skipped))} of group {state.name!r} skipped {what} of step {state.step} "
+                f"(round {int(keys[0].split('/')[1])}) that CP rank {state.rank} holds: "
+                + "; ".join(f"rank {r} ran {why}" for r, why in sorted(skipped.items()))
+                + ". The ranks no longer run the same checks: pass the same cpcompile.shard(...) options "
+                "(check_batch=...) on every rank. A rank that skipped the round is released from its next "
+                f"collective when this process exits or after the group's timeout ({timeout:g} s; "
+                f"${PEER_TIMEOUT_ENV})",
+                step=state.step,
+            )
+            reported = _resolve(state, err, "error", what, cause=cause)
+            raise (reported or err) from cause
         if _has(state, f"fail/{state.epoch}/any"):
-            reason = f"it was waiting for its peers in {what}"
+            reason = f"it was waiting for its peers in {what} of step {state.step}"
         elif now - start >= timeout:
             missing = [r for r, k in enumerate(keys) if not _has(state, k)]
             reason = f"it timed out after {timeout:g} s waiting for CP {_ranks(missing)} in {what}"
+            reason += _last_seen(state, keys, missing)
         elif now >= next_liveness:
             next_liveness = now + _LIVENESS_EVERY_S
             missing = [r for r, k in enumerate(keys) if not _has(state, k)]
@@ -447,6 +537,38 @@ def _wait_for_posts(state: _Group, keys: list[str], what: str, cause: BaseExcept
                 raise err
             raise err from cause
         backoff.sleep()
+
+
+def _last_seen(state: _Group, keys: list[str], missing: list[int]) -> str:
+    """Where the ranks that did not come to this round were last seen (their post of the previous round)."""
+    seq = int(keys[0].split("/")[1])
+    seen = []
+    for r in missing:
+        key = f"agree/{seq - 1}/{r}"
+        if seq > 0 and _has(state, key):
+            rnd = _load(state, key).get("round") or {}
+            seen.append(f"rank {r} last came to {_describe_round(rnd)}")
+    if not seen:
+        return ""
+    return (
+        f" of step {state.step} ({'; '.join(seen)}: it is still in an earlier part of the step, most likely "
+        "blocked in a collective this rank did not issue: a backward() or an attention call that this rank "
+        "skipped, or a recompile on that rank only)"
+    )
+
+
+def _skipped(state: _Group, keys: list[str]) -> dict[int, str]:
+    """Ranks that did not post ``keys`` because they skipped this round (:func:`skip`), with what they ran."""
+    seq = int(keys[0].split("/")[1])
+    out = {}
+    for r, key in enumerate(keys):
+        marker = f"skip/{r}"
+        if r == state.rank or _has(state, key) or not _has(state, marker):
+            continue
+        rec = _load(state, marker)
+        if rec["seq"] >= seq:
+            out[r] = f"{rec['what']} in step {rec['step']}"
+    return out
 
 
 class _Waiting(RuntimeError):

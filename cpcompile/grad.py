@@ -39,7 +39,9 @@ def clip_grad_norm_(
 
     The sum is accumulated on the device and reduced once per group the gradients are sharded over (one
     all-reduce for an FSDP2 model; an all-gather of one scalar for the inf norm), with no host synchronisation.
-    Parameters without a gradient are skipped.
+    Parameters without a gradient count as zeros; a sharded (DTensor) parameter without a gradient on this rank
+    still takes part in its mesh's reduction, so ranks whose gradients exist on different parameters (MoE
+    experts reached on some ranks only) issue the same collectives.
 
     Non-finite norms are reported, not hidden: the returned norm is ``inf``/``nan`` and the gradients are left
     unscaled (skip the optimizer step when ``not torch.isfinite(norm)``); with ``error_if_nonfinite=True`` a
@@ -54,16 +56,25 @@ def clip_grad_norm_(
     norm_type = _check_norm_type(norm_type)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    # a sharded parameter without a gradient on this rank (an MoE expert no local token reached) still takes
+    # part in its mesh's reduction with a zero part, so every rank issues the same reductions
+    absent = [p for p in parameters if p.grad is None and isinstance(p, DTensor)]
+    if not grads and not absent:
         return torch.tensor(0.0)
-    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    first = grads[0] if grads else absent[0]
+    device = (first.to_local() if isinstance(first, DTensor) else first).device
     inf = math.isinf(norm_type)
 
     replicated: list[torch.Tensor] = []
     sharded: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     locals_: list[torch.Tensor] = []
     with torch.no_grad():
+        for p in absent:
+            groups = tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if pl.is_shard())
+            if groups:
+                sharded.setdefault(groups, []).append(p.to_local().new_zeros(0))
         for g in grads:
             if isinstance(g, DTensor):
                 local = g.to_local()
@@ -84,7 +95,8 @@ def clip_grad_norm_(
             locals_.append(local)
 
         total = _local_part(replicated, norm_type, device)
-        for groups, tensors in sharded.items():
+        # the same order on every rank, whichever parameters have a gradient here
+        for groups, tensors in sorted(sharded.items(), key=lambda kv: [_compat.group_name_of(g) for g in kv[0]]):
             part = _local_part(tensors, norm_type, device)
             for group in groups:
                 part = _reduce(part, group, inf)

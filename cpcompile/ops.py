@@ -21,8 +21,9 @@ and of a sliding-window site that exchanges only its halo (``spec.exchange == "h
     ...                                                      # attention as above
 
 ``cpcompile::site_plan`` does four separate things, each a named function here: find and check the active plan
-(:func:`_site_context`), count the site's all-gathers (:func:`_count_collectives`), compare the model's own mask
-with the plan's local rule on the site's first call (:func:`_verify_model_mask_once`) and hand out the positions
+(:func:`_site_context`), count the site's all-gathers (:func:`_count_collectives`), hold the site's control
+rounds: its first call, and the model's own mask against the plan's local rule on every new batch
+(:func:`_check_site`), and hand out the positions
 (:func:`_site_positions`). ``cpcompile::cp_attention`` is the block kernel (:mod:`cpcompile.kernels`).
 
 Why the halo is an all-to-all inside an op: which keys a rank needs depends on the batch (the layout, and
@@ -94,12 +95,12 @@ class SiteSpec:
     halo_slots: int = 0
 
 
-#: Query rows of the model's mask compared at a time on a site's first call (bounds the check's memory).
+#: Query rows of the model's mask compared at a time (bounds the memory of the mask check).
 MASK_CHECK_ROWS = 1024
 
 _SITES: dict[str, SiteSpec] = {}
 _SITES_LOCK = threading.Lock()
-#: Sites whose model mask was already compared with the plan's (written only by _verify_model_mask_once).
+#: Sites that ran their first-call control round (written only by _check_site).
 _VERIFIED: set[str] = set()
 
 
@@ -134,14 +135,14 @@ def site_plan(
     length, and the bytes counted in :func:`cpcompile.comm_stats`). ``q_pos`` are this rank's global token
     indices, ``kv_pos`` the global index of every gathered slot, ``doc_ids`` the plan's document ids (all zeros
     when the site has no document condition). When ``model_mask`` (the mask the model built on its local
-    inputs) is given, the first call of the site compares it with :meth:`CPPlan.local_rule_mask` and raises
-    :class:`MaskMismatchError` when they differ.
+    inputs) is given, it is compared with :meth:`CPPlan.local_rule_mask` on every new batch (:func:`_check_site`)
+    and :class:`MaskMismatchError` is raised when they differ.
     """
     spec = site_spec(site)
     context = _site_context(spec, k)
+    context.ran.sites += 1
     _count_collectives(context, spec, k, v)
-    if model_mask is not None:
-        _verify_model_mask_once(spec, context, model_mask)
+    _check_site(spec, context, model_mask)
     return _site_positions(context.plan, spec)
 
 
@@ -178,12 +179,19 @@ def _site_context(spec: SiteSpec, k: torch.Tensor) -> Active:
             f"is rank {plan.cp_rank} of its group; compile the model in the process that runs it"
         )
     if k.shape[0] != plan.batch_size or k.shape[2] != plan.chunk_len:
-        raise RuntimeError(
-            f"the CP attention at {spec.site} got a chunk of batch {k.shape[0]} and length {k.shape[2]}, but the "
-            f"active plan expects batch {plan.batch_size} and chunk length {plan.chunk_len}; call the model "
-            "with the `local` batch of the active cpcompile.shard context"
+        raise ValueError(
+            f"the CP attention at {_site_name(spec)} got {k.shape[0]} rows of {k.shape[2]} tokens, but this step's "
+            f"cpcompile.shard holds {plan.batch_size} rows of {plan.chunk_len} tokens per rank (global length "
+            f"{plan.seq_len}, CP size {plan.cp_size}): the model was called with a batch sliced for another CP "
+            "size, by hand, or with the global batch; call the model with the `local` batch that the active "
+            "cpcompile.shard context yields"
         )
     return context
+
+
+def _site_name(spec: SiteSpec) -> str:
+    """The site's layer, or its id without the digest (which differs between ranks): the same on every rank."""
+    return spec.layer or spec.site.rsplit("#", 1)[0]
 
 
 def _count_collectives(context: Active, spec: SiteSpec, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -193,18 +201,32 @@ def _count_collectives(context: Active, spec: SiteSpec, k: torch.Tensor, v: torc
         context.comm.record_gather(v, spec.cp_size, spec.needs_grad)
 
 
-def _verify_model_mask_once(spec: SiteSpec, context: Active, model_mask: torch.Tensor) -> None:
-    """On the site's first call: the model's local mask must be the mask its rule gives on the local inputs.
+def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None) -> None:
+    """The site's control rounds, decided together with the other CP ranks (:func:`cpcompile.failsafe.agree`).
 
-    Decided together with the other CP ranks (one control round, :func:`cpcompile.failsafe.agree`): every rank
-    raises the same :class:`MaskMismatchError`, naming the ranks whose mask differs.
+    One round on the site's first call, then one per step for every distinct model mask tensor and attention
+    form (the layers of a transformers model share one mask: one round per step for the whole model):
+
+    * ranks that reach different attention calls (a data-dependent branch, a recompile on one rank) meet in
+      different rounds and raise :class:`~cpcompile.failsafe.RanksDivergedError` at once, instead of waiting in
+      different collectives;
+    * the model's own mask is compared with the mask its rule gives on the local inputs
+      (:meth:`CPPlan.local_rule_mask`) on every step, so a mask that ignores the documents or depends on another
+      input is caught on the batch where it starts to differ: every rank raises the same
+      :class:`MaskMismatchError`, naming the ranks whose mask differs.
     """
-    if spec.site in _VERIFIED:
+    mask_key = None if model_mask is None else (model_mask.data_ptr(), model_mask._version, tuple(model_mask.shape))
+    key = (mask_key, spec.documents, spec.window)
+    if spec.site in _VERIFIED and key in context.checked_masks:
         return
-    error = _mask_mismatch(spec, context.plan, model_mask)
-    what = f"the first-call mask check of the CP attention at {spec.layer or spec.site}"
-    failsafe.agree(context.group, "mask", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
+    layer = _site_name(spec)
+    if model_mask is None:
+        error, what = None, f"the step check of the CP attention at {layer} (no model mask)"
+    else:
+        error, what = _mask_mismatch(spec, context.plan, model_mask), f"the mask check of the CP attention at {layer}"
+    failsafe.agree(context.group, "site", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
     _VERIFIED.add(spec.site)
+    context.checked_masks.add(key)
 
 
 def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> MaskMismatchError | None:

@@ -399,6 +399,12 @@ def _check_batch(batch: Mapping[str, object]) -> tuple[int, int, torch.device]:
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"batch['input_ids'] must hold integer token ids, got dtype {ids.dtype}")
     B, T = ids.shape
+    if B == 0 or T == 0:
+        raise ValueError(
+            f"batch['input_ids'] has shape {tuple(ids.shape)}: an empty batch (B = {B} rows, T = {T} tokens) has "
+            "nothing to split across the CP ranks; skip the step on every rank when the data loader yields an "
+            "empty batch, or drop empty batches from the data set"
+        )
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -413,6 +419,22 @@ def _check_batch(batch: Mapping[str, object]) -> tuple[int, int, torch.device]:
                 "to one device"
             )
     return B, T, ids.device
+
+
+def _check_document_starts(pos: torch.Tensor) -> None:
+    """Packed documents restart at 0: wherever the positions do not step by +1 (a new document, the rule the
+    masks follow), the new position must be 0. The first document of a row may start anywhere (a row that
+    continues a document cut by the packer)."""
+    step = torch.diff(pos, dim=-1)
+    bad = (step != 1) & (pos[:, 1:] != 0)
+    if bool(bad.any()):
+        b, t = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"batch['position_ids'] row {b} goes from {int(pos[b, t])} to {int(pos[b, t + 1])} at token {t + 1}: "
+            "a position that does not step by +1 starts a new packed document (the rule of transformers' "
+            "packed-sequence masks, and cpcompile's), and a new document must restart at 0. Pass positions that "
+            "count 0, 1, 2, ... within each document (only a row's first document may start above 0)"
+        )
 
 
 def build_plan(
@@ -462,6 +484,7 @@ def build_plan(
                 f"batch['position_ids'] holds negative values (min {int(pos.min())}); positions count from 0 "
                 "and restart at 0 at each packed document"
             )
+        _check_document_starts(pos)
     labels = batch.get("labels")
     if labels is not None:
         if labels.dtype.is_floating_point or labels.dtype == torch.bool:

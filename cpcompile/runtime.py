@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -31,9 +34,20 @@ __all__ = [
     "gather",
     "real_tokens",
     "record_attention_form",
+    "record_attention_free_graph",
     "shard",
     "sync_grads",
 ]
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What ran in one :func:`shard` step: rewritten attention calls, and compiled graphs without attention."""
+
+    #: Calls of rewritten attention sites (``cpcompile::site_plan``).
+    sites: int = 0
+    #: Frames of the compiled graphs of this CP group that have no rewritten attention and ran in the step.
+    attention_free: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +57,9 @@ class Active:
     plan: CPPlan
     group: dist.ProcessGroup | None
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
+    #: The model masks already compared with the plan in this step (written only by the attention ops).
+    checked_masks: set = dataclasses.field(default_factory=set)
+    ran: StepRecord = dataclasses.field(default_factory=StepRecord)
 
 
 class _State(threading.local):
@@ -93,7 +110,7 @@ def shard(
     dp_group: dist.ProcessGroup | None = None,
     pad_token_id: int = 0,
     hf_kwargs: bool = True,
-    check_batch: bool = False,
+    check_batch: bool = True,
     dynamic: bool = True,
     layout: str = DEFAULT_LAYOUT,
     workload: Workload | None = None,
@@ -117,10 +134,16 @@ def shard(
         pad_token_id: token id used to pad ``T`` up to a multiple of the CP size.
         hf_kwargs: add the keyword arguments a transformers causal LM needs (``use_cache=False`` so the model
             builds its packed-document mask, and with labels ``shift_labels``/``num_items_in_batch``).
-        check_batch: verify that every rank of ``cp_group`` passed the same global batch, and decide the batch
-            validation together: one control round per batch through the group's store (a few int64
-            fingerprints and the validation verdict per rank); ``ValueError`` on every rank naming the
-            differing ranks and key, or the rank whose batch failed validation and why.
+        check_batch: (default ``True``) decide the batch validation together and check that every rank of
+            ``cp_group`` passed the same global batch with the same options, in one control round per step
+            through the group's store (never a collective): every rank posts its verdict, the keys, shapes and
+            dtypes of the batch, an int64 fingerprint of every tensor's contents (token ids, positions and so
+            the document boundaries, labels, extra keys), the layout, the balanced layout's workload and the
+            options that change what a rank holds. A difference raises the same ``ValueError`` on every rank,
+            naming the ranks and what differs, before anything is compiled or communicated. ``False`` skips
+            the round (one store write instead); ranks that pass different batches then run silently wrong,
+            and a batch whose ``T`` or ``B`` differs between ranks reaches the K/V collectives. Every rank must
+            pass the same value.
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
         layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"balanced"``
@@ -155,30 +178,37 @@ def shard(
     cp_size, cp_rank, group_name = check_group(cp_group)
     if dp_group is not None:
         check_group(dp_group, "dp_group")
-        if num_items_in_batch is not None:
-            raise ValueError(
-                f"cpcompile.shard got both num_items_in_batch={num_items_in_batch!r} and dp_group: pass either a "
-                "precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
-            )
     if _STATE.active is not None:
         raise RuntimeError(
             "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
             "finish the current step's `with cpcompile.shard(...)` block before starting another"
         )
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
-    if workload is None and layout == "balanced":
-        workload = compiled_workload(group_name)
+    if not isinstance(check_batch, bool):
+        raise TypeError(f"check_batch must be True or False, got {check_batch!r}")
+    options = _ShardOptions(
+        layout=layout,
+        workload=workload,
+        num_items_in_batch=num_items_in_batch,
+        dp_group=dp_group,
+        pad_token_id=pad_token_id,
+        hf_kwargs=hf_kwargs,
+        dynamic=dynamic,
+        pad_values=pad_values,
+    )
     comm = CommStats()
     failsafe.enter_step(cp_group, comm)
     with failsafe.scope(cp_group, "the batch validation of cpcompile.shard", in_step=True):
-        if layout == "balanced" and cp_size > 1:
-            _agree_on_workload(cp_group, group_name, workload, comm)
-        pads = _pad_values(batch, pad_values)
         if check_batch and cp_size > 1:
-            plan = _check_same_batch(batch, cp_group, cp_rank, comm, layout, workload)
+            plan, workload, pads = _checked_plan(batch, cp_group, cp_rank, group_name, comm, options)
         else:
+            workload, pads = _validate_options(batch, group_name, options)
             plan = build_plan(batch, cp_size, cp_rank, layout=layout, workload=workload, group_name=group_name)
+            if cp_size > 1:
+                failsafe.set_fingerprint(cp_group, "")
+                if layout == "balanced" and _AGREED_WORKLOAD.get(group_name, _UNSET) != workload:
+                    _agree_on_workload(cp_group, group_name, workload, comm)
+                else:
+                    failsafe.skip(cp_group, "a step without the batch check (cpcompile.shard(check_batch=False))", comm)
         local = _local_batch(
             batch,
             plan,
@@ -194,12 +224,55 @@ def shard(
     _STATE.active = context
     try:
         yield local
+        if cp_size > 1:
+            _warn_if_no_attention(context, group_name)
     except BaseException as e:
-        failsafe.on_failure(cp_group, e, where="the `with cpcompile.shard(...)` block", in_step=True)
+        where = "the `with cpcompile.shard(...)` block"
+        explained = _padding_error(e, batch, plan, pads)
+        if explained is not None:
+            failsafe.on_failure(cp_group, explained, where=where, in_step=True)
+            raise explained from e
+        failsafe.on_failure(cp_group, e, where=where, in_step=True)
         raise
     finally:
         _STATE.active = None
         _STATE.last_comm = context.comm
+
+
+def record_attention_free_graph(group_name: str, frame: str) -> None:
+    """Note that a graph compiled for ``group_name`` without rewritten attention ran (called by the backend)."""
+    current = _STATE.active
+    if current is not None and current.plan.group_name == group_name and frame not in current.ran.attention_free:
+        current.ran.attention_free.append(frame)
+
+
+#: (group name, frames) already warned about by :func:`_warn_if_no_attention`.
+_WARNED_NO_ATTENTION: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _warn_if_no_attention(context: Active, group_name: str) -> None:
+    """Warn once when compiled graphs of the group ran in this step but no rewritten attention did.
+
+    A warning, not an error: a model without attention (token-wise layers only) is exact under CP, and the
+    backend cannot tell it from a model whose attention ran outside the compiled graphs (a
+    ``@torch.compiler.disable`` function, a graph break around it), which attends over this rank's chunk only.
+    """
+    ran = context.ran
+    if ran.sites or not ran.attention_free:
+        return
+    key = (group_name, tuple(ran.attention_free))
+    if key in _WARNED_NO_ATTENTION:
+        return
+    _WARNED_NO_ATTENTION.add(key)
+    warnings.warn(
+        f"cpcompile.shard: the model ran {len(ran.attention_free)} graph(s) compiled for CP group {group_name!r} "
+        f"in this step ({'; '.join(ran.attention_free)}) and none of them held attention: if the model has "
+        "attention, it ran outside the compiled graphs (inside a @torch.compiler.disable function, or cut off by "
+        "a graph break) and attended over this rank's tokens only, which is wrong under context parallelism. "
+        "Let Dynamo trace the attention (remove the disable, fix the graph break: TORCH_LOGS=graph_breaks). A "
+        "model without attention can ignore this warning",
+        stacklevel=3,
+    )
 
 
 #: What was compiled per CP group: group name -> ((documents, window) -> layer names, block sizes of the kernel).
@@ -221,14 +294,13 @@ _AGREED_WORKLOAD: dict[str, Workload | None] = {}
 
 
 def _agree_on_workload(group: dist.ProcessGroup, group_name: str, workload: Workload | None, comm: CommStats) -> None:
-    """Check, in one control round, that every rank balances with the same workload, whenever it changes.
+    """With ``shard(check_batch=False)``: check, in one control round, that every rank balances with the same
+    workload, whenever it changes (the batch check compares it on every step otherwise).
 
     Every rank computes every rank's tokens from its own workload, so two workloads would split the sequence
     two ways (tokens held twice or never). The compiled workload changes when graphs compile, which every rank
     does in the same step; a rank that compiled other attention layers than its peers is reported here.
     """
-    if group_name in _AGREED_WORKLOAD and _AGREED_WORKLOAD[group_name] == workload:
-        return
     posts = failsafe.agree(
         group, "workload", None, what="the balanced layout's workload", payload=repr(workload), stats=comm
     )
@@ -293,15 +365,15 @@ def _local_batch(
                 )
         elif key == "input_ids":
             local[key] = plan.local(plan.pad(value, pad_token_id))
-        elif key == "labels":
-            local[key] = plan.local(plan.pad(value, IGNORE_INDEX))
+        elif key == "labels":  # int64 whatever integer type came in: the loss (cross entropy) needs it
+            local[key] = plan.local(plan.pad(value.to(torch.long), IGNORE_INDEX))
         else:
             pad = (pad_values or {}).get(key, default_pad_value(value.dtype))
             local[key] = plan.local(plan.pad(value, pad))
     local["position_ids"] = plan.local(plan.position_ids)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and hf_kwargs:
-        shifted = plan.labels_shifted(labels)
+        shifted = plan.labels_shifted(labels.to(torch.long))
         local["shift_labels"] = plan.local(shifted)
         if num_items_in_batch is None:
             num_items_in_batch = (shifted != IGNORE_INDEX).sum()
@@ -311,6 +383,35 @@ def _local_batch(
     if hf_kwargs:
         local["use_cache"] = False
     return local
+
+
+def _padding_error(
+    exc: BaseException, batch: Mapping[str, object], plan: CPPlan, pads: Mapping[str, object]
+) -> ValueError | None:
+    """The ``ValueError`` to raise instead of an index error in the ``shard`` block when integer extra keys were
+    padded with the default ``-100`` (an index key such as ``segment_ids`` then indexes out of range)."""
+    index_error = isinstance(exc, IndexError) or (isinstance(exc, RuntimeError) and "index out of range" in str(exc))
+    if not index_error or plan.num_padding == 0:
+        return None
+    keys = [
+        k
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor)
+        and k not in _OWN_PADDING
+        and k not in pads
+        and not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)
+    ]
+    if not keys:
+        return None
+    fix = ", ".join(f"{k!r}: 0" for k in keys)
+    return ValueError(
+        f"an index went out of range in the `with cpcompile.shard(...)` block ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}), and the integer key(s) {keys} of the batch were padded "
+        f"with {IGNORE_INDEX} (T = {plan.seq_len} is padded to {plan.padded_len}, a multiple of the CP size "
+        f"{plan.cp_size}): -100 is the default so that pre-shifted targets ignore padding, but an index key "
+        "(segment ids, token type ids) cannot hold it. Pass a value the model accepts, e.g. "
+        f"cpcompile.shard(..., pad_values={{{fix}}}), and mask padding in the loss with cpcompile.real_tokens()"
+    )
 
 
 #: Keys whose padding cpcompile decides (``pad_token_id`` for ``input_ids``, the ignore index for ``labels``).
@@ -361,66 +462,202 @@ def _pad_values(batch: Mapping[str, object], pad_values: Mapping[str, object] | 
     return dict(pad_values)
 
 
-#: Fingerprint slots of :func:`_check_same_batch`: the batch's structure, then the contents of these keys,
-#: then everything else.
-_FINGERPRINT_KEYS = ("input_ids", "position_ids", "labels")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ShardOptions:
+    """The options of one :func:`shard` call that change what a rank holds (compared across the CP ranks)."""
+
+    layout: str
+    workload: Workload | None
+    num_items_in_batch: int | torch.Tensor | None
+    dp_group: dist.ProcessGroup | None
+    pad_token_id: int
+    hf_kwargs: bool
+    dynamic: bool
+    pad_values: Mapping[str, int | float | bool] | None
+
+    def summary(self) -> dict:
+        """What every CP rank must pass alike, JSON-serialisable (the workload is added by the caller)."""
+        items = self.num_items_in_batch
+        if isinstance(items, torch.Tensor):
+            items = "a tensor" if items.numel() != 1 else items.item()
+        return {
+            "layout": self.layout,
+            "num_items_in_batch": items,
+            # each CP rank belongs to its own DP group: compare its size, not its name
+            "dp_group": None if self.dp_group is None else f"a group of {dist.get_world_size(self.dp_group)}",
+            "pad_token_id": self.pad_token_id,
+            "hf_kwargs": self.hf_kwargs,
+            "dynamic": self.dynamic,
+            "pad_values": None if self.pad_values is None else repr(sorted(dict(self.pad_values).items())),
+        }
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """An int64 fingerprint of a tensor's bytes (position-weighted sum, so permutations differ)."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-    w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) * 2654435761 % 4294967291
-    return (b * w).sum()
+_UNSET = object()
 
 
-def _batch_fingerprints(batch: Mapping[str, object]) -> list[int]:
-    import hashlib
+def _validate_options(
+    batch: Mapping[str, object], group_name: str, options: _ShardOptions
+) -> tuple[Workload | None, dict[str, object]]:
+    """Check the options of :func:`shard` against each other and the batch; return the workload and pad values."""
+    if options.dp_group is not None and options.num_items_in_batch is not None:
+        raise ValueError(
+            f"cpcompile.shard got both num_items_in_batch={options.num_items_in_batch!r} and dp_group: pass either "
+            "a precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
+        )
+    if options.layout not in LAYOUTS:
+        raise ValueError(f"layout={options.layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    workload = options.workload
+    if workload is None and options.layout == "balanced":
+        workload = compiled_workload(group_name)
+    return workload, _pad_values(batch, options.pad_values)
 
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    structure = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items())).encode()
-    slots = [int.from_bytes(hashlib.sha256(structure).digest()[:7], "little")]
-    slots += [int(_fingerprint(tensors[k])) if k in tensors else 0 for k in _FINGERPRINT_KEYS]
-    others = [_fingerprint(v) for k, v in sorted(tensors.items()) if k not in _FINGERPRINT_KEYS]
-    slots.append(sum(int(o) * (i + 1) for i, o in enumerate(others)) % (1 << 62))
-    return slots
+
+#: Keys whose contents the batch check names by meaning; any other tensor is named by its key.
+_CONTENTS = {
+    "input_ids": "the token ids",
+    "position_ids": "the positions (document boundaries: a new document wherever a position does not step by +1)",
+    "labels": "the labels",
+    "attention_mask": "the attention mask",
+}
 
 
-def _check_same_batch(
+def _checked_plan(
     batch: Mapping[str, object],
     group: dist.ProcessGroup,
     cp_rank: int,
+    group_name: str,
     comm: CommStats,
-    layout: str,
-    workload: Workload | None,
-) -> CPPlan:
-    """Validate the batch and compare its fingerprints across the CP group in one control round."""
-    plan, error, slots = None, None, None
+    options: _ShardOptions,
+) -> tuple[CPPlan, Workload | None, dict[str, object]]:
+    """Validate the batch and options, and compare them across the CP group in one control round.
+
+    Every rank posts its validation verdict and a summary of its batch (keys, shapes and dtypes, an int64
+    fingerprint of every tensor's contents, the layout, workload and options); every rank raises the same
+    ``ValueError`` when one rank's batch is invalid or the summaries differ. The group's later rounds of this
+    step carry a digest of the summary.
+    """
+    plan, workload, pads, summary, error = None, None, {}, None, None
     try:
-        size, name = dist.get_world_size(group), _compat.group_name_of(group)
-        plan = build_plan(batch, size, cp_rank, layout=layout, workload=workload, group_name=name)
-        slots = _batch_fingerprints(batch)
+        workload, pads = _validate_options(batch, group_name, options)
+        size = dist.get_world_size(group)
+        plan = build_plan(batch, size, cp_rank, layout=options.layout, workload=workload, group_name=group_name)
+        summary = _batch_summary(batch, options, workload)
     except (ValueError, TypeError) as e:
         error = e
-    posts = failsafe.agree(
-        group, "batch", error, what="the batch validation of cpcompile.shard", payload=slots, stats=comm
-    )
-    allv = torch.tensor(posts, dtype=torch.int64)
-    names = ("the keys, shapes or dtypes", *(f"batch[{k!r}]" for k in _FINGERPRINT_KEYS), "the other tensors")
-    for slot, name in enumerate(names):
-        col = allv[:, slot]
-        if bool((col != col[0]).any()):
-            groups: dict[int, list[int]] = {}
-            for r, v in enumerate(col.tolist()):
-                groups.setdefault(v, []).append(r)
-            raise failsafe.mark_agreed(
-                ValueError(
-                    f"cpcompile.shard(check_batch=True): the CP ranks passed different global batches: {name} "
-                    f"differ (ranks grouped by value: {sorted(groups.values())}; this is rank {cp_rank}); every rank "
-                    "of the CP group must pass the same FULL global batch: give the CP ranks of one data-parallel "
-                    "replica the same data (same sampler seed and DP rank)"
-                )
+    step = failsafe.current_step(group)
+    what = "the batch validation of cpcompile.shard"
+    posts = failsafe.agree(group, "batch", error, what=what, payload=summary, stats=comm)
+    differences = _differences(posts)
+    if differences:
+        raise failsafe.mark_agreed(
+            ValueError(
+                f"cpcompile.shard: the CP ranks passed different batches or options in step {step} "
+                f"(check_batch=True, the default):\n" + "\n".join(f"  - {d}" for d in differences) + "\nEvery "
+                "rank of the CP group must pass the same FULL global batch with the same shard(...) options: "
+                "give the CP ranks of one data-parallel replica the same data (same sampler seed and DP rank)"
             )
-    return plan
+        )
+    digest = hashlib.sha256(json.dumps(posts[0], sort_keys=True).encode()).hexdigest()[:16]
+    failsafe.set_fingerprint(group, digest)
+    if options.layout == "balanced":
+        _AGREED_WORKLOAD[group_name] = workload
+    return plan, workload, pads
+
+
+def _batch_summary(batch: Mapping[str, object], options: _ShardOptions, workload: Workload | None) -> dict:
+    tensors = {k: v for k, v in sorted(batch.items()) if isinstance(v, torch.Tensor)}
+    prints = torch.stack([_fingerprint(v) for v in tensors.values()]).tolist()  # one host synchronisation
+    return {
+        "shapes": {k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()},
+        "passed through": sorted(str(k) for k, v in batch.items() if not isinstance(v, torch.Tensor)),
+        "options": options.summary(),
+        "workload": repr(workload) if options.layout == "balanced" else None,
+        "contents": dict(zip(tensors, prints)),
+    }
+
+
+def _by_value(values: list) -> str:
+    """``rank 0: v, ranks [1, 2]: w`` for per-rank values (JSON-comparable)."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(json.dumps(v, sort_keys=True), []).append(r)
+    return "; ".join(
+        f"{'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs}: {v}" for v, rs in groups.items()
+    )
+
+
+def _groups(values: list) -> list[list[int]]:
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(json.dumps(v, sort_keys=True), []).append(r)
+    return sorted(groups.values())
+
+
+def _differences(posts: list[dict]) -> list[str]:
+    """What differs between the ranks' batch summaries, one line per difference (the same on every rank)."""
+    out = []
+    shapes = [p["shapes"] for p in posts]
+    keys = [sorted(s) for s in shapes]
+    if len({json.dumps(k) for k in keys}) > 1:
+        out.append(f"the tensor keys of the batch differ ({_by_value(keys)})")
+    for key in sorted(set().union(*shapes)):
+        values = [s.get(key) for s in shapes]
+        if len({json.dumps(v) for v in values}) == 1:
+            continue
+        dims = [None if v is None else v[0] for v in values]
+        parts = []
+        for d, name in ((0, "B (rows)"), (1, "T (sequence length)")):
+            sizes = [None if s is None or len(s) <= d else s[d] for s in dims]
+            if len(set(map(str, sizes))) > 1:
+                parts.append(f"{name}: {_by_value(sizes)}")
+        if not parts:
+            parts.append(f"shape and dtype: {_by_value(values)}")
+        out.append(f"batch[{key!r}] " + "; ".join(parts))
+    others = [p["passed through"] for p in posts]
+    if len({json.dumps(o) for o in others}) > 1:
+        out.append(f"the keys passed through (not tensors) differ ({_by_value(others)})")
+    for name in posts[0]["options"]:
+        values = [p["options"][name] for p in posts]
+        if len({json.dumps(v) for v in values}) > 1:
+            out.append(f"shard(..., {name}=...) differs ({_by_value(values)})")
+    workloads = [p["workload"] for p in posts]
+    if len(set(workloads)) > 1:
+        out.append(
+            f"the balanced layout's workload differs ({_by_value(workloads)}): every rank must compile the same "
+            "attention layers before the step: pass the same workload=cpcompile.Workload(...) on every rank, "
+            "or use layout='contiguous'"
+        )
+    if not out:  # same shapes and options: compare the contents
+        for key in posts[0]["contents"]:
+            values = [p["contents"][key] for p in posts]
+            if len(set(values)) > 1:
+                what = _CONTENTS.get(key, "the values")
+                out.append(f"batch[{key!r}]: {what} differ (ranks grouped by value: {_groups(values)})")
+    return out
+
+
+#: Position weights of :func:`_fingerprint`, by device and length (a step reuses the previous step's).
+_WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An int64 fingerprint of a tensor's values (position-weighted sum with wrap-around, so that a change of one
+    value or a permutation changes it; exact integer arithmetic, so equal tensors give equal fingerprints on
+    every device). One pass over the tensor and one host synchronisation when read."""
+    x = t.detach().reshape(-1)
+    if x.dtype.is_floating_point or x.dtype.is_complex:  # compare the bits (a NaN equals itself)
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        x = x.contiguous().view(ints.get(x.element_size(), torch.uint8))
+    x = x.to(torch.int64)
+    n = x.numel()
+    key = (str(x.device), n)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = (torch.arange(1, n + 1, device=x.device, dtype=torch.int64) * 2654435761) % 4294967291 + 1
+        if len(_WEIGHTS) > 16:
+            _WEIGHTS.clear()
+        _WEIGHTS[key] = w
+    return (x * w).sum() + n
 
 
 def real_tokens() -> torch.Tensor:
@@ -545,14 +782,39 @@ def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     """Sum the gradients of ``parameters`` over ``cp_group`` (for models not wrapped in FSDP/DDP).
 
     Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
-    gradient of the whole sequence. One flat all-reduce per dtype.
+    gradient of the whole sequence. A parameter whose gradient is ``None`` on some ranks only (an MoE expert
+    that only some ranks' tokens were routed to) contributes zeros there and gets the sum everywhere; one that
+    has no gradient on any rank stays ``None``. Every rank must pass the same parameters in the same order
+    (``ValueError`` on every rank otherwise). Two small all-reduces (the number of parameters, which gradients
+    exist), then one flat all-reduce per dtype.
     """
     with failsafe.scope(cp_group, "cpcompile.sync_grads"):
-        _sum_grads(parameters, cp_group)
+        _sum_grads(list(parameters), cp_group)
 
 
-def _sum_grads(parameters, cp_group: dist.ProcessGroup) -> None:
-    grads = [p.grad for p in parameters if p.grad is not None]
+def _sum_grads(params: list[torch.Tensor], cp_group: dist.ProcessGroup) -> None:
+    if not params:
+        return
+    device = params[0].device
+    n = len(params)
+    # every rank passes as many parameters (a fixed-size all-reduce first), then which gradients exist anywhere
+    count = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=cp_group)
+    if int(count[0]) != n or int(count[1]) != -n:
+        raise ValueError(
+            f"cpcompile.sync_grads: the CP ranks passed different numbers of parameters (between "
+            f"{-int(count[1])} and {int(count[0])}); pass the same model's parameters, in the same order, on "
+            "every rank"
+        )
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp_group)
+    grads = []
+    for p, anywhere in zip(params, present.tolist()):
+        if not anywhere:
+            continue
+        if p.grad is None:  # another rank's tokens reached this parameter: this rank's part is zero
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)

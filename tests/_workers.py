@@ -331,7 +331,7 @@ def fail_together_worker(rank: int, world_size: int) -> dict:
     out["mask_mismatch"] = _outcome(unshared_positions)
     out["mask_mismatch_comm"] = dataclasses.asdict(cpcompile.comm_stats())
 
-    # 2. one rank's batch fails validation, with check_batch: decided in the check's control round
+    # 2. one rank's batch fails validation, with the batch check (the default): decided in the check's round
     group = dist.new_group(list(range(world_size)))
 
     def enter(b, **kw):
@@ -341,18 +341,20 @@ def fail_together_worker(rank: int, world_size: int) -> dict:
     out["bad_batch_checked"] = _outcome(lambda: enter(bad, check_batch=True))
     out["checked_group_usable"] = _step(_fail_model(group), batch, group, check_batch=True)
 
-    # 3. without check_batch, on the first call: the peer learns it in the first-call mask check's round
+    # 3. with the batch check opted out (check_batch=False), on the first call: the peer learns it in the
+    #    first-call mask check's round (the contiguous layout: no workload round either)
+    unchecked = dict(check_batch=False, layout="contiguous")
     group, cm = _fail_setup(world_size)
-    out["bad_batch_first_call"] = _outcome(lambda: _step(cm, bad, group))
-    out["bad_batch_first_call_next"] = _outcome(lambda: _step(cm, batch, group))
+    out["bad_batch_first_call"] = _outcome(lambda: _step(cm, bad, group, **unchecked))
+    out["bad_batch_first_call_next"] = _outcome(lambda: _step(cm, batch, group, **unchecked))
 
-    # 4. without check_batch, on a later step: the peer is blocked in the first K/V all-gather until the
-    #    group's timeout; the failed rank learns the verdict on its next use of the group
+    # 4. with the check opted out, on a later step: the peer goes on into the model and learns it in the
+    #    attention's control round of the step
     group, cm = _fail_setup(world_size)
-    _step(cm, batch, group)
+    _step(cm, batch, group, **unchecked)
     _short_waits(group)
-    out["bad_batch_later"] = _outcome(lambda: _step(cm, bad, group))
-    out["bad_batch_later_next"] = _outcome(lambda: _step(cm, batch, group))
+    out["bad_batch_later"] = _outcome(lambda: _step(cm, bad, group, **unchecked))
+    out["bad_batch_later_next"] = _outcome(lambda: _step(cm, batch, group, **unchecked))
 
     # 5. one rank calls the compiled model outside shard while its peer is inside (first call, later step)
     for name, warm in (("outside_first_call", False), ("outside_later", True)):

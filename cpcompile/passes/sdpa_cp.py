@@ -252,6 +252,15 @@ def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
 def check_site(site: SDPASite) -> str | None:
     """``None`` when the site can be rewritten exactly, else a one-line reason saying what to do."""
     no_dropout = "set the model's attention_dropout to 0.0" if site.transformers else "pass dropout_p=0.0"
+    for name, arg in (("dropout_p", site.dropout_p), ("scale", site.scale)):
+        value = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else None
+        if isinstance(value, (torch.SymFloat, torch.SymInt)):
+            # torch.compile(dynamic=True) makes float attributes (attention_dropout, scaling) symbolic
+            return (
+                f"the attention's {name} is symbolic (now {value}): torch.compile(dynamic=True) makes the model's "
+                "float attributes symbolic, so cpcompile cannot prove it is the same constant on every call; "
+                "compile without dynamic=True (cpcompile.shard marks the sequence length dynamic itself)"
+            )
     if isinstance(site.dropout_p, fx.Node) or not isinstance(site.dropout_p, numbers.Number):
         return f"dropout_p is computed at run time; {no_dropout} (or call model.eval())"
     if site.dropout_p != 0.0:

@@ -1,0 +1,134 @@
+"""Ranks that disagree are caught by default, on every rank, in seconds: different batches or options (the
+batch check of ``cpcompile.shard``), ranks that take different paths through a step (every control round
+carries the step, its kind and the batch fingerprint), and model masks that change with the batch (checked on
+every step). Tiny hand-written models (``tests._models.TinyAttentionLM`` with its packed-document mask, and
+``tests._safe_workers.MaskLM``) at CP=2 on gloo, aot_eager."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_distributed
+from tests._safe_workers import GRACE_S, PEER_TIMEOUT_S, disagree_worker
+
+#: Slack on top of the waits under test, for a loaded 2-core machine.
+SLACK_S = 15.0
+#: A round where every rank is present decides at once: far below the peer timeout.
+AT_ONCE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(disagree_worker, 2, timeout_s=300)
+
+
+#: case -> fragments of the ValueError every rank raises in shard's batch check
+DIFFERENT = {
+    "ids": ["batch['input_ids']: the token ids differ", "[[0], [1]]"],
+    "docs": ["batch['position_ids']: the positions (document boundaries"],
+    "labels": ["batch['labels']: the labels differ"],
+    "T": ["batch['input_ids'] T (sequence length): rank 0: 16; rank 1: 20"],
+    "B": ["batch['input_ids'] B (rows): rank 0: 2; rank 1: 3"],
+    "layout": ["shard(..., layout=...) differs", 'rank 0: "balanced"; rank 1: "contiguous"'],
+    "pad_token_id": ["shard(..., pad_token_id=...) differs"],
+    "T_model": ["T (sequence length)"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIFFERENT))
+def test_different_batches_raise_the_same_error_on_every_rank(results, case):
+    messages = set()
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert got["type"] == "ValueError", f"rank {rank}: {got}"
+        assert "the CP ranks passed different batches or options in step" in got["message"]
+        assert "same FULL global batch" in got["message"]
+        for fragment in DIFFERENT[case]:
+            assert fragment in got["message"], f"rank {rank}: {fragment!r} not in {got['message']}"
+        assert got["seconds"] < AT_ONCE_S + SLACK_S, got
+        messages.add(got["message"])
+    assert len(messages) == 1  # the same error on every rank
+
+
+def test_group_stays_usable_after_the_check_and_the_opt_out_compares_nothing(results):
+    for res in results:
+        assert res["warm"]["type"] == "none" and res["after"]["type"] == "none", (res["warm"], res["after"])
+        assert res["opt_out"]["type"] == "none", res["opt_out"]
+
+
+def test_check_on_one_rank_only(results):
+    # rank 0 holds the batch check's round; rank 1 skipped it (check_batch=False) and went on into the model:
+    # rank 0 sees the skip at once and reports it, and rank 1's next round (the model's mask check) raises it
+    for rank, res in enumerate(results):
+        got = res["check_one_rank"]
+        assert got["rank_failed"] and list(got["failed"]) == [0], f"rank {rank}: {got}"
+        assert "RanksDivergedError: CP rank 1 of group" in got["message"]
+        assert "skipped the batch validation of cpcompile.shard of step 2" in got["message"]
+        assert "check_batch=False" in got["message"]
+        assert got["seconds"] < AT_ONCE_S + SLACK_S, got
+        assert res["check_one_rank_next"]["rank_failed"], res["check_one_rank_next"]
+
+
+def test_skipped_backward_is_named_within_the_peer_timeout(results):
+    """Nothing can see a skipped backward at once (rank 0 is blocked in backward's collective, rank 1 waits in
+    the next step's round): both raise within the peer timeout, and the message places each rank."""
+    for rank, res in enumerate(results):
+        got = res["skipped_backward"]
+        assert got["rank_failed"], f"rank {rank}: {got}"
+        assert got["seconds"] < PEER_TIMEOUT_S + GRACE_S + SLACK_S, got
+        assert "in the batch validation of cpcompile.shard" in got["message"] or "did not report" in got["message"]
+    # rank 0 still in step 2 (its backward's collective timed out), rank 1 already waiting in step 3
+    assert "in step 2" in results[0]["skipped_backward"]["message"]
+    assert "Timed out" in results[0]["skipped_backward"]["message"]
+    assert "of step 3" in results[1]["skipped_backward"]["message"]
+
+
+def test_error_caught_inside_shard_reaches_every_rank(results):
+    for rank, res in enumerate(results):
+        got = res["caught_in_block"]
+        assert got["rank_failed"] and list(got["failed"]) == [1], f"rank {rank}: {got}"
+        assert "the last rank's own code failed inside the shard block" in got["message"]
+        assert got["seconds"] < PEER_TIMEOUT_S + SLACK_S, got
+        assert res["caught_in_block_next"]["rank_failed"], res["caught_in_block_next"]
+
+
+def test_data_dependent_branch_is_seen_in_the_round(results):
+    for rank, res in enumerate(results):
+        assert res["branch_same"]["type"] == "none", res["branch_same"]
+        got = res["branch"]
+        assert got["type"] == "RanksDivergedError", f"rank {rank}: {got}"
+        assert "arrived at different control rounds" in got["message"]
+        assert "rank 0: the mask check of the CP attention at" in got["message"]
+        assert "rank 1: the step check of the CP attention at" in got["message"]
+    assert results[0]["branch"]["message"] == results[1]["branch"]["message"]
+    assert results[1]["branch"]["seconds"] < 120  # rank 0 compiled the other branch first; then at once
+
+
+@pytest.mark.parametrize("mask", ["causal", "prefix"])
+def test_mask_is_checked_on_every_new_batch(results, mask):
+    first, second = (
+        ("mask_causal_first", "mask_causal_packed")
+        if mask == "causal"
+        else (
+            "mask_prefix_first",
+            "mask_prefix_second",
+        )
+    )
+    for rank, res in enumerate(results):
+        assert res[first]["type"] == "none", f"rank {rank}: {res[first]}"
+        got = res[second]
+        assert got["mask_mismatch"], f"rank {rank}: {got}"
+        assert "differs from the global causal same-document mask" in got["message"]
+        assert got["seconds"] < AT_ONCE_S + SLACK_S
+
+
+def test_attention_hidden_from_the_backend_is_warned_once(results):
+    """Attention inside a ``@torch.compiler.disable`` function runs on the local chunk only: the step ran compiled
+    graphs of the CP group and no rewritten attention, so shard warns once (a model without attention is exact,
+    hence a warning, not an error); a model whose attention is compiled gets no such warning."""
+    for rank, res in enumerate(results):
+        first, second = res["hidden"]
+        assert len(first) == 1 and second == [], f"rank {rank}: {res['hidden']}"
+        assert "attended over this rank's tokens only" in first[0] and "@torch.compiler.disable" in first[0]
+        assert "in forward" in first[0], first[0]  # names the frame of the graph that ran
+        assert res["attention_warnings"] == [], res["attention_warnings"]
