@@ -15,8 +15,9 @@ import torch.fx as fx
 
 from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
+from cpcompile.passes.common import PassContext
 from cpcompile.passes.positions import PositionReport, positions_pass
-from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
+from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group, current_plan
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]

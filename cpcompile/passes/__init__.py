@@ -1,5 +1,7 @@
 """Graph passes of cpcompile.
 
+Shared plumbing (:mod:`cpcompile.passes.common`): :class:`PassContext`, :data:`counters`.
+
 Main API: :func:`cp_attention_pass` (rewrite every SDPA call into all-gather-KV context-parallel attention)
 and its building blocks :func:`find_sdpa_sites`, :func:`check_site`, :func:`site_window`, :func:`rewrite_site`,
 plus :func:`find_non_sdpa_attention` (attention the pass refuses under CP); :func:`positions_pass` (positions
@@ -9,7 +11,8 @@ refused) and its building blocks :func:`sequence_length`, :func:`find_position_s
 """
 
 from cpcompile.passes import positions, sdpa_cp
+from cpcompile.passes.common import PassContext, counters
 from cpcompile.passes.positions import *  # noqa: F403 - the package exports what its modules declare
 from cpcompile.passes.sdpa_cp import *  # noqa: F403
 
-__all__ = [*positions.__all__, *sdpa_cp.__all__]
+__all__ = ["PassContext", "counters", *positions.__all__, *sdpa_cp.__all__]
