@@ -32,7 +32,15 @@ from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
 from cpcompile.grad import clip_grad_norm_
 from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
-from cpcompile.passes import PositionReport, SiteReport, UnsupportedAttentionError, UnsupportedPositionError, counters
+from cpcompile.passes import (
+    MixingReport,
+    PositionReport,
+    SiteReport,
+    UnsupportedAttentionError,
+    UnsupportedMixingError,
+    UnsupportedPositionError,
+    counters,
+)
 from cpcompile.plan import MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan
 from cpcompile.runtime import (
     CommStats,
@@ -56,11 +64,13 @@ __all__ = [
     "FailsafeOptions",
     "Inspection",
     "MaskMismatchError",
+    "MixingReport",
     "PositionReport",
     "RankFailedError",
     "SiteReport",
     "RankSite",
     "UnsupportedAttentionError",
+    "UnsupportedMixingError",
     "UnsupportedPositionError",
     "Workload",
     "backend",

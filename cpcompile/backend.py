@@ -16,6 +16,7 @@ import torch.fx as fx
 from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
 from cpcompile.passes.common import PassContext
+from cpcompile.passes.mixing import MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group, current_plan
@@ -39,6 +40,7 @@ class TracedGraph:
     after: str
     reports: tuple[SiteReport, ...]
     positions: tuple[PositionReport, ...] = ()
+    mixing: tuple[MixingReport, ...] = ()
     #: How many times the (unrewritten) graph ran so far.
     calls: int = 0
 
@@ -47,8 +49,9 @@ class CPBackend:
     """A ``(GraphModule, example_inputs) -> callable`` compiler; build it with :func:`backend`.
 
     Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass`,
-    :func:`cpcompile.passes.positions_pass` (CP > 1) and then the inner compiler. ``reports`` lists what was done
-    with every SDPA site of every graph compiled so far, ``position_reports`` with every position source.
+    :func:`cpcompile.passes.positions_pass` and :func:`cpcompile.passes.mixing_pass` (CP > 1) and then the inner
+    compiler. ``reports`` lists what was done with every SDPA site of every graph compiled so far,
+    ``position_reports`` with every position source, ``mixing_reports`` with every other op that mixes tokens.
 
     ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
     copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
@@ -77,6 +80,8 @@ class CPBackend:
         self.reports: list[SiteReport] = []
         #: What :func:`cpcompile.passes.positions_pass` did with every position source (CP > 1).
         self.position_reports: list[PositionReport] = []
+        #: What :func:`cpcompile.passes.mixing_pass` did with every op that mixes tokens outside attention (CP > 1).
+        self.mixing_reports: list[MixingReport] = []
         self.traced: list[TracedGraph] = []
         #: Prefix of the ids of the sites this backend compiles (``backend<n>``, n counting backends per process).
         self.name = f"backend{next(_backend_ids)}" if name is None else name
@@ -119,16 +124,23 @@ class CPBackend:
         reports = cp_attention_pass(target, ctx)
         self.reports += reports
         positions: list[PositionReport] = []
+        mixing: list[MixingReport] = []
+        plan = current_plan()
+        chunk_len = plan.chunk_len if plan is not None else None
         if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals come first
-            plan = current_plan()
-            positions = positions_pass(target, ctx, plan.chunk_len if plan is not None else None)
+            positions = positions_pass(target, ctx, chunk_len)
             self.position_reports += positions
+        if self.cp_size > 1 and self.options.mixing == "exact":  # last: it sees the rewritten attention as such
+            mixing = mixing_pass(target, ctx, chunk_len)
+            self.mixing_reports += mixing
         after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
         trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
         if self._dump is not None:
-            self._dump.add_graph(before, after, reports, positions=positions)
+            self._dump.add_graph(before, after, reports, positions=positions, mixing=mixing)
         if self.trace_only:
-            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports), tuple(positions))
+            record = TracedGraph(
+                dist.get_rank(), graph_id, before, after, tuple(reports), tuple(positions), tuple(mixing)
+            )
             self.traced.append(record)
 
             def run(*args):
@@ -168,6 +180,8 @@ def backend(
     config: object | None = None,
     halo: bool = True,
     positions: Literal["rewrite", "off"] = "rewrite",
+    mixing: Literal["exact", "off"] = "exact",
+    per_token_ops: tuple[str, ...] = (),
 ) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention and makes
     the positions the model computes from the local sequence length global (or refuses them).
@@ -195,6 +209,13 @@ def backend(
         positions: ``"rewrite"`` (default) makes positions the model computes from the local sequence length
             global, or refuses them at compile time; ``"off"`` leaves them as they are (silently wrong for such
             models; see :attr:`BackendOptions.positions`).
+        mixing: ``"exact"`` (default) runs causal ops that mix tokens outside attention (a causal conv1d, a
+            token shift, a cumsum) on the whole sequence, checks that sums over tokens are partial sums of the
+            loss and refuses every other mixing op at compile time; ``"off"`` leaves them on the local tokens
+            (silently wrong for such models; see :attr:`BackendOptions.mixing`).
+        per_token_ops: custom ops (``"namespace::name"``) known to compute every token from its own inputs,
+            besides :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS`; any other custom op taking
+            sequence-sharded tensors is refused.
     """
     options: dict = {
         "inner": inner,
@@ -204,6 +225,8 @@ def backend(
         "block_size": block_size,
         "halo": halo,
         "positions": positions,
+        "mixing": mixing,
+        "per_token_ops": per_token_ops,
     }
     if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
         options["dump_dir"] = dump_dir

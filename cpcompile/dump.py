@@ -5,7 +5,8 @@ One folder per rank, names from a counter, no uuids, so two runs of the same mod
     DIR/rank{r}/graph{n}_before.py   # graph n as Dynamo traced it (GraphModule.print_readable)
     DIR/rank{r}/graph{n}_after.py    # the same graph after the cpcompile passes
     DIR/rank{r}/summary.json         # every dumped graph of this rank, what the passes did with each SDPA site
-                                     # ("sites") and each position source ("positions")
+                                     # ("sites"), each position source ("positions") and each op
+                                     # that mixes tokens outside attention ("mixing")
 
 ``n`` counts the graphs dumped into ``DIR`` for rank ``r`` by this process, in compile order.
 """
@@ -20,6 +21,7 @@ import types
 
 import torch.fx as fx
 
+from cpcompile.passes.mixing import MixingReport
 from cpcompile.passes.positions import PositionReport
 from cpcompile.passes.sdpa_cp import SiteReport
 
@@ -95,6 +97,7 @@ class RankDumpWriter:
         *,
         calls_per_forward: int | None = None,
         positions: list[PositionReport] | tuple[PositionReport, ...] = (),
+        mixing: list[MixingReport] | tuple[MixingReport, ...] = (),
     ) -> list[str]:
         """Write graph ``n`` (the next counter value) and the updated summary; return the paths written."""
         with self._lock:
@@ -112,6 +115,7 @@ class RankDumpWriter:
                     "calls_per_forward": calls_per_forward,
                     "sites": [r.to_json() for r in reports],
                     "positions": [dataclasses.asdict(p) for p in positions],
+                    "mixing": [m.to_json() for m in mixing],
                 }
             )
             summary = os.path.join(self.folder, "summary.json")

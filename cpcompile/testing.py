@@ -41,6 +41,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "granite": ("GraniteConfig", {}),
+    # hybrid: a short causal conv layer (depthwise conv1d, kernel 3) before an attention layer
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
 
 

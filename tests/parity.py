@@ -100,7 +100,11 @@ DEMO_PARAM_ATOL = 1e-3
 #:   (windowed models only): refused at compile time (``UnsupportedAttentionError``).
 #: * ``positions_off``: the case compiled afresh with ``cpcompile.backend(..., positions="off")``, so positions the
 #:   model computes from the local length stay local (models that compute positions): the logits differ.
-Corruption = Literal["label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off"]
+#: * ``mixing_off``: the case compiled afresh with ``cpcompile.backend(..., mixing="off")``, so ops that mix tokens
+#:   outside attention (a causal conv1d, a token shift, a cumsum) see only this rank's tokens: the logits differ.
+Corruption = Literal[
+    "label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off", "mixing_off"
+]
 CONTROLS: tuple[Corruption, ...] = ("label_shift", "merge_documents", "plan_merges_documents", "wrong_window")
 
 
@@ -143,6 +147,8 @@ class ParityCase:
     expected_positions: tuple[tuple[str, str], ...] | None = None
     #: Extra keyword arguments of ``cpcompile.shard`` (e.g. the balanced layout's ``workload``).
     shard_kwargs: tuple[tuple[str, object], ...] = ()
+    #: ``(op, action)`` of every op the mixing pass must report, in order; None: not checked.
+    expected_mixing: tuple[tuple[str, str], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -325,6 +331,8 @@ class ParityOutcome:
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     #: SDPA sites the case must rewrite (``case.expected_sites``, else the model's attention layer count).
     expected_sites: int = 0
+    #: (op, action) of every op the mixing pass reported for this runner's backend so far.
+    mixing: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -472,6 +480,7 @@ class ParityRunner:
             collectives=cp.collectives,
             seconds=time.perf_counter() - start,
             expected_sites=self.expected_sites,
+            mixing=[(r.op, r.action) for r in self.backend.mixing_reports],
         )
 
 
@@ -485,11 +494,12 @@ def run_control(
     compiles afresh with the changed config.
     """
     try:
-        if corrupt == "positions_off":
+        if corrupt in ("positions_off", "mixing_off"):
             torch._dynamo.reset()  # compile the control afresh, with no cache entry of the rewritten graph
-            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, ("positions", "off")))
+            option = corrupt.removesuffix("_off")
+            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, (option, "off")))
             bad = ParityRunner(off, group, **runner_kwargs).run()
-            assert bad.positions == [], f"{case.name}: positions='off' still reported {bad.positions}"
+            assert bad.positions == [] and bad.mixing == [], f"{case.name}: {option}='off' still reported ops"
         elif corrupt == "wrong_window":
             window = case.build_model().config.sliding_window
             bad_case = dataclasses.replace(case, config_overrides=(("sliding_window", window + 1),))
@@ -547,6 +557,11 @@ def check_outcome(outcome: ParityOutcome) -> None:
         assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
     if case.expected_positions is not None:
         assert outcome.positions == list(case.expected_positions), f"{case.name}: positions {outcome.positions}"
+    if case.expected_mixing is not None:
+        assert outcome.mixing == list(case.expected_mixing), f"{case.name}: mixing {outcome.mixing}"
+    if outcome.cp_size > 1:  # one all-gather per step for every region run on the whole sequence
+        gathered = sum(action == "gathered" for _, action in outcome.mixing)
+        assert outcome.comm.sequence_gathers == gathered, f"{case.name}: {outcome.comm}"
     assert_parity(outcome)
     e = outcome.errors()
     print(f"\n{outcome.name}: logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} ({e['grad_param']})")
@@ -559,6 +574,7 @@ EXPECTED_CATCH: dict[str, dict] = {
     "plan_merges_documents": {"error": "parity", "failing_includes": "logits"},  # sites already checked
     "wrong_window": {"error": "UnsupportedAttentionError", "message_includes": "sliding window"},
     "positions_off": {"error": "parity", "failing_includes": "logits"},
+    "mixing_off": {"error": "parity", "failing_includes": "logits"},
 }
 
 
@@ -597,5 +613,6 @@ def report(summaries: list[dict]) -> None:
 def _layer_count(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
     if config is not None:
-        return config.num_hidden_layers
+        types = getattr(config, "layer_types", None)  # hybrids (LFM2): only the attention layers call SDPA
+        return sum("attention" in t for t in types) if types else config.num_hidden_layers
     return len(model.layers)

@@ -1,0 +1,226 @@
+"""Ops that mix tokens outside attention: found, run on the whole sequence, accounted for, or refused. One process,
+fake CP group of 2.
+
+The fake group moves no data, so these tests check what the mixing pass decides at compile time (the ops it finds
+and what it does with each, the refusals and their messages, the graph it writes, the options); parity of the
+rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests._mixing_models.MixerLM``
+(one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), every family of
+``cpcompile.testing.FAMILIES``, Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
+dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cpcompile
+from cpcompile.testing import FAMILIES, packed_batch, tiny_config, tiny_model
+from tests._graphs import counter_delta
+from tests._mixing_models import mixer_lm
+from tests._models import lm_output
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+# T = 32, CP = 2: chunks of 16 (a multiple of the chunked scan's chunk of 4); documents cross the chunk edge
+DOCS = [[10, 22], [5, 27]]
+# T = 37: one padding token on rank 1
+ODD_DOCS = [[10, 20, 7], [5, 30, 2]]
+
+
+def _compile_and_run(model, group, *, docs=DOCS, backward=True, **backend_kwargs):
+    backend = cpcompile.backend(group, inner="aot_eager" if backward else "eager", **backend_kwargs)
+    compiled = torch.compile(model, backend=backend)
+    with cpcompile.shard(packed_batch(docs), group) as local:
+        out = compiled(**local)
+        if backward:
+            out.loss.backward()
+        comm = cpcompile.comm_stats()
+    return backend, out, comm
+
+
+def _actions(backend):
+    return [(r.layer, r.op, r.kind, r.action) for r in backend.mixing_reports]
+
+
+LOSS = ("", "cross_entropy", "loss", "partial_sum")
+
+
+# -- run on the whole sequence -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mixer, found",
+    [
+        ("conv", ("mixer.conv", "conv1d", "convolution", "gathered")),
+        ("shift", ("mixer", "pad", "shift", "gathered")),
+        ("mask_cumsum", ("mixer", "cumsum", "scan", "gathered")),
+    ],
+)
+def test_causal_mixers_run_on_the_whole_sequence(world, mixer, found):
+    before = dict(cpcompile.counters)
+    backend, out, comm = _compile_and_run(mixer_lm(mixer=mixer), world)
+    assert _actions(backend) == [found, LOSS]
+    delta = counter_delta(before)
+    assert delta["mixing_ops_found"] == 2 and delta["mixing_gathered"] == 1 and delta["mixing_partial_sum"] == 1
+    assert "mixing_refused" not in delta
+    # one all-gather of the region's input per step (16 tokens of rank 1 received), kept apart from attention's
+    (gathered,) = [r for r in backend.mixing_reports if r.action == "gathered"]
+    assert comm.sequence_gathers == 1 and comm.sequence_gather_bytes == gathered.all_gather_bytes_per_call > 0
+    assert comm.all_gathers == 2  # K and V of the one attention layer
+    assert torch.isfinite(out.loss)
+    assert "_mixing_models.py" in gathered.source
+
+
+def test_rewritten_region_reads_the_plan(world, tmp_path):
+    """The conv region becomes: all-gather of its input, the plan's order, the conv on the whole sequence trimmed to
+    the gathered length, this rank's tokens taken back; the dump lists the mixing ops."""
+    backend, _, _ = _compile_and_run(mixer_lm(mixer="conv"), world, dump_dir=str(tmp_path))
+    after = (tmp_path / "rank0" / "graph0_after.py").read_text()
+    assert "torch.ops.cpcompile.sequence_order.default" in after and "all_gather_seq" in after
+    assert after.count("conv1d(") == 1  # the local conv is gone
+    summary = json.loads((tmp_path / "rank0" / "summary.json").read_text())
+    (graph,) = summary["graphs"]
+    found = [(m["op"], m["action"]) for m in graph["mixing"]]
+    assert found == [("conv1d", "gathered"), ("cross_entropy", "partial_sum")]
+
+
+def test_transformers_lfm2_conv_layer_runs_on_the_whole_sequence(world):
+    """Lfm2ForCausalLM with layer_types ["conv", "full_attention"]: the short conv is gathered, attention rewritten."""
+    backend, _, _ = _compile_and_run(tiny_model("lfm2"), world, backward=False)
+    assert _actions(backend) == [("model.layers.0.conv", "conv1d", "convolution", "gathered"), LOSS]
+    assert [r.action for r in backend.reports] == ["rewritten"]
+    assert "modeling_lfm2.py" in backend.mixing_reports[0].source
+
+
+# -- accounted for: no false refusal ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_mix_only_in_their_loss(world, family):
+    """Every tested family compiles; its only mixing op outside attention (and LFM2's conv) is the summed loss."""
+    backend, _, _ = _compile_and_run(tiny_model(family), world, docs=ODD_DOCS, backward=False)
+    actions = [a for a in _actions(backend) if a[1] != "conv1d"]
+    assert actions == [LOSS], actions
+
+
+MOE = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+}
+
+
+def _moe_model(name):
+    import transformers
+
+    cls, extra = MOE[name]
+    config = getattr(transformers, cls)(**{**_moe_common(), **extra})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _moe_common():
+    fields = tiny_config("llama").to_dict()
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    return {k: fields[k] for k in keys} | {"num_key_value_heads": 2, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_moe_dispatch_is_bookkeeping(world, name):
+    """transformers' MoE dispatch (integrations/moe.py): the sort of expert ids over tokens x top_k, the rows moved
+    by that permutation and back, the histogram and grouped_mm_fallback are token bookkeeping, not mixing."""
+    # positions="off": the positions pass's view of the dispatch's arange(k * T) is not this pass's business
+    backend, _, _ = _compile_and_run(_moe_model(name), world, positions="off", backward=False)
+    actions = {(r.op, r.action) for r in backend.mixing_reports}
+    assert actions == {
+        ("sort", "dispatch"),
+        ("getitem", "dispatch"),
+        ("setitem", "dispatch"),
+        ("histc", "dispatch"),
+        ("transformers::grouped_mm_fallback", "per_token"),
+        ("cross_entropy", "partial_sum"),
+    }, actions
+
+
+def test_listed_custom_op_is_per_token(world):
+    backend, _, _ = _compile_and_run(
+        mixer_lm(mixer="custom_per_token"), world, per_token_ops=("cpcompile_tests::softsign",)
+    )
+    assert _actions(backend) == [("mixer", "cpcompile_tests::softsign", "custom", "per_token"), LOSS]
+
+
+# -- refused ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mixer, op_words, reason_words, fix_words",
+    [
+        ("mean_pool", "mean at mixer (node mean)", "mean along the sequence", "cpcompile.gather"),
+        ("last_token", "getitem at mixer", "picks tokens [-1:] of the sequence", "cpcompile.gather"),
+        ("chunked_scan", "matmul at mixer (node within)", "matmul contracts the sequence dim", "causal conv1d"),
+        ("custom_scan", "cpcompile_tests::prefix_sum at mixer", "cannot see into it", "per_token_ops=("),
+        ("custom_per_token", "cpcompile_tests::softsign at mixer", "cannot see into it", "per_token_ops=("),
+    ],
+)
+def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words):
+    before = dict(cpcompile.counters)
+    with pytest.raises(cpcompile.UnsupportedMixingError) as info:
+        _compile_and_run(mixer_lm(mixer=mixer), world)
+    message = str(info.value)
+    assert f"cpcompile cannot run {op_words}" in message and reason_words in message, message
+    assert "Model code: " in message and "_mixing_models.py:" in message, message
+    assert "Fix: " in message and fix_words in message, message
+    assert counter_delta(before).get("mixing_refused", 0) >= 1
+    assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
+
+
+def test_sequence_classification_last_token_pooling_is_refused(world):
+    """LlamaForSequenceClassification pools the last non-padding token (an argmax over the sequence)."""
+    import transformers
+
+    config = tiny_config("llama", num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+    backend = cpcompile.backend(world, inner="eager")
+    batch = {k: v for k, v in packed_batch(DOCS).items() if k != "labels"}
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"argmax at .*argmax along the sequence"):
+        with cpcompile.shard(batch, world) as local:
+            torch.compile(model, backend=backend)(**local)
+
+
+class _LossPlusConstant(nn.Module):
+    """A summed loss with a constant added: each rank would add it, so the ranks' values would not add up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 16)
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **_):
+        logits = self.head(self.embed(input_ids))
+        loss = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), reduction="sum") / num_items_in_batch
+        out = lm_output(logits)
+        out.loss = loss + 1.0
+        return out
+
+
+def test_sum_that_is_not_a_partial_sum_is_refused(world):
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"not only scaled into the graph's output"):
+        _compile_and_run(_LossPlusConstant(), world, backward=False)
+
+
+# -- options ---------------------------------------------------------------------------------------------------
+def test_mixing_off_leaves_the_graph_alone(world):
+    backend, _, comm = _compile_and_run(mixer_lm(mixer="mean_pool"), world, mixing="off")
+    assert backend.mixing_reports == [] and comm.sequence_gathers == 0
+
+
+def test_options_are_checked(world):
+    with pytest.raises(ValueError, match=r"mixing='on' is not a known mode; choose one of \('exact', 'off'\)"):
+        cpcompile.backend(world, mixing="on")
+    with pytest.raises(TypeError, match=r"per_token_ops must be a tuple of 'namespace::name' strings"):
+        cpcompile.backend(world, per_token_ops="mylib::norm")
+    with pytest.raises(ValueError, match=r"per_token_ops holds \['norm'\]; every entry must name a custom op"):
+        cpcompile.backend(world, per_token_ops=("norm",))
