@@ -134,7 +134,7 @@ class CPBackend:
             mixing = mixing_pass(target, ctx, chunk_len)
             self.mixing_reports += mixing
         after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
-        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
+        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size, mixing=mixing)  # TORCH_LOGS, TRACE
         if self._dump is not None:
             self._dump.add_graph(before, after, reports, positions=positions, mixing=mixing)
         if self.trace_only:

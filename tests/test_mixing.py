@@ -224,3 +224,15 @@ def test_options_are_checked(world):
         cpcompile.backend(world, per_token_ops="mylib::norm")
     with pytest.raises(ValueError, match=r"per_token_ops holds \['norm'\]; every entry must name a custom op"):
         cpcompile.backend(world, per_token_ops=("norm",))
+
+
+def test_torch_logs_list_mixing_ops(world, caplog):
+    """TORCH_LOGS=cpcompile: each graph's mixing ops, what became of them and the model's line, on cpcompile.mixing."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="cpcompile.mixing")
+    _compile_and_run(mixer_lm(mixer="shift"), world, backward=False)
+    (text,) = [r.getMessage() for r in caplog.records if r.name == "cpcompile.mixing"]
+    assert "2 op(s) mixing tokens outside attention" in text, text
+    row = next(line for line in text.splitlines() if " pad " in line)
+    assert "gathered" in row and "_mixing_models.py" in row, text
