@@ -87,6 +87,25 @@ def test_rewritten_region_reads_the_plan(world, tmp_path):
     assert found == [("conv1d", "gathered"), ("cross_entropy", "partial_sum")]
 
 
+def test_static_graph_region_trims_to_the_gathered_length(world):
+    """shard(dynamic=False): the conv's trim [..., :16] is a constant; rewritten, it stops at the gathered length."""
+    model = mixer_lm(mixer="conv")
+    backend = cpcompile.backend(world, inner="eager", dump_dir=None)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        out = backend(gm, example_inputs)
+        graphs.append(gm)
+        return out
+
+    with cpcompile.shard(packed_batch(DOCS), world, dynamic=False) as local:
+        torch.compile(model, backend=keep)(**local)
+    assert _actions(backend)[0] == ("mixer.conv", "conv1d", "convolution", "gathered")
+    (gm,) = graphs
+    code = gm.code
+    assert "slice(None, size" in code and "slice(None, 16" not in code, code
+
+
 def test_transformers_lfm2_conv_layer_runs_on_the_whole_sequence(world):
     """Lfm2ForCausalLM with layer_types ["conv", "full_attention"]: the short conv is gathered, attention rewritten."""
     backend, _, _ = _compile_and_run(tiny_model("lfm2"), world, backward=False)

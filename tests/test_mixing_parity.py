@@ -14,8 +14,9 @@ The negative control of every kind of region (conv, shift, scan) and of LFM2 com
 ``cpcompile.backend(..., mixing="off")``: the parity check must fail, on the logits.
 
 The 4 processes run CP=2 on ranks {0, 1} (contiguous layout, ``inner="eager"``, with the controls) and on {2, 3}
-(LFM2 with aot_eager, the conv model with inductor: the new all-gather and op compiled for real) side by side,
-then CP=4 on all four under the balanced layout (each rank holds several runs of tokens).
+(LFM2 with aot_eager, the conv model with inductor: the new all-gather and op compiled for real; the conv model
+in a static graph, ``shard(dynamic=False)``, where the trim ``[..., :T]`` is a constant) side by side, then CP=4
+on all four under the balanced layout (each rank holds several runs of tokens).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ EXPECTED = {
 }
 
 
-def _case(name: str, inner: str = "eager", layout: str = "contiguous") -> ParityCase:
+def _case(name: str, inner: str = "eager", layout: str = "contiguous", dynamic: bool = True) -> ParityCase:
     balanced = layout == "balanced"
+    shard_kwargs = (("workload", Workload(block_size=4)),) if balanced else ()
     return ParityCase(
         model=name if name == "lfm2" else "tests._mixing_models:mixer_lm",
         doc_lens=DOCS,
@@ -47,12 +49,12 @@ def _case(name: str, inner: str = "eager", layout: str = "contiguous") -> Parity
         layout=layout,
         expected_mixing=EXPECTED[name],
         # kernel blocks of 4 tokens give the balanced layout something to balance at this length
-        shard_kwargs=(("workload", Workload(block_size=4)),) if balanced else (),
+        shard_kwargs=shard_kwargs + ((("dynamic", False),) if not dynamic else ()),
     )
 
 
 PAIR0 = [_case(m) for m in ("conv", "shift", "mask_cumsum", "lfm2")]
-PAIR1 = [_case("lfm2", inner="aot_eager"), _case("conv", inner="inductor")]
+PAIR1 = [_case("lfm2", inner="aot_eager"), _case("conv", inner="inductor"), _case("conv", dynamic=False)]
 CP4 = [_case(m, layout="balanced") for m in ("conv", "shift", "mask_cumsum", "lfm2")]
 
 

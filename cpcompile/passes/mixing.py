@@ -90,6 +90,9 @@ class CausalRegion:
     dim: int
     nodes: tuple[fx.Node, ...]
     out_dim: int
+    #: ``(node, index entry)`` of slices whose stop is the static chunk length (a static graph's trim): they stop
+    #: at the gathered length instead.
+    trims: tuple[tuple[fx.Node, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,8 +683,6 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
     output token reads (``out[i]`` reads ``in[i + lo .. i + hi]``); the region is causal when ``hi <= 0``.
     """
     seq = g.seq
-    if seq.static:
-        return None, "the graph has a static sequence length (call cpcompile.shard with its default dynamic=True)"
     operands = _seq_operands(start, g)
     x = operands[0]
     tags = _seq_tags(x, g)
@@ -690,13 +691,16 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
         return None, "it reads more than one sequence-sharded tensor or sequence dim"
     dim, operand, n, cur = dims[0], x, start, x
     nodes: list[fx.Node] = []
+    trims: list[tuple[fx.Node, int]] = []
     hi = 0
     while True:
         step = _region_step(n, cur, dim, g)
         if isinstance(step, str):
             return None, f"{n.name}: {step}"
-        dim, dhi = step
+        dim, dhi, trim = step
         hi += dhi
+        if trim is not None:
+            trims.append((n, trim))
         nodes.append(n)
         shape = _shape(n)
         if shape is not None and seq.is_length(shape[dim]):
@@ -707,11 +711,12 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
         cur, n = n, users[0]
     if hi > 0:
         return None, f"each output token reads up to {hi} token(s) after it (not causal)"
-    return CausalRegion(operand, dims[0], tuple(nodes), dim), ""
+    return CausalRegion(operand, dims[0], tuple(nodes), dim, tuple(trims)), ""
 
 
-def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, int] | str:
-    """``(dim of the sequence in n's output, shift of the last input token read)`` for one op of a region."""
+def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, int, int | None] | str:
+    """``(dim of the sequence in n's output, shift of the last input token read, index entry of a static trim)``
+    for one op of a region, or why it cannot be part of one."""
     name = vocab.op_name(n)
     others = [i for i in n.all_input_nodes if i is not cur and i in g.data and any(_seq_tags(i, g))]
     if others:
@@ -728,34 +733,39 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
         stride, padding, dilation = (v[0] if isinstance(v, (tuple, list)) else v for v in (stride, padding, dilation))
         if n.args[0] is not cur or dim != ndim - 1 or w is None or stride != 1 or not isinstance(padding, int):
             return "only a conv1d over the last dim, stride 1 and an int padding runs on the whole sequence"
-        return dim, -padding + (int(w[-1]) - 1) * int(dilation)
+        return dim, -padding + (int(w[-1]) - 1) * int(dilation), None
     if name == "pad":
         pads = list(arg(n, 1, "pad", ()))
         mode = arg(n, 2, "mode", "constant")
         p = 2 * (ndim - 1 - dim)
         if mode != "constant" or n.args[0] is not cur or len(pads) <= p:
             return "only a constant pad runs on the whole sequence"
-        return dim, -int(pads[p])
+        return dim, -int(pads[p]), None
     if name == "getitem":
         entries = _index_entries(n)
         if any(not (isinstance(e, slice) or e is Ellipsis) for e in entries) or n.args[0] is not cur:
             return "only slices run on the whole sequence"
-        d, consumed, e_dim = 0, len([e for e in entries if e is not Ellipsis]), None
-        for e in entries:
+        d, consumed, e_dim, entry = 0, len([e for e in entries if e is not Ellipsis]), None, None
+        for i, e in enumerate(entries):
             if e is Ellipsis:
                 d += ndim - consumed
                 continue
             if d == dim:
-                e_dim = e
+                e_dim, entry = e, i
             d += 1
         if e_dim is None:
-            return dim, 0
+            return dim, 0, None
         if e_dim.step not in (None, 1) or not (e_dim.start is None or isinstance(e_dim.start, int)):
             return "a slice with a step or a run-time start"
         start = e_dim.start or 0
         if start < 0:
             return "a slice that starts from the end"
-        return dim, start
+        stop, trim = e_dim.stop, None
+        if isinstance(stop, int) and stop > 0:
+            if not (g.seq.static and stop == g.seq.chunk_len):
+                return f"a slice to the fixed length {stop}"
+            trim = entry  # a static graph's trim to the local length
+        return dim, start, trim
     if name in ("cat", "concat", "concatenate"):
         tensors = n.args[0]
         cat_dim = arg(n, 1, "dim", 0)
@@ -765,16 +775,16 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
         sizes = [_shape(t)[dim] if _shape(t) is not None else None for t in before]
         if any(not isinstance(s, int) for s in sizes):
             return "a cat after tensors of run-time length"
-        return dim, -sum(sizes)
+        return dim, -sum(sizes), None
     if name in _SCANS:
         sdim = arg(n, 1, "dim")
         if n.args[0] is not cur or not isinstance(sdim, int) or sdim % ndim != dim:
             return f"{name} along another dim"
-        return dim, 0
+        return dim, 0, None
     if name in vocab.ELEMENTWISE or name in _SHAPE_ONLY_CASTS:
         if len(_shape(n) or ()) != ndim:
             return f"{name} changes the number of dims"
-        return dim, 0
+        return dim, 0, None
     return f"{name} is not one of the ops a causal region is built from"
 
 
@@ -884,7 +894,7 @@ def rewrite_region(region: CausalRegion, site: str, ctx: PassContext, lengths: f
         y = y_all.index_select(dim, local)                                     # this rank's tokens
 
     ``lengths``: the symbols of the local length; arguments of the region that are exactly the local length
-    (the trim) become the gathered length.
+    (the trim), and in a static graph the trims of :attr:`CausalRegion.trims`, become the gathered length.
     """
     graph = region.nodes[0].graph
     first, last = region.nodes[0], region.nodes[-1]
@@ -901,11 +911,17 @@ def rewrite_region(region: CausalRegion, site: str, ctx: PassContext, lengths: f
             return full_len
         return a
 
+    trims = dict(region.trims)
     for n in region.nodes:
         with graph.inserting_before(n):
             new = graph.node_copy(n, remap)
         for key in ("example_value", "val"):
             new.meta.pop(key, None)
+        if n in trims:  # a static trim [..., :c] stops at the gathered length
+            index = list(new.args[1]) if isinstance(new.args[1], tuple) else [new.args[1]]
+            e = index[trims[n]]
+            index[trims[n]] = slice(e.start, full_len, e.step)
+            new.args = (new.args[0], tuple(index))
         env[n] = new
     with graph.inserting_after(env[last]):
         out = graph.call_method("index_select", (env[last], region.out_dim, local))
