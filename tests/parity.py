@@ -187,9 +187,13 @@ class ParityCase:
             kwargs["config"] = config
         return cpcompile.backend(group, **kwargs)
 
+    def plan_kwargs(self) -> dict[str, object]:
+        """The ``shard_kwargs`` that shape the plan (``shard``'s own ``dynamic`` does not)."""
+        return {k: v for k, v in self.shard_kwargs if k != "dynamic"}
+
     def max_runs(self, cp_size: int) -> int:
         """The most runs of consecutive tokens one rank holds when ``shard`` places this case's batch."""
-        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **dict(self.shard_kwargs))
+        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         return int(cpcompile.plan.count_runs(plan.indices).max())
 
     def check_layout(self, cp_size: int) -> None:
@@ -198,7 +202,7 @@ class ParityCase:
             raise ValueError(f"case {self.name}: use B >= 2 rows, got {len(self.doc_lens)}")
         if cp_size == 1:
             return
-        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **dict(self.shard_kwargs))
+        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         owner = torch.empty(plan.padded_len, dtype=torch.long)
         owner[plan.gathered_indices()] = torch.arange(cp_size).repeat_interleave(plan.chunk_len)
         crossing = any(

@@ -123,6 +123,16 @@ def test_families_mix_only_in_their_loss(world, family):
     assert actions == [LOSS], actions
 
 
+@pytest.mark.parametrize("family, T", [("llama", 128), ("lfm2", 32)])
+def test_static_graph_sizes_equal_to_the_chunk_length(world, family, T):
+    """In a static graph (FSDP2's per-layer graphs, shard(dynamic=False)) a hidden size (64) or head dim (16) equal
+    to the chunk length is not taken for the sequence: dims are followed from the inputs."""
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard(packed_batch([[T // 2, T // 2], [T]]), world, dynamic=False) as local:
+        torch.compile(tiny_model(family), backend=backend)(**local)
+    assert [a for a in _actions(backend) if a[1] != "conv1d"] == [LOSS]
+
+
 MOE = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": (

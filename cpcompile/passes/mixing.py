@@ -164,8 +164,28 @@ def _hint(size: object) -> int:
     return -1 if value is None else int(value)
 
 
+def _size_is_seq(size: object, seq: SequenceLength) -> bool:
+    """Whether a size alone says its dim holds the sequence: it involves the length's symbol. In a static graph
+    no size says so (a hidden size may equal the chunk length): dims are followed from the inputs instead."""
+    return not seq.static and seq.involves(size)
+
+
 def _involved(shape: tuple, seq: SequenceLength) -> Tags:
-    return tuple(seq.involves(s) for s in shape)
+    return tuple(_size_is_seq(s, seq) for s in shape)
+
+
+def _input_tags(shape: tuple, seq: SequenceLength) -> Tags:
+    """Tags of a graph input: the dims of the local length; in a static graph the sequence dim ``shard`` gives
+    ``[B, T, ...]`` tensors (dim 1) when it has the chunk length, else the first dim that has it."""
+    if not seq.static:
+        return _involved(shape, seq)
+    dims = [d for d, size in enumerate(shape) if seq.involves(size)]
+    pick = 1 if 1 in dims else (dims[0] if dims else None)
+    return tuple(d == pick for d in range(len(shape)))
+
+
+def _same_size(a: object, b: object) -> bool:
+    return a == b if isinstance(a, int) and isinstance(b, int) else _compat.statically_true(a == b)
 
 
 def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Tags:
@@ -228,7 +248,7 @@ def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLen
     if len(out) >= ndim:  # casts, copies, expand (new leading dims)
         lead = len(out) - ndim
         return tuple(False for _ in range(lead)) + tuple(
-            t or seq.involves(s) for t, s in zip(tags, out[lead:], strict=True)
+            t or _size_is_seq(s, seq) for t, s in zip(tags, out[lead:], strict=True)
         )
     return None
 
@@ -272,7 +292,7 @@ def sequence_dims(g: fx.GraphModule, seq: SequenceLength) -> dict[fx.Node, objec
                 if not isinstance(x, torch.Tensor):
                     out.append(None)
                 elif isinstance(base_tags, tuple) and len(base_tags) == x.dim() and not _is_nested(base_tags):
-                    out.append(tuple(t or seq.involves(s) for t, s in zip(base_tags, x.shape, strict=True)))
+                    out.append(tuple(t or _size_is_seq(s, seq) for t, s in zip(base_tags, x.shape, strict=True)))
                 else:
                     out.append(_involved(tuple(x.shape), seq))
             tags[n] = tuple(out)
@@ -289,8 +309,10 @@ def _is_nested(t: object) -> bool:
 
 
 def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
-    if n.op == "placeholder" or n.op == "get_attr":
-        return _involved(out, seq)
+    if n.op == "get_attr" or (n.op == "placeholder" and _compat.is_module_state(n)):
+        return _involved(out, seq)  # parameters and buffers hold no tokens
+    if n.op == "placeholder":
+        return _input_tags(out, seq)
     name = vocab.op_name(n)
     first = n.args[0] if n.args else None
     first_tags = tags.get(first) if isinstance(first, fx.Node) else None
@@ -308,13 +330,16 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
             got = _layout_tags(n, name, first_tags, out, seq)
             if got is not None and len(got) == len(out):
                 return got
-    # every op: dims whose size involves the local length; an op that keeps its first input's shape keeps its
-    # tags (a scan of sequence chunks); element-wise ops broadcast their inputs' tags (right-aligned)
+    # every op: dims whose size involves the local length; the leading dims it keeps from its first input keep
+    # their tags (a linear keeps [B, T], a scan of sequence chunks keeps them all); element-wise ops broadcast
+    # their inputs' tags (right-aligned)
     res = list(_involved(out, seq))
     first_shape = _shape(first)
-    if first_tags is not None and first_shape is not None and len(first_shape) == len(out):
-        if all(_hint(a) == _hint(b) for a, b in zip(first_shape, out, strict=True)):
-            res = [r or t for r, t in zip(res, first_tags, strict=True)]
+    if first_tags is not None and first_shape is not None:
+        for d in range(min(len(first_shape), len(out))):
+            if not _same_size(first_shape[d], out[d]):
+                break
+            res[d] = res[d] or first_tags[d]
     if name not in vocab.ELEMENTWISE:
         return tuple(res)
     for i in n.all_input_nodes:
@@ -324,7 +349,7 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
         shape = _shape(i)
         lead = len(out) - len(t)
         for d, tagged in enumerate(t):
-            if tagged and shape is not None and _hint(shape[d]) == _hint(out[lead + d]):
+            if tagged and shape is not None and _same_size(shape[d], out[lead + d]):
                 res[lead + d] = True
     return tuple(res)
 
