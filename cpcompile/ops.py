@@ -345,9 +345,10 @@ halo_exchange.register_autograd(_halo_backward, setup_context=_halo_setup_contex
 
 
 # -- emitting ---------------------------------------------------------------------------------------------
-def emit_gather_start(graph: fx.Graph, t: fx.Node, spec: SiteSpec) -> fx.Node:
-    """Insert the all-gather of ``t`` right after ``t`` exists (so the transfer overlaps the work until attention)."""
-    with graph.inserting_after(_after_placeholders(graph, t)):
+def emit_gather_start(graph: fx.Graph, t: fx.Node, spec: SiteSpec, ready: fx.Node | None = None) -> fx.Node:
+    """Insert the all-gather of ``t`` right after ``ready`` (default ``t``): the node after which ``t``'s value is
+    final, so the transfer overlaps the work until attention."""
+    with graph.inserting_after(_after_placeholders(graph, t if ready is None else ready)):
         return graph.call_function(_compat.all_gather_start, (t, spec.cp_size, spec.group_name))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from cpcompile.plan import IGNORE_INDEX
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_model", "packed_batch"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "tiny_config", "tiny_model", "packed_batch"]
 
 _COMMON = dict(
     vocab_size=128,
@@ -41,21 +41,71 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "granite": ("GraniteConfig", {}),
+    # Mixture of experts: transformers' MoE dispatch sorts the tokens by expert and undoes the sort with an
+    # arange over tokens x top_k (token bookkeeping, not positions). 4 experts, 2 per token.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
     # hybrid: a short causal conv layer (depthwise conv1d, kernel 3) before an attention layer
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
 
+#: MoE families checked for exactness at CP=2 and 3 next to :data:`FAMILIES`' (tests/test_moe.py), with their
+#: own routers (OLMoE, GraniteMoE), a dense first layer, shared experts and grouped routing (GLM-4-MoE), and
+#: multi-head latent attention (DeepSeek-V3: K/V written into a buffer in place, value head dim != query's).
+MOE_FAMILIES: dict[str, tuple[str, dict]] = {
+    "olmoe": (
+        "OlmoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {
+            "head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
+}
+_ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
+
 
 def tiny_config(family: str, **overrides):
-    """A small config of ``family`` (see :data:`FAMILIES`): 2 layers, hidden 64, 4 query / 2 KV heads, SDPA.
+    """A small config of ``family`` (:data:`FAMILIES`, :data:`MOE_FAMILIES`): 2 layers, hidden 64, 4/2 heads, SDPA.
 
     ``overrides`` replace config fields; ``attn_implementation="eager"`` builds the non-SDPA variant.
     """
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
-    cls_name, extra = FAMILIES[family]
+    if family not in _ALL_FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(_ALL_FAMILIES)}")
+    cls_name, extra = _ALL_FAMILIES[family]
     fields = {**_COMMON, **extra, **overrides}
     config = getattr(transformers, cls_name)(**fields)
     config._attn_implementation = overrides.get("attn_implementation", "sdpa")

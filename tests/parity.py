@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from cpcompile.testing import FAMILIES, packed_batch, tiny_model
+from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_model
 from tests import _models
 
 # -- tolerances: the one place ---------------------------------------------------------------------------------
@@ -166,9 +166,10 @@ class ParityCase:
         if ":" in self.model:
             module, _, factory = self.model.partition(":")
             return getattr(importlib.import_module(module), factory)(seed=self.seed, **kwargs)
-        if self.model not in FAMILIES:
+        if self.model not in FAMILIES and self.model not in MOE_FAMILIES:
             raise ValueError(
-                f"unknown model {self.model!r}; use one of {sorted(FAMILIES)}, 'attn:<form>' or 'module:factory'"
+                f"unknown model {self.model!r}; use one of {sorted({**FAMILIES, **MOE_FAMILIES})}, 'attn:<form>' "
+                "or 'module:factory'"
             )
         return tiny_model(self.model, seed=self.seed, **kwargs)
 

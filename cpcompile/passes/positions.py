@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.common import arg as _arg
 
@@ -189,19 +190,6 @@ def _may_be_tensor(n: object) -> bool:
     return isinstance(n, fx.Node) and (_val(n) is None or _is_tensorish(n))
 
 
-def _op_name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return str(n.target)
-    if n.op != "call_function":
-        return n.op
-    if n.target is operator.getitem:
-        return "getitem"
-    overload = _compat.op_overload_name(n.target)
-    if overload is not None:
-        return overload
-    return getattr(n.target, "__name__", str(n.target))
-
-
 def _is_sdpa(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _compat.SDPA_TARGETS
 
@@ -278,7 +266,6 @@ _ELEMENTWISE = {
     "conj_physical", "resolve_conj", "silu", "gelu", "relu", "softplus", "erf", "erfc", "nan_to_num", "isnan",
     "isinf", "isfinite", "deg2rad", "rad2deg", "outer", "ger",
 }  # fmt: skip
-_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
 _LAYOUT = {
     "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze", "expand",
     "broadcast_to", "expand_as", "contiguous", "clone", "detach", "to", "type", "float", "double", "half",
@@ -303,32 +290,15 @@ _CONCAT = {"cat", "concat", "concatenate"}
 _MATMUL = {"matmul", "mm", "bmm", "linear", "einsum"}
 
 
-def _is_inplace(name: str) -> bool:
-    if name in _INPLACE_OPERATORS or name == "setitem":
-        return True
-    return name.endswith("_") and not name.endswith("__") and name not in {"and_", "or_", "not_", "is_"}
-
-
 def _value_inputs(n: fx.Node) -> list[fx.Node]:
     """The inputs whose values ``n`` reads (not those it reads only for a dtype, device or shape)."""
-    name = _op_name(n)
+    name = op_name(n)
     if name in _NO_VALUES:
         return []
     if name in _FIRST_ONLY:
         first = n.args[0] if n.args else None
         return [first] if _may_be_tensor(first) else []
     return [i for i in n.all_input_nodes if _may_be_tensor(i)]
-
-
-def _mutated(n: fx.Node) -> fx.Node | None:
-    """The tensor an in-place op writes into, or ``None``."""
-    out = n.kwargs.get("out")
-    if isinstance(out, fx.Node):
-        return out
-    if n.op in ("call_function", "call_method") and _is_inplace(_op_name(n)) and n.args:
-        first = n.args[0]
-        return first if isinstance(first, fx.Node) else None
-    return None
 
 
 # -- find ------------------------------------------------------------------------------------------------
@@ -376,10 +346,12 @@ def graph_facts(gm: fx.GraphModule, seq: SequenceLength) -> GraphFacts:
                 if is_data:
                     data.add(n)
                     changed = True
-            target = _mutated(n)
-            if target is not None and target not in data and any(i in data for i in _value_inputs(n)):
-                data.add(target)
-                changed = True
+            target = mutated(n)
+            if target is not None and any(i in data for i in _value_inputs(n)):
+                for written in viewed_bases(target):  # writing data into a view writes it into its base
+                    if written not in data:
+                        data.add(written)
+                        changed = True
     mask_only: set[fx.Node] = set()
     for n in reversed(nodes):
         if n.users and all(_mask_use(n, u, seq, mask_only) for u in n.users):
@@ -511,7 +483,7 @@ def _slice_source(n: fx.Node, name: str, facts: GraphFacts, layer: str) -> Posit
 
 
 def _classify(n: fx.Node, facts: GraphFacts) -> PositionSource | None:
-    seq, name = facts.seq, _op_name(n)
+    seq, name = facts.seq, op_name(n)
     if _leaves_graph(n):
         return None  # a call of a nested graph: its body is searched on its own
     layer = _compat.node_module_path(n)
@@ -616,13 +588,13 @@ def _check_reshape(u: fx.Node, t: fx.Node, seq: SequenceLength) -> str | None:
     before it (so each position keeps its own elements)."""
     src, out = _shape(t), _shape(u)
     if src is None or out is None:
-        return f"{_op_name(u)} of a position-derived value has no recorded shape"
+        return f"{op_name(u)} of a position-derived value has no recorded shape"
     ds, do = _seq_dims(t, seq), [d for d, s in enumerate(out) if seq.involves(s)]
     ok = len(ds) == len(do) and all(
         _compat.statically_true(src[a] == out[b]) and _compat.statically_true(math.prod(src[:a]) == math.prod(out[:b]))
         for a, b in zip(ds, do)
     )
-    return None if ok else f"{_op_name(u)} from {list(src)} to {list(out)} moves positions across the sequence dim"
+    return None if ok else f"{op_name(u)} from {list(src)} to {list(out)} moves positions across the sequence dim"
 
 
 def _check_getitem(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str | None:
@@ -709,9 +681,9 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
         return None  # handed on as a per-token tensor
     if _mask_args(u)[1]:
         return "is used as the query, key or value of the attention"
-    name = _op_name(u)
-    base = name.rstrip("_") if _is_inplace(name) and name != "setitem" else name
-    if base in _ELEMENTWISE or name in _INPLACE_OPERATORS or base in _LAYOUT:
+    name = op_name(u)
+    base = name.rstrip("_") if is_inplace(name) and name != "setitem" else name
+    if base in _ELEMENTWISE or name in INPLACE_OPERATORS or base in _LAYOUT:
         return None
     if name in _RESHAPE:
         return _check_reshape(u, t, seq)
@@ -738,6 +710,66 @@ def _check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str |
     return f"{name} is not known to keep the values of different positions apart"
 
 
+#: Why an arange that only numbers this rank's own rows is left unchanged.
+ROW_NUMBERS = (
+    "it numbers this rank's own rows (token bookkeeping such as an MoE dispatch's inverse permutation), not positions"
+)
+
+
+def _indexes_rows_of(u: fx.Node, index: fx.Node, facts: GraphFacts, length: object) -> bool:
+    """Whether ``u`` looks sharded data up at ``index`` along a dim of exactly ``length`` rows (all of them)."""
+    name = op_name(u)
+    if name == "getitem" and u.args[0] in facts.data:
+        entries = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
+        if entries and entries[0] is index and index not in entries[1:]:
+            shape = _shape(u.args[0])
+            return shape is not None and _compat.statically_true(shape[0] == length)
+    if name == "index_select" and u.args[0] in facts.data and _arg(u, 2, "index") is index:
+        shape, dim = _shape(u.args[0]), _arg(u, 1, "dim")
+        return shape is not None and isinstance(dim, int) and _compat.statically_true(shape[dim] == length)
+    return False
+
+
+def _numbers_local_rows(src: PositionSource) -> bool:
+    """Whether an ``arange``'s values only number the rows of this rank's own sharded data.
+
+    Every use must be one of:
+
+    * the value of ``target[index] = arange(n)`` where ``index`` is sharded data and ``target`` is a 1-d tensor of
+      ``n`` elements used only to look sharded data up (``inv_perm[perm] = arange(perm.size(0))``, then
+      ``x[inv_perm]``: transformers' MoE dispatch undoing its sort of tokens by expert);
+    * the index of a lookup of all ``n`` rows of sharded data (``x[arange(n)]``, ``x.index_select(0, arange(n))``).
+
+    Both only renumber the rank's own rows, so the local numbers are the right ones. Arithmetic on the numbers
+    first (``arange(T) - 1``, a shift), a lookup of part of the rows or of a table, or any other use does not
+    qualify.
+    """
+    node, facts = src.node, src.facts
+    shape = _shape(node)
+    if shape is None or len(shape) != 1 or not node.users:
+        return False
+    length = shape[0]
+    for u in node.users:
+        if _indexes_rows_of(u, node, facts, length):
+            continue
+        if u.op != "call_function" or u.target is not operator.setitem or len(u.args) != 3 or u.args[2] is not node:
+            return False
+        target, index = u.args[0], u.args[1]
+        target_shape = _shape(target)
+        if not (
+            isinstance(index, fx.Node)
+            and index in facts.data
+            and target in facts.data
+            and target_shape is not None
+            and len(target_shape) == 1
+            and _compat.statically_true(target_shape[0] == length)
+        ):
+            return False
+        if not all(v is u or _indexes_rows_of(v, target, facts, length) for v in target.users):
+            return False
+    return True
+
+
 def check_source(src: PositionSource) -> PositionCheck:
     """What to do with ``src``: leave it to the mask, leave it unchanged, rewrite it, or refuse it (with why).
 
@@ -750,6 +782,8 @@ def check_source(src: PositionSource) -> PositionCheck:
     facts = src.facts
     if src.node in facts.mask_only:
         return PositionCheck("mask")
+    if src.kind == "arange" and _numbers_local_rows(src):
+        return PositionCheck("unchanged", ROW_NUMBERS)
     if src.kind in ("length", "other") or src.problem:
         return PositionCheck("refuse", f"it is {src.problem or 'a value of unknown form'}")
     tainted, queue = {src.node}, [src.node]

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.passes.aliasing import last_write
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
@@ -407,7 +408,7 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     src = kv_source(site)
     k_src, v_src = (_heads_first(graph, t, src.layout) for t in (src.key, src.value))
     gather = spec.cp_size > 1 and spec.exchange == "all_gather"
-    started = [ops.emit_gather_start(graph, t, spec) for t in (k_src, v_src)] if gather else []
+    started = [ops.emit_gather_start(graph, t, spec, last_write(t)) for t in (k_src, v_src)] if gather else []
     with graph.inserting_before(node):
         positions = ops.emit_site_plan(graph, k_src, v_src, site.attn_mask, spec)
         if gather:

@@ -32,6 +32,7 @@ import operator
 import torch.fx as fx
 
 from cpcompile import _compat
+from cpcompile.passes import aliasing
 
 __all__ = [
     "CONTRACTIONS",
@@ -139,21 +140,18 @@ PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
 
 
 def op_name(n: fx.Node) -> str:
-    """The vocabulary name of a graph node's operation (see the module docstring)."""
-    if n.op == "call_method":
-        return str(n.target)
-    if n.op != "call_function":
-        return n.op
-    if n.target is operator.getitem:
-        return "getitem"
-    if n.target is operator.setitem:
-        return "setitem"
-    qualified = _compat.custom_op_name(n.target)
-    if qualified is not None:
-        return qualified if qualified.split("::")[0] not in ("aten", "prims") else qualified.split("::")[-1]
-    if n.target in _compat.SDPA_TARGETS:
-        return "scaled_dot_product_attention"
-    return getattr(n.target, "__name__", str(n.target))
+    """The vocabulary name of a graph node's operation (see the module docstring): :func:`aliasing.op_name
+    <cpcompile.passes.aliasing.op_name>`, with ``"setitem"``, ``"ns::name"`` for a custom op and
+    ``"scaled_dot_product_attention"``."""
+    if n.op == "call_function":
+        if n.target is operator.setitem:
+            return "setitem"
+        qualified = _compat.custom_op_name(n.target)
+        if qualified is not None and qualified.split("::")[0] not in ("aten", "prims"):
+            return qualified
+        if n.target in _compat.SDPA_TARGETS:
+            return "scaled_dot_product_attention"
+    return aliasing.op_name(n)
 
 
 def is_torch_function(n: fx.Node) -> bool:
