@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpcompile
-from cpcompile.testing import FAMILIES, packed_batch, tiny_config, tiny_model
+from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_config, tiny_model
 from tests._graphs import counter_delta
 from tests._mixing_models import mixer_lm
 from tests._models import lm_output
@@ -119,7 +119,7 @@ def test_transformers_lfm2_conv_layer_runs_on_the_whole_sequence(world):
 ACCOUNTED = {"gathered", "dispatch", "per_token"}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(MOE_FAMILIES))
 def test_families_are_not_refused(world, family):
     """Every tested family compiles: its loss is a partial sum, anything else is run on the whole sequence or
     accounted for, nothing is refused."""
@@ -128,14 +128,16 @@ def test_families_are_not_refused(world, family):
     assert {a[3] for a in _actions(backend)[:-1]} <= ACCOUNTED, _actions(backend)
 
 
-@pytest.mark.parametrize("family, T", [("llama", 128), ("lfm2", 32)])
+@pytest.mark.parametrize("family, T", [("llama", 128), ("lfm2", 32), ("glm4_moe", 37)])
 def test_static_graph_sizes_equal_to_the_chunk_length(world, family, T):
     """In a static graph (FSDP2's per-layer graphs, shard(dynamic=False)) a hidden size (64) or head dim (16) equal
-    to the chunk length is not taken for the sequence: dims are followed from the inputs."""
+    to the chunk length is not taken for the sequence: dims are followed from the inputs; GLM-4-MoE's grouped
+    router (``view(-1, n_group, E // n_group).topk(2, dim=-1)``) reduces over experts, not tokens."""
     backend = cpcompile.backend(world, inner="eager")
-    with cpcompile.shard(packed_batch([[T // 2, T // 2], [T]]), world, dynamic=False) as local:
+    with cpcompile.shard(packed_batch([[T // 2, T - T // 2], [T]]), world, dynamic=False) as local:
         torch.compile(tiny_model(family), backend=backend)(**local)
-    assert [a for a in _actions(backend) if a[1] != "conv1d"] == [LOSS]
+    assert _actions(backend)[-1] == LOSS, _actions(backend)
+    assert {a[3] for a in _actions(backend)[:-1]} <= ACCOUNTED, _actions(backend)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
@@ -182,6 +184,15 @@ def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words
     assert "Fix: " in message and fix_words in message, message
     assert counter_delta(before).get("mixing_refused", 0) >= 1
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
+
+
+@pytest.mark.parametrize("mixer", ["chunked_scan", "mean_pool", "last_token"])
+def test_refused_in_static_graphs(world, mixer):
+    """shard(dynamic=False): the sequence dim is followed from the inputs, through the chunking view and unbind."""
+    backend = cpcompile.backend(world, inner="eager")
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"cpcompile cannot run .* at mixer"):
+        with cpcompile.shard(packed_batch(DOCS), world, dynamic=False) as local:
+            torch.compile(mixer_lm(mixer=mixer), backend=backend)(**local)
 
 
 def test_sequence_classification_last_token_pooling_is_refused(world):

@@ -192,35 +192,45 @@ def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Ta
     """Tags of a reshape's output: dims are grouped by equal element counts; in a group holding a sequence dim,
     an output dim is a sequence dim when its size involves the local length, and a piece of constant size is
     one when the sequence was divided into it (``[T] -> [T // 64, 64]``: chunks of the sequence), not when the
-    group multiplied the length by a constant (``[k * T] -> [T, k]``: top-k slots of every token)."""
+    group multiplied the length by a constant (``[k * T] -> [T, k]``: top-k slots of every token). In a static
+    graph, by sizes: the pieces that hold whole multiples of the chunk length, else every piece."""
     a, b = [_hint(s) for s in src], [_hint(s) for s in out]
     if -1 in a or -1 in b or math.prod(a) != math.prod(b):
         return _involved(out, seq)
     res = [False] * len(out)
     i = j = 0
     while i < len(a) or j < len(b):
-        gi, gj = [], []
-        pa = pb = 1
-        while True:
-            if pa == pb and (gi or gj) and (i >= len(a) or a[i] != 1 or pa != 1) and (j >= len(b) or b[j] != 1):
-                break
-            if pa <= pb and i < len(a):
-                pa *= a[i]
-                gi.append(i)
-                i += 1
-            elif j < len(b):
-                pb *= b[j]
-                gj.append(j)
-                j += 1
+        if j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+            j += 1  # a new dim of size 1 holds no tokens
+            continue
+        if i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+            i += 1
+            continue
+        if i >= len(a) or j >= len(b):
+            return _involved(out, seq)
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+                gi.append(i - 1)
+            elif pb < pa and j < len(b):
+                pb, j = pb * b[j], j + 1
+                gj.append(j - 1)
             else:
-                break
+                return _involved(out, seq)
         if not any(tags[k] for k in gi):
+            continue
+        if seq.static:  # sizes only: the pieces holding whole multiples of the chunk, else all (chunks of it)
+            whole = [k for k in gj if seq.chunk_len and b[k] % seq.chunk_len == 0]
+            for k in gj:
+                res[k] = b[k] != 1 and (k in whole or not whole)
             continue
         symbolic = [k for k in gj if seq.involves(out[k])]
         ratio = sympy.simplify(math.prod(_expr(src[k]) for k in gi) / math.prod(_expr(out[k]) for k in symbolic))
-        pieces_are_seq = not symbolic or bool(ratio.free_symbols) or seq.static
+        pieces_are_seq = not symbolic or bool(ratio.free_symbols)
         for k in gj:
-            res[k] = k in symbolic or (pieces_are_seq and b[k] != 1 and not (seq.static and symbolic))
+            res[k] = k in symbolic or (pieces_are_seq and b[k] != 1)
     return tuple(res)
 
 
@@ -253,9 +263,16 @@ def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLen
     return None
 
 
-def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength) -> Tags:
+def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, tags: dict) -> Tags:
     index = n.args[1]
     entries = index if isinstance(index, tuple) else (index,)
+    if len(entries) == 1 and isinstance(entries[0], fx.Node) and isinstance(_val(entries[0]), torch.Tensor):
+        index_tags = tags.get(entries[0])  # rows picked by an index tensor: its dims, then the rows' dims
+        if isinstance(index_tags, tuple) and not _is_nested(index_tags) and _val(entries[0]).dtype != torch.bool:
+            got = tuple(t or (d == 0 and bool(base_tags) and base_tags[0]) for d, t in enumerate(index_tags))
+            got += base_tags[1:]
+            if len(got) == len(out):
+                return tuple(g or s for g, s in zip(got, _involved(out, seq), strict=True))
     if any(isinstance(e, fx.Node) and isinstance(_val(e), torch.Tensor) for e in entries) or any(
         isinstance(e, (list, torch.Tensor)) for e in entries
     ):
@@ -287,6 +304,10 @@ def sequence_dims(g: fx.GraphModule, seq: SequenceLength) -> dict[fx.Node, objec
         if isinstance(v, (tuple, list)):
             base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             base_tags = tags.get(base)
+            if n.op in ("call_function", "call_method") and vocab.op_name(n) == "unbind":
+                dim = arg(n, 1, "dim", 0)
+                if isinstance(base_tags, tuple) and not _is_nested(base_tags) and isinstance(dim, int):
+                    base_tags = tuple(t for d, t in enumerate(base_tags) if d != dim % len(base_tags))
             out = []
             for x in v:
                 if not isinstance(x, torch.Tensor):
@@ -325,7 +346,7 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
         if name in vocab.RESHAPE:
             return _reshape_tags(_shape(first), first_tags, out, seq)
         if name == "getitem":
-            return _getitem_tags(n, first_tags, out, seq)
+            return _getitem_tags(n, first_tags, out, seq, tags)
         if name in vocab.LAYOUT:
             got = _layout_tags(n, name, first_tags, out, seq)
             if got is not None and len(got) == len(out):
