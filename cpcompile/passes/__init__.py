@@ -9,7 +9,8 @@ the model computes from the local sequence length: rewritten to global token ind
 refused) and its building blocks :func:`sequence_length`, :func:`find_position_sources`, :func:`check_source`,
 :func:`rewrite_source`; :func:`mixing_pass` (every other op that mixes tokens along the sequence: run on the
 whole sequence, accounted for, or refused) and its building blocks :func:`find_mixing_ops`, :func:`check_op`,
-:func:`rewrite_region`, with the op tables of :mod:`cpcompile.passes.vocabulary`.
+:func:`rewrite_region`, with the op tables of :mod:`cpcompile.passes.vocabulary` and the sequence dims of
+:mod:`cpcompile.passes.sequence_dims`.
 """
 
 from cpcompile.passes import mixing, positions, sdpa_cp

@@ -23,8 +23,10 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   maximum, a loss with ``reduction="mean"`` or a sum used any other way is refused.
 * ``dispatch``: MoE token bookkeeping (transformers' ``integrations/moe.py``): sorting the ``tokens x top_k``
   expert ids along the token dim, their histogram, moving rows by that permutation and back. Only expert ids
-  (the indices of a ``topk`` or ``argmax`` over a dim that is not a sequence dim, reshaped, cast or sorted) are
-  bookkeeping; rows moved by any other index are a selection across tokens.
+  (the indices of a ``topk`` or ``argmax`` over a dim that is not a sequence dim, reshaped, cast or sorted) and
+  the permutation of a sort whose sorted values are not used (``_, perm = sort(scores)``) are bookkeeping; rows
+  moved by any other index are a selection across tokens. That the rows are moved back before they leave the
+  dispatch is not checked.
 * ``per_token``: a custom op listed in :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS` or the backend's
   ``per_token_ops`` option.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
@@ -45,7 +47,6 @@ import math
 import os
 from typing import Literal
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -53,6 +54,7 @@ from cpcompile import _compat, ops
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.common import PassContext, arg, counters, finish, graph_modules, node_value
 from cpcompile.passes.positions import SequenceLength, graph_facts, sequence_length
+from cpcompile.passes.sequence_dims import Tags, is_nested, sequence_dims, shape_of, size_hint
 
 __all__ = [
     "CausalRegion",
@@ -63,7 +65,6 @@ __all__ = [
     "find_mixing_ops",
     "mixing_pass",
     "rewrite_region",
-    "sequence_dims",
 ]
 
 #: What an op does along the sequence.
@@ -142,237 +143,8 @@ class MixingReport:
         return dataclasses.asdict(self)
 
 
-# -- the sequence dims of every tensor -------------------------------------------------------------------------
-Tags = tuple  # per dim: True where the dim holds (part of) the sharded sequence
-
-
 def _val(n: object) -> object:
     return node_value(n)
-
-
-def _shape(n: object) -> tuple | None:
-    v = _val(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _expr(size: object) -> object:
-    return sympy.Integer(size) if isinstance(size, int) else _compat.sym_expr(size)
-
-
-def _hint(size: object) -> int:
-    value = size if isinstance(size, int) else _compat.sym_hint(size)
-    return -1 if value is None else int(value)
-
-
-def _size_is_seq(size: object, seq: SequenceLength) -> bool:
-    """Whether a size alone says its dim holds the sequence: it involves the length's symbol. In a static graph
-    no size says so (a hidden size may equal the chunk length): dims are followed from the inputs instead."""
-    return not seq.static and seq.involves(size)
-
-
-def _involved(shape: tuple, seq: SequenceLength) -> Tags:
-    return tuple(_size_is_seq(s, seq) for s in shape)
-
-
-def _input_tags(shape: tuple, seq: SequenceLength) -> Tags:
-    """Tags of a graph input: the dims of the local length; in a static graph the sequence dim ``shard`` gives
-    ``[B, T, ...]`` tensors (dim 1) when it has the chunk length, else the first dim that has it."""
-    if not seq.static:
-        return _involved(shape, seq)
-    dims = [d for d, size in enumerate(shape) if seq.involves(size)]
-    pick = 1 if 1 in dims else (dims[0] if dims else None)
-    return tuple(d == pick for d in range(len(shape)))
-
-
-def _same_size(a: object, b: object) -> bool:
-    return a == b if isinstance(a, int) and isinstance(b, int) else _compat.statically_true(a == b)
-
-
-def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Tags:
-    """Tags of a reshape's output: dims are grouped by equal element counts; in a group holding a sequence dim,
-    an output dim is a sequence dim when its size involves the local length, and a piece of constant size is
-    one when the sequence was divided into it (``[T] -> [T // 64, 64]``: chunks of the sequence), not when the
-    group multiplied the length by a constant (``[k * T] -> [T, k]``: top-k slots of every token). In a static
-    graph, by sizes: the pieces that hold whole multiples of the chunk length, else every piece."""
-    a, b = [_hint(s) for s in src], [_hint(s) for s in out]
-    if -1 in a or -1 in b or math.prod(a) != math.prod(b):
-        return _involved(out, seq)
-    res = [False] * len(out)
-    i = j = 0
-    while i < len(a) or j < len(b):
-        if j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
-            j += 1  # a new dim of size 1 holds no tokens
-            continue
-        if i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
-            i += 1
-            continue
-        if i >= len(a) or j >= len(b):
-            return _involved(out, seq)
-        gi, gj, pa, pb = [i], [j], a[i], b[j]
-        i, j = i + 1, j + 1
-        while pa != pb:
-            if pa < pb and i < len(a):
-                pa, i = pa * a[i], i + 1
-                gi.append(i - 1)
-            elif pb < pa and j < len(b):
-                pb, j = pb * b[j], j + 1
-                gj.append(j - 1)
-            else:
-                return _involved(out, seq)
-        if not any(tags[k] for k in gi):
-            continue
-        if seq.static:  # sizes only: the pieces holding whole multiples of the chunk, else all (chunks of it)
-            whole = [k for k in gj if seq.chunk_len and b[k] % seq.chunk_len == 0]
-            for k in gj:
-                res[k] = b[k] != 1 and (k in whole or not whole)
-            continue
-        symbolic = [k for k in gj if seq.involves(out[k])]
-        ratio = sympy.simplify(math.prod(_expr(src[k]) for k in gi) / math.prod(_expr(out[k]) for k in symbolic))
-        pieces_are_seq = not symbolic or bool(ratio.free_symbols)
-        for k in gj:
-            res[k] = k in symbolic or (pieces_are_seq and b[k] != 1)
-    return tuple(res)
-
-
-def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLength) -> Tags | None:
-    ndim = len(tags)
-    if name in ("transpose", "swapaxes", "swapdims"):
-        d0, d1 = (arg(n, 1, "dim0") % ndim, arg(n, 2, "dim1") % ndim) if ndim else (0, 0)
-        t = list(tags)
-        t[d0], t[d1] = t[d1], t[d0]
-        return tuple(t)
-    if name == "t":
-        return tuple(reversed(tags))
-    if name == "permute":
-        dims = n.args[1:] if not isinstance(n.args[1], (tuple, list)) else n.args[1]
-        return tuple(tags[d % ndim] for d in dims)
-    if name in ("movedim", "moveaxis") and isinstance(n.args[1], int) and isinstance(n.args[2], int):
-        t = list(tags)
-        t.insert(n.args[2] % ndim, t.pop(n.args[1] % ndim))
-        return tuple(t)
-    if name == "unsqueeze":
-        d = arg(n, 1, "dim")
-        t = list(tags)
-        t.insert(d % (ndim + 1), False)
-        return tuple(t)
-    if len(out) >= ndim:  # casts, copies, expand (new leading dims)
-        lead = len(out) - ndim
-        return tuple(False for _ in range(lead)) + tuple(
-            t or _size_is_seq(s, seq) for t, s in zip(tags, out[lead:], strict=True)
-        )
-    return None
-
-
-def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, tags: dict) -> Tags:
-    index = n.args[1]
-    entries = index if isinstance(index, tuple) else (index,)
-    if len(entries) == 1 and isinstance(entries[0], fx.Node) and isinstance(_val(entries[0]), torch.Tensor):
-        index_tags = tags.get(entries[0])  # rows picked by an index tensor: its dims, then the rows' dims
-        if isinstance(index_tags, tuple) and not _is_nested(index_tags) and _val(entries[0]).dtype != torch.bool:
-            got = tuple(t or (d == 0 and bool(base_tags) and base_tags[0]) for d, t in enumerate(index_tags))
-            got += base_tags[1:]
-            if len(got) == len(out):
-                return tuple(g or s for g, s in zip(got, _involved(out, seq), strict=True))
-    if any(isinstance(e, fx.Node) and isinstance(_val(e), torch.Tensor) for e in entries) or any(
-        isinstance(e, (list, torch.Tensor)) for e in entries
-    ):
-        return _involved(out, seq)
-    res, d = [], 0
-    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
-    for e in entries:
-        if e is None:
-            res.append(False)
-        elif e is Ellipsis:
-            k = len(base_tags) - consumed
-            res += base_tags[d : d + k]
-            d += k
-        elif isinstance(e, slice):
-            res.append(base_tags[d] if d < len(base_tags) else False)
-            d += 1
-        else:
-            d += 1
-    res += base_tags[d:]
-    return tuple(res) if len(res) == len(out) else _involved(out, seq)
-
-
-def sequence_dims(g: fx.GraphModule, seq: SequenceLength) -> dict[fx.Node, object]:
-    """For every node of ``g`` with a tensor value: a tuple telling for each dim whether it holds the sequence
-    (a tuple of such tuples for ops returning several tensors, e.g. ``chunk``)."""
-    tags: dict[fx.Node, object] = {}
-    for n in g.graph.nodes:
-        v = _val(n)
-        if isinstance(v, (tuple, list)):
-            base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-            base_tags = tags.get(base)
-            if n.op in ("call_function", "call_method") and vocab.op_name(n) == "unbind":
-                dim = arg(n, 1, "dim", 0)
-                if isinstance(base_tags, tuple) and not _is_nested(base_tags) and isinstance(dim, int):
-                    base_tags = tuple(t for d, t in enumerate(base_tags) if d != dim % len(base_tags))
-            out = []
-            for x in v:
-                if not isinstance(x, torch.Tensor):
-                    out.append(None)
-                elif isinstance(base_tags, tuple) and len(base_tags) == x.dim() and not _is_nested(base_tags):
-                    out.append(tuple(t or _size_is_seq(s, seq) for t, s in zip(base_tags, x.shape, strict=True)))
-                else:
-                    out.append(_involved(tuple(x.shape), seq))
-            tags[n] = tuple(out)
-            continue
-        if not isinstance(v, torch.Tensor):
-            continue
-        out = tuple(v.shape)
-        tags[n] = _node_tags(n, out, tags, seq)
-    return tags
-
-
-def _is_nested(t: object) -> bool:
-    return isinstance(t, tuple) and any(isinstance(x, tuple) or x is None for x in t)
-
-
-def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
-    if n.op == "get_attr" or (n.op == "placeholder" and _compat.is_module_state(n)):
-        return _involved(out, seq)  # parameters and buffers hold no tokens
-    if n.op == "placeholder":
-        return _input_tags(out, seq)
-    name = vocab.op_name(n)
-    first = n.args[0] if n.args else None
-    first_tags = tags.get(first) if isinstance(first, fx.Node) else None
-    if name == "getitem" and isinstance(first_tags, tuple) and _is_nested(first_tags) and isinstance(n.args[1], int):
-        got = first_tags[n.args[1]]
-        return got if isinstance(got, tuple) and len(got) == len(out) else _involved(out, seq)
-    if not isinstance(first_tags, tuple) or _is_nested(first_tags):
-        first_tags = None
-    if first_tags is not None:
-        if name in vocab.RESHAPE:
-            return _reshape_tags(_shape(first), first_tags, out, seq)
-        if name == "getitem":
-            return _getitem_tags(n, first_tags, out, seq, tags)
-        if name in vocab.LAYOUT:
-            got = _layout_tags(n, name, first_tags, out, seq)
-            if got is not None and len(got) == len(out):
-                return got
-    # every op: dims whose size involves the local length; the leading dims it keeps from its first input keep
-    # their tags (a linear keeps [B, T], a scan of sequence chunks keeps them all); element-wise ops broadcast
-    # their inputs' tags (right-aligned)
-    res = list(_involved(out, seq))
-    first_shape = _shape(first)
-    if first_tags is not None and first_shape is not None:
-        for d in range(min(len(first_shape), len(out))):
-            if not _same_size(first_shape[d], out[d]):
-                break
-            res[d] = res[d] or first_tags[d]
-    if name not in vocab.ELEMENTWISE:
-        return tuple(res)
-    for i in n.all_input_nodes:
-        t = tags.get(i)
-        if not isinstance(t, tuple) or _is_nested(t) or len(t) > len(out):
-            continue
-        shape = _shape(i)
-        lead = len(out) - len(t)
-        for d, tagged in enumerate(t):
-            if tagged and shape is not None and _same_size(shape[d], out[lead + d]):
-                res[lead + d] = True
-    return tuple(res)
 
 
 # -- find ------------------------------------------------------------------------------------------------------
@@ -409,7 +181,7 @@ class _Graph:
 
 def _seq_tags(n: object, g: _Graph) -> Tags:
     t = g.tags.get(n) if isinstance(n, fx.Node) else None
-    return t if isinstance(t, tuple) and not _is_nested(t) else ()
+    return t if isinstance(t, tuple) and not is_nested(t) else ()
 
 
 def _seq_operands(n: fx.Node, g: _Graph) -> list[fx.Node]:
@@ -467,11 +239,19 @@ def _expert_ids(g: fx.GraphModule, seq: SequenceLength, tags: dict) -> frozenset
 def _reduces_seq(n: fx.Node, name: str, tags: dict) -> bool:
     x = n.args[0] if n.args else None
     t = tags.get(x) if isinstance(x, fx.Node) else None
-    if not isinstance(t, tuple) or _is_nested(t):
+    if not isinstance(t, tuple) or is_nested(t):
         return True
     pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
     reduced = _norm_dims(arg(n, 1 + pos, kw, default), len(t))
     return any(tagged and (reduced is None or d in reduced) for d, tagged in enumerate(t))
+
+
+def _sorts_for_dispatch(n: fx.Node, expert_ids: frozenset) -> bool:
+    """Whether a ``sort``/``argsort`` only orders rows for a dispatch: it sorts expert ids, or only its permutation
+    is used (the sorted values themselves never become data: ``_, perm = sort(router_scores)``)."""
+    if (n.args and n.args[0] in expert_ids) or vocab.op_name(n) == "argsort":
+        return True
+    return all(vocab.op_name(u) == "getitem" and u.args[1] == 1 for u in n.users)
 
 
 def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
@@ -489,9 +269,9 @@ def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
             first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             found = False
             if name == "getitem" and first is not None and isinstance(n.args[1], int) and n.args[1] == 1:
-                found = vocab.op_name(first) == "sort" and bool(first.args) and first.args[0] in expert_ids
+                found = vocab.op_name(first) == "sort" and _sorts_for_dispatch(first, expert_ids)
             elif name == "argsort":
-                found = first in expert_ids
+                found = _sorts_for_dispatch(n, expert_ids)
             elif name in vocab.ELEMENTWISE or name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS:
                 tensors = [i for i in n.all_input_nodes if isinstance(_val(i), torch.Tensor)]
                 found = bool(tensors) and all(i in index for i in tensors)
@@ -545,6 +325,9 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
             return None
         if name in vocab.DISPATCH and x in g.expert_ids:
             return found("order", f"{name} of MoE expert ids over tokens x top_k", accounted="dispatch")
+        if name in ("sort", "argsort") and _sorts_for_dispatch(n, g.expert_ids):
+            what = "sort of the rows for a dispatch (only the permutation is used)"
+            return found("order", what, accounted="dispatch")
         if kind == "reduction" and name in ("sum", "nansum"):
             return found("reduction", f"{name} over the sequence", accounted="partial_sum")
         return found(kind, f"{name} along the sequence")
@@ -618,10 +401,10 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
                 d += len(tags) - consumed
                 continue
             if d in seq_dims:
-                size = _shape(base)[d]
+                size = shape_of(base)[d]
                 if isinstance(e, slice):
                     if not _full_slice(e, size):
-                        if not any(g.seq.involves(s) for s in _shape(n) or ()):  # a few tokens picked out
+                        if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
                             return found("selection", f"picks tokens {_slice_text(e)} of the sequence")
                         return found("shift", f"slices the sequence dim with {_slice_text(e)}")
                 else:
@@ -732,7 +515,7 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
     operands = _seq_operands(start, g)
     x = operands[0]
     tags = _seq_tags(x, g)
-    dims = [d for d, t in enumerate(tags) if t and seq.is_length(_shape(x)[d])]
+    dims = [d for d, t in enumerate(tags) if t and seq.is_length(shape_of(x)[d])]
     if len(operands) != 1 or len(dims) != 1:
         return None, "it reads more than one sequence-sharded tensor or sequence dim"
     dim, operand, n, cur = dims[0], x, start, x
@@ -748,7 +531,7 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
         if trim is not None:
             trims.append((n, trim))
         nodes.append(n)
-        shape = _shape(n)
+        shape = shape_of(n)
         if shape is not None and seq.is_length(shape[dim]):
             break
         users = [u for u in n.users if vocab.op_name(u) not in vocab.NO_VALUES]
@@ -770,10 +553,10 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
     for a in _flat_args(n):
         if isinstance(a, fx.Node) and a is not cur and _is_length_scalar(a, g.seq) is False:
             return f"{name} uses a size computed from the local sequence length"
-    ndim = len(_shape(cur) or ())
+    ndim = len(shape_of(cur) or ())
     if name == "conv1d":
         weight = arg(n, 1, "weight")
-        w = _shape(weight)
+        w = shape_of(weight)
         stride, padding, dilation = (arg(n, i, k, 1 if k != "padding" else 0) for i, k in
                                      ((3, "stride"), (4, "padding"), (5, "dilation")))  # fmt: skip
         stride, padding, dilation = (v[0] if isinstance(v, (tuple, list)) else v for v in (stride, padding, dilation))
@@ -818,7 +601,7 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
         if not isinstance(cat_dim, int) or cat_dim % ndim != dim or cur not in tensors:
             return "only a cat along the sequence dim runs on the whole sequence"
         before = tensors[: list(tensors).index(cur)]
-        sizes = [_shape(t)[dim] if _shape(t) is not None else None for t in before]
+        sizes = [shape_of(t)[dim] if shape_of(t) is not None else None for t in before]
         if any(not isinstance(s, int) for s in sizes):
             return "a cat after tensors of run-time length"
         return dim, -sum(sizes), None
@@ -828,7 +611,7 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
             return f"{name} along another dim"
         return dim, 0, None
     if name in vocab.ELEMENTWISE or name in _SHAPE_ONLY_CASTS:
-        if len(_shape(n) or ()) != ndim:
+        if len(shape_of(n) or ()) != ndim:
             return f"{name} changes the number of dims"
         return dim, 0, None
     return f"{name} is not one of the ops a causal region is built from"
@@ -983,7 +766,7 @@ def _bytes(region: CausalRegion, cp_size: int) -> int:
     v = _val(region.operand)
     if not isinstance(v, torch.Tensor):
         return 0
-    return (cp_size - 1) * _hint(math.prod(v.shape)) * v.element_size()
+    return (cp_size - 1) * size_hint(math.prod(v.shape)) * v.element_size()
 
 
 def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> list[MixingReport]:

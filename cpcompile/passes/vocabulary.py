@@ -152,12 +152,3 @@ def op_name(n: fx.Node) -> str:
         if n.target in _compat.SDPA_TARGETS:
             return "scaled_dot_product_attention"
     return aliasing.op_name(n)
-
-
-def is_torch_function(n: fx.Node) -> bool:
-    """Whether the node calls a ``torch`` function, a ``Tensor`` method, an operator or a ``torch.ops`` op (not
-    arbitrary Python the pass cannot reason about)."""
-    if n.op == "call_method":
-        return True
-    module = getattr(n.target, "__module__", "") or ""
-    return module.startswith(("torch", "_operator", "operator")) or _compat.custom_op_name(n.target) is not None
