@@ -59,7 +59,7 @@ def _gqa_worker(rank: int, world_size: int, seq: int, heads: int, kv_heads: int,
     batch = packed_batch(packed_doc_lens(seq, 2, 16, 128))
     with cpcompile.shard(batch, group) as local:
         sent = _forward_bytes(compiled, local, 4, world_size)
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
     per_layer = 2 * (world_size - 1) * plan.batch_size * kv_heads * plan.chunk_len * model.config.head_dim * 4
     return {"sent": sent["gloo:all_gather"], "minimum": layers * per_layer, "stats": cpcompile.comm_stats()}
 
@@ -79,7 +79,7 @@ def _gemma_worker(rank: int, world_size: int, seq: int, window: int, halo: bool)
     batch = packed_batch(packed_doc_lens(seq, 1, seq // 8, seq // 2, seed=1))
     with cpcompile.shard(batch, group) as local:
         sent = _forward_bytes(compiled, local, 4, world_size)
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
     key_bytes = 2 * config.num_key_value_heads * config.head_dim * 4  # one token's K and V, fp32
     full_min = (world_size - 1) * plan.batch_size * plan.chunk_len * key_bytes
     sliding_min = 5 * _seen_elsewhere(plan, window) * key_bytes
@@ -107,7 +107,7 @@ def _spelling_worker(rank: int, world_size: int, seq: int):
         compiled = torch.compile(model, backend=cpcompile.backend(dist.group.WORLD, inner="aot_eager"))
         with cpcompile.shard(packed_batch(packed_doc_lens(seq, 1, 16, 128)), dist.group.WORLD) as local:
             sent = _forward_bytes(compiled, local, 4, world_size)
-            plan = cpcompile.current_plan()
+            plan = cpcompile.runtime.current_plan()
         minimum = 2 * 2 * (world_size - 1) * plan.chunk_len * 2 * 8 * 4  # 2 layers, K and V, 2 KV heads, dim 8
         out[spelling] = (sent["gloo:all_gather"], minimum)
     return out

@@ -1,14 +1,18 @@
 """GPU (H200) check and benchmark of the CP attention op: fwd+bwd TFLOP/s of useful work at T_local 8k-32k.
 
-First checks the CUDA path (flex_attention with a BlockMask) against the dense reference (SDPA under the
-plan's mask) at a small size, forward and dQ/dK/dV, and stops if it differs. Then, for every T_local, times
-the last CP rank (the one with the most visible keys) on a packed global sequence of CP * T_local tokens, next
-to torch's own dense causal SDPA (``is_causal=True``) on one sequence with the same number of visible
-(query, key) pairs. Useful work counts visible pairs only: forward 4 * pairs * head_dim * heads FLOPs, backward
-2.5x forward (FlashAttention's convention), so fwd+bwd = 3.5x forward.
+Every implementation of ``cpcompile::cp_attention`` runs (``loop``: the default ``attention="auto"`` on every
+device; ``flex``; ``flash_varlen`` when flash-attn is installed). First each is checked against the dense reference
+(SDPA under the plan's mask) at a small size, forward and dQ/dK/dV; a path that differs is reported and left out of
+the timings. Then the compile count of ``flex`` over 20 chunk lengths is printed (automatic dynamic shapes: at most
+2 compiles). Then, for every T_local, each path times the last CP rank (the one with the most visible keys) on a
+packed global sequence of CP * T_local tokens, next to torch's own dense causal SDPA (``is_causal=True``) on one
+sequence with the same number of visible (query, key) pairs. Useful work counts visible pairs only: forward 4 *
+pairs * head_dim * heads FLOPs, backward 2.5x forward (FlashAttention's convention), so fwd+bwd = 3.5x forward.
 
-``--dry-run`` runs the same logic on CPU at a tiny size (CPU kernel instead of flex, plus flex's forward
-alone, which compiles on CPU) to check the script without a GPU.
+Peak memory is ``torch.cuda.max_memory_allocated`` over one fwd+bwd call, inputs included.
+
+``--dry-run`` runs the same logic on CPU at a tiny size (the loop only, plus flex's forward alone, which
+compiles on CPU) to check the script without a GPU.
 """
 
 from __future__ import annotations
@@ -43,28 +47,49 @@ def _time(fn, device, repeats: int) -> float:
     return best
 
 
-def check_parity(device, dtype) -> dict:
-    """cp_attention (flex on CUDA, block loop on CPU) vs dense SDPA under the plan mask; raises when off."""
+def impls(device) -> list[str]:
+    """The cp_attention implementations that can run on ``device``."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return ["loop"]
+    return ["loop", "flex"] + (["flash_varlen"] if importlib.util.find_spec("flash_attn") else [])
+
+
+def check_parity(device, dtype, impl: str) -> dict:
+    """cp_attention with ``impl`` vs dense SDPA under the plan mask: max abs errors of out, dQ, dK, dV."""
     batch = packed_batch([[300, 5, 400, 319], [1024]])
     g = torch.Generator().manual_seed(0)
     errors = {}
     for rank in range(4):
-        plan = build_plan(batch, 4, rank)
+        plan = build_plan(batch, 4, rank, layout="contiguous")
         T, c = plan.padded_len, plan.chunk_len
         q, dout = (torch.randn(2, 8, c, 64, generator=g).to(device, dtype) for _ in range(2))
         k, v = (torch.randn(2, 2, T, 64, generator=g).to(device, dtype) for _ in range(2))
         pos = [t.to(device) for t in (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)]
         outs = []
-        for fn in (cp_attention, dense_cp_attention):
+        for fn, kw in ((cp_attention, {"impl": impl}), (dense_cp_attention, {})):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = fn(*leaves, *pos, enable_gqa=True)
+            out = fn(*leaves, *pos, enable_gqa=True, **kw)
             outs.append((out, *torch.autograd.grad(out, leaves, dout)))
         for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
             errors[name] = max(errors.get(name, 0.0), (a.float() - b.float()).abs().max().item())
-    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-    if max(errors.values()) > tol:
-        raise SystemExit(f"cp_attention differs from dense SDPA on {device} {dtype}: {errors} (tolerance {tol})")
     return errors
+
+
+def flex_compiles_over_lengths(device, dtype, lengths: int = 20) -> int:
+    """Graphs Dynamo compiled for cp_attention's flex path over ``lengths`` different chunk lengths."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    for i in range(lengths):
+        batch = packed_batch([[100 + 7 * i, 60 + 3 * i]])
+        plan = build_plan(batch, 2, 1, layout="contiguous")
+        q = torch.randn(1, 4, plan.chunk_len, 64, device=device, dtype=dtype)
+        k = torch.randn(1, 2, plan.padded_len, 64, device=device, dtype=dtype)
+        pos = [t.to(device) for t in (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)]
+        cp_attention(q, k, k, *pos, enable_gqa=True, impl="flex")
+    return counters["stats"]["unique_graphs"] - before
 
 
 def check_flex_forward_on_cpu() -> float:
@@ -72,7 +97,7 @@ def check_flex_forward_on_cpu() -> float:
     from torch.nn.attention.flex_attention import flex_attention
 
     batch = packed_batch([[100, 3, 150], [253]])
-    plan = build_plan(batch, 2, 1)
+    plan = build_plan(batch, 2, 1, layout="contiguous")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, plan.chunk_len, 16, generator=g)
     k, v = (torch.randn(2, 2, plan.padded_len, 16, generator=g) for _ in range(2))
@@ -103,15 +128,30 @@ def main() -> None:
         raise SystemExit("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU")
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
-    errors = check_parity(device, dtype)
-    print(f"parity vs dense SDPA ({device}, {dtype}): " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    exact = []
+    for impl in impls(device):
+        try:
+            errors = check_parity(device, dtype, impl)
+        except Exception as e:  # noqa: BLE001 - a path that fails is reported, the others still run
+            print(f"{impl}: FAILED on {device} {dtype}: {type(e).__name__}: {e}")
+            continue
+        ok = max(errors.values()) <= tol
+        print(
+            f"{impl} vs dense SDPA ({device}, {dtype}, tolerance {tol}): {'exact' if ok else 'DIFFERS'}, "
+            + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+        )
+        if ok:
+            exact.append(impl)
+    if "flex" in exact:
+        print(f"flex: {flex_compiles_over_lengths(device, dtype)} compile(s) over 20 chunk lengths")
 
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
     lo, hi = (int(x) for x in args.docs.split(","))
     rows = []
     for t_local in (int(x) for x in args.t_local.split(",")):
         batch = packed_batch(packed_doc_lens(args.cp * t_local, 1, lo, hi))
-        plan = build_plan(batch, args.cp, args.cp - 1)
+        plan = build_plan(batch, args.cp, args.cp - 1, layout="contiguous")
         visible = plan.visible_pairs()
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, H, t_local, D, generator=g).to(device, dtype).requires_grad_()
@@ -120,11 +160,6 @@ def main() -> None:
         )
         dout = torch.randn_like(q)
         pos = [t.to(device) for t in (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)]
-
-        def ours():
-            out = cp_attention(q, k, v, *pos, enable_gqa=True)
-            torch.autograd.grad(out, (q, k, v), dout)
-
         # one causal sequence with the same number of visible pairs: L (L + 1) / 2 = visible
         L = int((math.isqrt(8 * visible + 1) - 1) // 2)
         qs, ks, vs = (torch.randn(1, h, L, D, generator=g).to(device, dtype).requires_grad_() for h in (H, Hkv, Hkv))
@@ -135,20 +170,31 @@ def main() -> None:
             torch.autograd.grad(out, (qs, ks, vs), douts)
 
         flops = 3.5 * 4 * H * D
-        t_ours, t_sdpa = _time(ours, device, args.repeats), _time(sdpa, device, args.repeats)
-        rows.append(
-            {
-                "T_local": t_local,
-                "global T": plan.padded_len,
-                "visible pairs": visible,
-                "cp_attention fwd+bwd (ms)": 1e3 * t_ours,
-                "TFLOP/s": flops * visible / t_ours / 1e12,
-                "causal SDPA length": L,
-                "SDPA fwd+bwd (ms)": 1e3 * t_sdpa,
-                "SDPA TFLOP/s": flops * L * (L + 1) / 2 / t_sdpa / 1e12,
-                "TFLOP/s ours/SDPA": (visible / t_ours) / (L * (L + 1) / 2 / t_sdpa),
-            }
-        )
+        t_sdpa = _time(sdpa, device, args.repeats)
+        for impl in exact:
+
+            def ours(impl=impl):
+                out = cp_attention(q, k, v, *pos, enable_gqa=True, impl=impl)
+                torch.autograd.grad(out, (q, k, v), dout)
+
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t_ours = _time(ours, device, args.repeats)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            rows.append(
+                {
+                    "T_local": t_local,
+                    "impl": impl,
+                    "global T": plan.padded_len,
+                    "visible pairs": visible,
+                    "fwd+bwd (ms)": 1e3 * t_ours,
+                    "TFLOP/s": flops * visible / t_ours / 1e12,
+                    "peak GiB": peak,
+                    "causal SDPA length": L,
+                    "SDPA fwd+bwd (ms)": 1e3 * t_sdpa,
+                    "TFLOP/s ours/SDPA": (visible / t_ours) / (L * (L + 1) / 2 / t_sdpa),
+                }
+            )
     print_table(
         f"CP attention op, last of {args.cp} ranks, {device} {str(dtype).removeprefix('torch.')}, heads {H}/{Hkv} kv, "
         f"head dim {D}, documents {lo}..{hi} tokens" + (" (DRY RUN: CPU, tiny)" if args.dry_run else ""),

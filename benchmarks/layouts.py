@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks._common import packed_doc_lens, print_table
-from cpcompile import balance as balance_module
+from cpcompile import layouts as balance_module
 from cpcompile.plan import AttentionForm, Workload, build_plan, count_runs
 from cpcompile.testing import packed_batch
 

@@ -25,63 +25,38 @@ Hugging Face ``Trainer`` / TRL ``SFTTrainer``: :mod:`cpcompile.integrations.tran
 torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graphs), ``TORCH_TRACE`` + ``tlparse``.
 """
 
-from cpcompile.backend import BackendOptions, CPBackend, backend
-from cpcompile.failsafe import FailsafeOptions, RankFailedError, fail_together
-from cpcompile.failsafe import configure as configure_failsafe
-from cpcompile.fsdp import dp_cp_mesh, fully_shard_dp_cp, init_dp_cp_mesh
-from cpcompile.grad import clip_grad_norm_
-from cpcompile.inspect import Inspection, RankSite, inspect_model, write_dump
-from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
-from cpcompile.passes import (
-    MixingReport,
-    PositionReport,
-    SiteReport,
+from cpcompile.backend import backend
+from cpcompile.errors import (
+    MaskMismatchError,
+    RankFailedError,
     UnsupportedAttentionError,
     UnsupportedMixingError,
     UnsupportedPositionError,
-    counters,
 )
-from cpcompile.plan import MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan
-from cpcompile.runtime import (
-    CommStats,
-    MaskMismatchError,
-    comm_stats,
-    current_plan,
-    default_pad_value,
-    gather,
-    real_tokens,
-    shard,
-    sync_grads,
-)
+from cpcompile.failsafe import FailsafeOptions, fail_together
+from cpcompile.failsafe import configure as configure_failsafe
+from cpcompile.fsdp import fully_shard_dp_cp, init_dp_cp_mesh
+from cpcompile.grad import clip_grad_norm_
+from cpcompile.inspect import inspect_model
+from cpcompile.layouts import AttentionForm, Workload
+from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
+from cpcompile.runtime import comm_stats, gather, real_tokens, shard, sync_grads
 
+#: What a user calls; everything else stays importable from its module (``cpcompile.plan.build_plan``,
+#: ``cpcompile.passes.counters``, ``cpcompile.options.BackendOptions``, ...).
 __all__ = [
-    "MAX_RUNS",
     "AttentionForm",
-    "BackendOptions",
-    "CPBackend",
-    "CPPlan",
-    "CommStats",
     "FailsafeOptions",
-    "Inspection",
     "MaskMismatchError",
-    "MixingReport",
-    "PositionReport",
     "RankFailedError",
-    "SiteReport",
-    "RankSite",
     "UnsupportedAttentionError",
     "UnsupportedMixingError",
     "UnsupportedPositionError",
     "Workload",
     "backend",
-    "build_plan",
     "clip_grad_norm_",
     "comm_stats",
     "configure_failsafe",
-    "counters",
-    "current_plan",
-    "default_pad_value",
-    "dp_cp_mesh",
     "fail_together",
     "fully_shard_dp_cp",
     "gather",
@@ -93,5 +68,4 @@ __all__ = [
     "sync_grads",
     "token_entropy",
     "token_logprobs",
-    "write_dump",
 ]

@@ -7,6 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
+from cpcompile.options import ATTENTION_PATHS
+
 _INSPECT_HELP = """\
 Trace a model as every rank of a CP group, in this one process (a fake process group: no cluster, no GPU,
 and by default no weights: the model lives on the meta device), and print one row per SDPA site: graph,
@@ -77,21 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-implementation", default="sdpa", help="for config files (default sdpa)")
     p.add_argument(
         "--attention",
-        choices=["auto", "dense", "block"],
+        choices=ATTENTION_PATHS,
         default="auto",
-        help="the backend's attention option (default auto: dense when tracing on meta, as on CUDA; block on cpu)",
+        help="the backend's attention option (default auto: the block loop on every device)",
     )
     p.add_argument(
         "--layout",
-        choices=["balanced", "contiguous", "head_tail"],
-        default="balanced",
-        help="shard's layout (default balanced: every rank computes the same attention work)",
+        choices=sorted(LAYOUTS),
+        default=DEFAULT_LAYOUT,
+        help=f"shard's layout (default {DEFAULT_LAYOUT}: every rank computes the same attention work)",
     )
     p.add_argument(
         "--block-size",
         type=int,
-        default=128,
-        help="the backend's block_size: blocks of the computed-pairs column and of the balanced layout (default 128)",
+        default=DEFAULT_BLOCK_SIZE,
+        help="the backend's block_size: blocks of the computed-pairs column and of the balanced layout "
+        f"(default {DEFAULT_BLOCK_SIZE})",
     )
     p.add_argument(
         "--no-config",

@@ -353,13 +353,15 @@ def flex_attention_with_lse(q, k, v, block_mask, scale, enable_gqa):
     """``flex_attention(..., return_lse=True)`` -> ``(out, lse)``, compiled once per process.
 
     torch 2.11-2.13 accept ``return_lse=True`` (newer releases prefer ``return_aux=AuxRequest(lse=True)``).
-    flex_attention is only efficient (and on CUDA only supports backward) when compiled.
+    flex_attention is only efficient (and on CUDA only supports backward) when compiled. Compiled with automatic
+    dynamic shapes (``dynamic=None``): a second chunk length recompiles once with symbolic lengths, later ones
+    reuse it (``dynamic=False`` recompiled for every length and hit the recompile limit).
     """
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention, dynamic=None)
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
 
 

@@ -50,7 +50,7 @@ def _shape(value) -> str:
 
 
 def format_sites(reports: list) -> str:
-    """A text table of site reports (:class:`cpcompile.SiteReport`), one row per site.
+    """A text table of site reports (:class:`cpcompile.passes.SiteReport`), one row per site.
 
     Fields are read from the report's JSON record (``SiteReport.to_json``); a field a report does not have
     shows as empty. Shapes show symbolic sizes by name (``s27``); the bytes use their values at this compilation.

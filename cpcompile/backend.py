@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import os
 import weakref
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -169,67 +168,33 @@ def _unpickle_backend(pid: int, key: int, group_name: str, options: dict, trace_
     return CPBackend(group, BackendOptions(**options), trace_only=trace_only)
 
 
-def backend(
-    cp_group: dist.ProcessGroup,
-    *,
-    inner: Literal["inductor", "aot_eager", "eager"] = "inductor",
-    regather_kv_in_backward: bool = False,
-    dump_dir: str | os.PathLike | None = None,
-    attention: Literal["auto", "dense", "block"] = "auto",
-    block_size: int = 128,
-    config: object | None = None,
-    halo: bool = True,
-    positions: Literal["rewrite", "off"] = "rewrite",
-    mixing: Literal["exact", "off"] = "exact",
-    per_token_ops: tuple[str, ...] = (),
-) -> CPBackend:
+def backend(cp_group: dist.ProcessGroup, **options: object) -> CPBackend:
     """A torch.compile backend that runs every SDPA call of the model as context-parallel attention and makes
     the positions the model computes from the local sequence length global (or refuses them).
 
     ``model = torch.compile(model, backend=cpcompile.backend(cp_group))``, then call the model inside
     ``with cpcompile.shard(batch, cp_group) as local: model(**local)``.
 
+    ``cp_group`` is the context-parallel process group (the ranks that share one sequence). ``options`` are the
+    fields of :class:`cpcompile.options.BackendOptions`, each documented there: ``inner`` (``"inductor"``,
+    ``"aot_eager"`` or ``"eager"``), ``attention``, ``block_size``, ``halo``, ``positions``, ``mixing``,
+    ``per_token_ops``, ``config`` (the
+    model's transformers config: pass it in training), ``regather_kv_in_backward``, ``dump_dir`` (``None``: the
+    ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump). An unknown option raises ``TypeError`` naming the
+    known ones; a bad value, ``ValueError``.
+
     With a CP group of more than one rank this also sets Dynamo's ``fail_on_recompile_limit_hit``: a frame
     that exceeds the recompile limit raises instead of silently running uncompiled (local-only attention).
-
-    Args:
-        cp_group: the context-parallel process group (the ranks that share one sequence).
-        inner: compiler the rewritten graph is handed to (``inductor``, ``aot_eager`` or ``eager``).
-        regather_kv_in_backward: see :attr:`BackendOptions.regather_kv_in_backward`.
-        config: the model's transformers config (``model.config``), optional: the per-layer sliding windows
-            (needed when the mask is built outside the compiled graph, e.g. one graph per layer under FSDP2;
-            otherwise read from the graph and checked against the config) and an early refusal of a
-            non-SDPA attention implementation.
-        dump_dir: write every graph before and after the pass, and a summary of its SDPA sites, to
-            ``dump_dir/rank{r}/`` (``graph{n}_before.py``, ``graph{n}_after.py``, ``summary.json``) as it
-            compiles. Default: the ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump.
-        attention: ``auto``, ``dense`` or ``block`` (see :attr:`BackendOptions.attention`).
-        block_size: block size of the block attention kernel.
-        halo: exchange only the halo at sliding-window sites (see :attr:`BackendOptions.halo`).
-        positions: ``"rewrite"`` (default) makes positions the model computes from the local sequence length
-            global, or refuses them at compile time; ``"off"`` leaves them as they are (silently wrong for such
-            models; see :attr:`BackendOptions.positions`).
-        mixing: ``"exact"`` (default) runs causal ops that mix tokens outside attention (a causal conv1d, a
-            token shift, a cumsum) on the whole sequence, checks that sums over tokens are partial sums of the
-            loss and refuses every other mixing op at compile time; ``"off"`` leaves them on the local tokens
-            (silently wrong for such models; see :attr:`BackendOptions.mixing`).
-        per_token_ops: custom ops (``"namespace::name"``) known to compute every token from its own inputs,
-            besides :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS`; any other custom op taking
-            sequence-sharded tensors is refused.
     """
-    options: dict = {
-        "inner": inner,
-        "regather_kv_in_backward": regather_kv_in_backward,
-        "config": config,
-        "attention": attention,
-        "block_size": block_size,
-        "halo": halo,
-        "positions": positions,
-        "mixing": mixing,
-        "per_token_ops": per_token_ops,
-    }
-    if dump_dir is not None:  # else BackendOptions reads $CPCOMPILE_DUMP_DIR
-        options["dump_dir"] = dump_dir
+    known = {f.name for f in dataclasses.fields(BackendOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"cpcompile.backend got unknown option(s) {unknown}; the options are {sorted(known)} "
+            "(see cpcompile.options.BackendOptions)"
+        )
+    if options.get("dump_dir", 0) is None:  # None: the environment's default, as when the option is not given
+        del options["dump_dir"]
     return CPBackend(cp_group, BackendOptions(**options))
 
 

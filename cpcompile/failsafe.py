@@ -70,14 +70,12 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 
 from cpcompile import _compat
+from cpcompile.errors import RankFailedError, RankFailedTypeError, RankFailedValueError
 
 __all__ = [
     "PEER_TIMEOUT_ENV",
     "REPORT_GRACE_ENV",
     "FailsafeOptions",
-    "RankFailedError",
-    "RankFailedTypeError",
-    "RankFailedValueError",
     "agree",
     "configure",
     "enter_step",
@@ -142,51 +140,6 @@ class FailsafeOptions:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or value <= 0:
                 raise ValueError(f"FailsafeOptions.{name}={value!r} must be a positive number of seconds")
-
-
-class RankFailedError(RuntimeError):
-    """A rank of the CP group failed (raised, died, or stopped responding): raised on every rank of the group.
-
-    The message names the ranks that failed with their errors, the ranks that died, and the ranks that did not
-    report. The group's collectives are out of step afterwards: every later ``shard`` on it raises this error
-    again; destroy the group and create a new one, or restart the job. When the first failing rank's error
-    was a ``ValueError`` or ``TypeError`` (bad input), the error is a :class:`RankFailedValueError` or
-    :class:`RankFailedTypeError`, so ``except ValueError`` catches it on every rank.
-
-    Attributes: ``failed`` (CP rank -> ``"Type: message"`` of its error), ``dead`` (ranks whose process is
-    gone), ``silent`` (ranks that did not report), ``step`` (the ``shard`` step of the failure, counted from 1).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        failed: dict[int, str] | None = None,
-        dead: Sequence[int] = (),
-        silent: Sequence[int] = (),
-        step: int = 0,
-    ) -> None:
-        super().__init__(message)
-        self.failed = dict(failed or {})
-        self.dead = tuple(dead)
-        self.silent = tuple(silent)
-        self.step = step
-
-    def __reduce__(self):
-        kwargs = {"failed": self.failed, "dead": self.dead, "silent": self.silent, "step": self.step}
-        return _rebuild, (type(self), str(self), kwargs)
-
-
-class RankFailedValueError(RankFailedError, ValueError):
-    """:class:`RankFailedError` whose first failing rank raised a ``ValueError``."""
-
-
-class RankFailedTypeError(RankFailedError, TypeError):
-    """:class:`RankFailedError` whose first failing rank raised a ``TypeError``."""
-
-
-def _rebuild(cls, message, kwargs):
-    return cls(message, **kwargs)
 
 
 _BY_CAUSE = {"ValueError": RankFailedValueError, "TypeError": RankFailedTypeError}

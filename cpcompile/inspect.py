@@ -27,10 +27,11 @@ import torch
 from cpcompile import _compat
 from cpcompile.backend import CPBackend, TracedGraph
 from cpcompile.dump import RankDumpWriter, write_json
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, AttentionForm, Workload
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
 from cpcompile.pattern import PatternGeometry, attention_pattern_image, pattern_geometry
-from cpcompile.plan import AttentionForm, CPPlan, Workload, build_plan
+from cpcompile.plan import CPPlan, build_plan
 
 __all__ = [
     "Inspection",
@@ -510,8 +511,8 @@ def inspect_model(
     device: str = "meta",
     attn_implementation: str = "sdpa",
     attention: str = "auto",
-    layout: str = "balanced",
-    block_size: int = 128,
+    layout: str = DEFAULT_LAYOUT,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     use_config: bool = True,
 ) -> Inspection:
     """Trace ``model`` as each CP rank of a group of ``cp_size`` and report what the backend does with it.
@@ -527,8 +528,7 @@ def inspect_model(
         device: ``meta`` (default: shapes only, nothing allocated) or ``cpu`` (real tensors, for models whose
             Python code reads tensor values).
         attn_implementation: for config specs, the transformers attention implementation (``sdpa``).
-        attention: the backend's ``attention`` option; ``auto`` resolves by the traced device like in
-            training (``meta`` as on CUDA: dense; ``cpu``: block).
+        attention: the backend's ``attention`` option (``auto``: the block loop, on every device).
         layout: the layout :func:`cpcompile.shard` uses (:data:`cpcompile.plan.LAYOUTS`; default
             ``"balanced"``, balancing the attention forms of the rewritten layers).
         block_size: the backend's ``block_size`` (block kernel; the computed pairs and the balance use it).

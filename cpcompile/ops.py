@@ -53,8 +53,10 @@ import torch.fx as fx
 
 from cpcompile import _compat, failsafe
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
-from cpcompile.plan import CPPlan, visible_mask
-from cpcompile.runtime import Active, MaskMismatchError, active_context, record_attention_form
+from cpcompile.errors import MaskMismatchError
+from cpcompile.mask import visible_mask
+from cpcompile.plan import CPPlan
+from cpcompile.runtime import Active, active_context, record_attention_form
 
 __all__ = [
     "SiteSpec",
@@ -87,7 +89,8 @@ class SiteSpec:
     documents: bool
     #: Sliding window in tokens, or ``None``.
     window: int | None
-    #: Attention emitted: ``"dense"`` (SDPA under the whole mask) or ``"block"`` (``cpcompile::cp_attention``).
+    #: Attention emitted: ``"dense"`` (SDPA under the whole mask), or ``cpcompile::cp_attention`` with its
+    #: ``"block"`` loop, ``"flex"`` or ``"flash_varlen"`` (:mod:`cpcompile.kernels`).
     kernel: str
     #: Whether the gathered K/V require grad (each is then reduce-scattered in backward).
     needs_grad: bool
@@ -393,10 +396,11 @@ def emit_attention(
     """
     record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window, block_size)
     q_pos, kv_pos, docs = positions
-    if spec.kernel == "block":
+    if spec.kernel != "dense":
+        impl = "loop" if spec.kernel == "block" else spec.kernel
         att = graph.call_function(
             torch.ops.cpcompile.cp_attention.default,
-            (q, k, v, q_pos, kv_pos, docs, spec.window, scale, enable_gqa, block_size, block_size),
+            (q, k, v, q_pos, kv_pos, docs, spec.window, scale, enable_gqa, block_size, block_size, impl),
         )
         return graph.call_function(operator.getitem, (att, 0))
     mask = graph.call_function(visible_mask, (q_pos, kv_pos, docs, spec.window))

@@ -6,10 +6,12 @@ import dataclasses
 import os
 from typing import Literal
 
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE
+
 __all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "MIXING_MODES", "POSITION_MODES", "BackendOptions"]
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-ATTENTION_PATHS = ("auto", "dense", "block")
+ATTENTION_PATHS = ("auto", "block", "dense", "flex", "flash_varlen")
 POSITION_MODES = ("rewrite", "off")
 MIXING_MODES = ("exact", "off")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
@@ -34,14 +36,15 @@ class BackendOptions:
     #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
     #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
     dump_dir: str | None = dataclasses.field(default_factory=_env_dump_dir)
-    #: Attention emitted for every SDPA site. ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the
-    #: reference). ``"block"``: ``cpcompile::cp_attention``, which computes only the not fully masked
-    #: (query block, key block) pairs and never builds more than a block of the mask; with a CP group of size 1
-    #: it also replaces the model's SDPA. ``"auto"``: ``"block"`` for CPU tensors and ``"dense"`` for every other
-    #: device (the CUDA block path, flex_attention or flash-attn varlen, runs with ``"block"`` only).
-    attention: Literal["auto", "dense", "block"] = "auto"
-    #: Query and key block size of the block kernel (CPU).
-    block_size: int = 128
+    #: Attention emitted for every SDPA site. ``"auto"`` (default) and ``"block"``: ``cpcompile::cp_attention``'s
+    #: loop in plain torch on every device, which computes only the not fully masked (query block, key block)
+    #: pairs and never builds more than a block of the mask (with a CP group of size 1, ``"block"`` also
+    #: replaces the model's SDPA). ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the reference;
+    #: memory grows with ``c x T``). ``"flex"`` and ``"flash_varlen"``: ``cp_attention`` through flex_attention
+    #: or flash-attn's varlen kernel, CUDA only, not yet validated on a GPU (``benchmarks/gpu_attention.py``).
+    attention: Literal["auto", "block", "dense", "flex", "flash_varlen"] = "auto"
+    #: Query and key block size of the block kernel, and the block the balanced layout counts work in.
+    block_size: int = DEFAULT_BLOCK_SIZE
     #: Sliding-window sites receive only the keys their queries can see from other ranks (a halo of at most
     #: ``window - 1`` keys before each run of local tokens, :mod:`cpcompile.ops`) instead of all-gathering the
     #: whole sequence, when the halo is smaller than the all-gather. ``False``: all-gather at every site.

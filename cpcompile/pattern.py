@@ -11,7 +11,8 @@ import dataclasses
 
 import torch
 
-from cpcompile.plan import CPPlan, first_visible
+from cpcompile.mask import first_visible
+from cpcompile.plan import CPPlan
 
 __all__ = [
     "GUTTER_PX",

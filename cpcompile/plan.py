@@ -6,31 +6,26 @@ compiled graph reads it while it runs.
 
 Layout: the sequence dimension ``T`` of every row is padded to ``T_pad``, a multiple of the CP size ``N``; rank
 ``r`` holds the ``c = T_pad // N`` tokens whose global indices are ``plan.indices[r]`` (ascending), the same
-for every row. Layouts (:data:`LAYOUTS`):
-
-* ``"contiguous"``: rank ``r`` holds ``[r * c, (r + 1) * c)``;
-* ``"head_tail"``: the sequence is cut into ``2N`` pieces and rank ``r`` holds piece ``r`` and piece
-  ``2N - 1 - r`` (the classic load-balanced layout for causal attention);
-* ``"balanced"``: the tokens are placed so that every rank computes the same attention work for this batch's
-  documents (:mod:`cpcompile.balance`), in at most :data:`MAX_RUNS` runs of consecutive indices per rank.
+for every row, placed by one of :data:`cpcompile.layouts.LAYOUTS` (default ``"balanced"``: every rank computes the
+same attention work). Who sees whom is :func:`cpcompile.mask.visible`, the one visibility rule.
 
 Padding tokens form a separate document (their position ids restart at 0) and carry the ignore label, so they
 never influence a real token. All-gathering a per-token tensor over the CP group puts rank ``r``'s tokens at
 slots ``[r * c, (r + 1) * c)``: the gathered order is ``plan.indices.flatten()``.
 
-Visibility (:func:`visible`, the one rule every attention path applies) follows transformers' index-based
-definitions exactly: query ``i`` may see key ``j`` iff ``j <= i`` (global causal order), and, for the document
-form, both lie in the same document, where a new document starts wherever
-``position_ids[t] - position_ids[t - 1] != 1`` (``transformers.masking_utils.find_packed_sequence_indices``);
-with a sliding window ``w`` additionally ``j > i - w``.
+Layers: :mod:`cpcompile.mask` -> :mod:`cpcompile.layouts` -> this module (the names of both are importable from
+here too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
+
+from cpcompile.layouts import DEFAULT_LAYOUT, LAYOUTS, MAX_RUNS, AttentionForm, Workload, count_runs
+from cpcompile.mask import document_ids, document_starts, first_visible, visible, visible_mask
 
 __all__ = [
     "IGNORE_INDEX",
@@ -54,150 +49,6 @@ __all__ = [
 
 #: The label value that transformers' cross entropy ignores.
 IGNORE_INDEX = -100
-
-#: The most runs of consecutive global indices one rank holds, in every layout (``contiguous`` 1, ``head_tail``
-#: 2, ``balanced`` at most 4). A compile-time bound: the halo exchange of sliding-window layers gives every rank
-#: ``MAX_RUNS * (window - 1)`` key slots. Two runs (head and tail) balance one document, but a rank that takes a
-#: slice of a long document's expensive tail must fill up with cheap tokens from elsewhere; how often 2, 3, 4 and
-#: 6 runs reach an even split is measured in BENCHMARKS.md (``benchmarks/layouts.py --sweep``).
-MAX_RUNS = 4
-
-
-def visible(
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-    q_doc: torch.Tensor | None,
-    kv_doc: torch.Tensor | None,
-    window: int | None,
-) -> torch.Tensor:
-    """The visibility rule: key at global index ``kv_pos`` is visible to the query at ``q_pos``.
-
-    ``0 <= kv_pos <= q_pos`` (causal; a negative index marks an empty key slot, never visible), ``kv_doc == q_doc``
-    (same document; skipped when the docs are ``None``) and ``kv_pos > q_pos - window`` (sliding window;
-    ``None``: none). Arguments broadcast like any elementwise op, so the same function builds dense masks, block
-    masks and flex_attention's ``mask_mod``.
-    """
-    m = (kv_pos <= q_pos) & (kv_pos >= 0)
-    if q_doc is not None:
-        m = m & (kv_doc == q_doc)
-    if window is not None:
-        m = m & (kv_pos > q_pos - window)
-    return m
-
-
-def visible_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``[B, 1, len(q_pos), len(kv_pos)]`` bool mask of :func:`visible` for ``[B, T_pad]`` document ids.
-
-    ``q_pos``/``kv_pos`` are global token indices (any order; a negative key index is an empty slot);
-    ``doc_ids`` all zeros means no document condition.
-    """
-    q_doc = doc_ids[:, q_pos][:, :, None]
-    kv_doc = doc_ids[:, kv_pos.clamp(min=0)][:, None, :]
-    return visible(q_pos[:, None], kv_pos[None, :], q_doc, kv_doc, window)[:, None]
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document index of every token of ``[B, T]`` position ids (new document where the step is not +1).
-
-    The same rule transformers uses to detect packed sequences, so that our masks agree with the model's.
-    """
-    first = position_ids[:, :1] - 1
-    step = torch.diff(position_ids, prepend=first, dim=-1)
-    return (step != 1).cumsum(-1)
-
-
-def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: the global index of the first token of every token's document (docs contiguous per row)."""
-    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-
-
-def first_visible(doc_ids: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``[B, len(q_pos)]``: the global index of the first key visible to each query at ``q_pos``.
-
-    :func:`visible` in interval form, for document ids that are non-decreasing along each row: the keys
-    visible to query ``q`` are exactly the global indices ``[first_visible, q]`` (its document's start, or the
-    window's, whichever is later). Memory is O(B * T), never one entry per (query, key) pair.
-    """
-    lo = document_starts(doc_ids)[:, q_pos]
-    if window is not None:
-        lo = lo.clamp(min=q_pos - window + 1)
-    return lo
-
-
-# -- layouts ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class AttentionForm:
-    """One kind of attention layer of a model, as the ``"balanced"`` layout weighs it."""
-
-    #: Packed documents are kept apart (transformers' bool mask) or plain causal order over the whole row.
-    documents: bool = True
-    #: Sliding window in tokens, or ``None`` (full causal attention).
-    window: int | None = None
-    #: Number of layers of this form (each layer waits for its slowest rank).
-    layers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(f"AttentionForm window={self.window!r} must be a positive int or None")
-        if not isinstance(self.layers, int) or self.layers < 1:
-            raise ValueError(f"AttentionForm layers={self.layers!r} must be a positive int")
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """The attention work the ``"balanced"`` layout evens out across ranks.
-
-    Work is what the block kernel computes: (query, key) pairs of the not fully masked blocks
-    (:meth:`CPPlan.visible_blocks`), for every form of attention layer, weighted by its number of layers.
-    """
-
-    #: The model's attention forms (default: one full-causal, packed-document form).
-    forms: tuple[AttentionForm, ...] = (AttentionForm(),)
-    #: Query and key block size of the block kernel (``cpcompile.backend(..., block_size=...)``).
-    block_size: int = 128
-
-    def __post_init__(self) -> None:
-        if not self.forms or not all(isinstance(f, AttentionForm) for f in self.forms):
-            raise ValueError(f"Workload forms must be a non-empty tuple of AttentionForm, got {self.forms!r}")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise ValueError(f"Workload block_size={self.block_size!r} must be a positive int (e.g. 128)")
-
-
-def _contiguous(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
-    return torch.arange(padded_len, device=doc_ids.device).view(cp_size, -1)
-
-
-def _head_tail(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
-    c = padded_len // cp_size
-    head = c // 2  # tokens of each rank's first piece; the second piece has c - head
-    r = torch.arange(cp_size, device=doc_ids.device)[:, None]
-    first = r * head + torch.arange(head, device=doc_ids.device)
-    tail_start = padded_len - (r + 1) * (c - head)
-    second = tail_start + torch.arange(c - head, device=doc_ids.device)
-    return torch.cat([first, second], dim=1)
-
-
-def _balanced(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
-    from cpcompile.balance import balance  # the balancer builds on this module's rules
-
-    return balance(padded_len, cp_size, doc_ids, workload).indices
-
-
-#: Layout name -> ``fn(padded_len, cp_size, doc_ids [B, T_pad], workload) -> [N, c]`` global indices, ascending
-#: per rank, every rank in at most :data:`MAX_RUNS` runs of consecutive indices.
-LAYOUTS: dict[str, Callable[[int, int, torch.Tensor, Workload], torch.Tensor]] = {
-    "contiguous": _contiguous,
-    "head_tail": _head_tail,
-    "balanced": _balanced,
-}
-
-
-def count_runs(indices: torch.Tensor) -> torch.Tensor:
-    """``[N]``: the number of runs of consecutive global indices of every rank of ``[N, c]`` ascending indices."""
-    return 1 + (torch.diff(indices, dim=-1) != 1).sum(-1)
 
 
 # -- blocks ---------------------------------------------------------------------------------------------
@@ -555,7 +406,7 @@ def build_plan(
     cp_size: int,
     cp_rank: int,
     *,
-    layout: str = "contiguous",
+    layout: str = DEFAULT_LAYOUT,
     workload: Workload | None = None,
     group_name: str = "",
 ) -> CPPlan:

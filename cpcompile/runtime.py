@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from cpcompile import _compat, failsafe
-from cpcompile.plan import IGNORE_INDEX, LAYOUTS, AttentionForm, CPPlan, Workload, build_plan
+from cpcompile.layouts import DEFAULT_LAYOUT, LAYOUTS, AttentionForm, Workload
+from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 
 __all__ = [
     "CommStats",
-    "MaskMismatchError",
     "active_context",
     "check_group",
     "comm_stats",
@@ -34,10 +34,6 @@ __all__ = [
     "shard",
     "sync_grads",
 ]
-
-
-class MaskMismatchError(RuntimeError):
-    """The attention mask a model built differs from the mask cpcompile would apply across ranks."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +95,7 @@ def shard(
     hf_kwargs: bool = True,
     check_batch: bool = False,
     dynamic: bool = True,
-    layout: str = "balanced",
+    layout: str = DEFAULT_LAYOUT,
     workload: Workload | None = None,
     pad_values: Mapping[str, int | float | bool] | None = None,
 ) -> Iterator[dict[str, object]]:
@@ -128,14 +124,14 @@ def shard(
         dynamic: mark the sequence dim of the local tensors dynamic (below); ``False`` lets Dynamo specialise
             on the chunk length (one compile per length, concrete sizes in the graph).
         layout: which global tokens every rank holds (:data:`cpcompile.plan.LAYOUTS`): ``"balanced"``
-            (default: every rank computes the same attention work for this batch, :mod:`cpcompile.balance`),
+            (default: every rank computes the same attention work for this batch, :mod:`cpcompile.layouts`),
             ``"contiguous"`` (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and
             ``2N-1-r`` of ``2N``). Chosen per batch; changing it, or the documents, between steps does not
             recompile.
         workload: what ``"balanced"`` evens out (:class:`cpcompile.plan.Workload`). Default: the attention
             forms (documents, sliding window, number of layers) and the kernel's block size of the layers
             compiled for ``cp_group`` so far (:func:`compiled_workload`); before the first compilation, full
-            causal attention over packed documents with blocks of 128.
+            causal attention over packed documents in blocks of :data:`cpcompile.layouts.DEFAULT_BLOCK_SIZE`.
         pad_values: value that pads each extra ``[B, T, ...]`` key (not ``input_ids``, ``position_ids``,
             ``labels``) where ``T`` is padded up to a multiple of the CP size, e.g. ``{"targets": -100}``. Keys
             not given get :func:`default_pad_value` of their dtype: ``-100`` for integers (the ignore index of

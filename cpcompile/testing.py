@@ -52,6 +52,17 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
 
+# DeepSeek-V3-style routing (GLM-4-MoE shares it): routed and shared experts, a dense first layer, grouped top-k.
+_SHARED_EXPERTS = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
 #: MoE families checked for exactness at CP=2 and 3 next to :data:`FAMILIES`' (tests/test_moe.py), with their
 #: own routers (OLMoE, GraniteMoE), a dense first layer, shared experts and grouped routing (GLM-4-MoE), and
 #: multi-head latent attention (DeepSeek-V3: K/V written into a buffer in place, value head dim != query's).
@@ -61,30 +72,12 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
         {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
     "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "glm4_moe": (
-        "Glm4MoeConfig",
-        {
-            "head_dim": 16,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-    ),
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 16, **_SHARED_EXPERTS}),
     "deepseek_v3": (
         "DeepseekV3Config",
         {
+            **_SHARED_EXPERTS,
             "num_key_value_heads": 4,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
             "q_lora_rank": None,
             "kv_lora_rank": 16,
             "qk_rope_head_dim": 8,

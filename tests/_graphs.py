@@ -35,10 +35,10 @@ def run_pass(gm: torch.fx.GraphModule, *, cp_size: int = 2, refuse: str = "raise
 
 
 def counter_delta(before: dict[str, int]) -> dict[str, int]:
-    """The ``cpcompile.counters`` that changed since the snapshot ``before``, by how much."""
+    """The ``cpcompile.passes.counters`` that changed since the snapshot ``before``, by how much."""
     import cpcompile
 
-    return {k: v - before.get(k, 0) for k, v in cpcompile.counters.items() if v != before.get(k, 0)}
+    return {k: v - before.get(k, 0) for k, v in cpcompile.passes.counters.items() if v != before.get(k, 0)}
 
 
 def dynamo_graph(model: torch.nn.Module, **inputs) -> torch.fx.GraphModule:

@@ -108,7 +108,7 @@ def run_job(name: str, a: argparse.Namespace) -> None:
         trainer = cls(model=model, cp_size=a.cp, cp_backend_kwargs={"inner": a.inner}, **kwargs)
     else:
         trainer = base(model=model, **kwargs)
-    rewritten_before = cpcompile.counters["sdpa_rewritten"]
+    rewritten_before = cpcompile.passes.counters["sdpa_rewritten"]
     trainer.train()
     params = {  # full_tensor() is a collective: every rank calls it
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
@@ -119,7 +119,7 @@ def run_job(name: str, a: argparse.Namespace) -> None:
         "params": params,
         "world": world,
         "sharded": any(isinstance(p, DTensor) for p in trainer.model.parameters()),
-        "rewritten": cpcompile.counters["sdpa_rewritten"] - rewritten_before,
+        "rewritten": cpcompile.passes.counters["sdpa_rewritten"] - rewritten_before,
         "all_gathers": cpcompile.comm_stats().all_gathers if a.mode == "cp" else 0,
     }
     if int(os.environ.get("RANK", "0")) == 0:

@@ -8,12 +8,31 @@ import time
 import torch
 import torch.distributed as dist
 
+from cpcompile.layouts import Workload
 from tests.parity import ParityCase, ParityRunner, run_control
 
 #: The global packed batch of the family parity tests: documents longer than the test windows, T = 64
 #: (chunks of 32 at CP=2, 22 at CP=3 with 2 padding tokens, 16 at CP=4), one document crossing every chunk
 #: boundary.
 FAMILY_DOCS = ((24, 30, 10), (5, 50, 9))
+
+
+#: The balanced layout's workload in the parity cases: blocks of 4 tokens, so that T = 64 has something to balance.
+BALANCED_WORKLOAD = Workload(block_size=4)
+
+
+def balanced_case(family: str, **fields) -> ParityCase:
+    """The parity case of a transformers family under the balanced layout on :data:`FAMILY_DOCS`: kernel blocks of
+    8 and a workload in blocks of 4, so that the layout has something to balance at T = 64 (with the kernel's
+    default block every layout computes the same single block) and ranks hold several runs of tokens."""
+    defaults = dict(
+        doc_lens=FAMILY_DOCS,
+        inner="eager",
+        backend_kwargs=(("block_size", 8),),
+        layout="balanced",
+        shard_kwargs=(("workload", BALANCED_WORKLOAD),),
+    )
+    return ParityCase(model=family, **{**defaults, **fields})
 
 
 def family_case(family: str, **fields) -> ParityCase:
@@ -189,7 +208,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
 
     q = torch.zeros(2, 4, 8, 16)
     with cpcompile.shard(batch, group):
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
         model_mask = plan.mask(documents=True, window=3)[..., plan.token_indices()]
 
         def site(name, window):
@@ -306,7 +325,7 @@ def fail_together_worker(rank: int, world_size: int) -> dict:
 
     def unshared_positions():
         with cpcompile.shard({"input_ids": batch["input_ids"], "labels": batch["labels"]}, group) as local:
-            plan = cpcompile.current_plan()
+            plan = cpcompile.runtime.current_plan()
             cm(**{**local, "position_ids": plan.local(batch["position_ids"])})
 
     out["mask_mismatch"] = _outcome(unshared_positions)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
+from cpcompile.backend import CPBackend
 from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_model
 from tests import _models
 
@@ -176,7 +177,7 @@ class ParityCase:
     def batch(self) -> dict[str, torch.Tensor]:
         return packed_batch([list(r) for r in self.doc_lens], seed=self.batch_seed)
 
-    def backend(self, group: dist.ProcessGroup, model: torch.nn.Module) -> cpcompile.CPBackend:
+    def backend(self, group: dist.ProcessGroup, model: torch.nn.Module) -> CPBackend:
         """``cpcompile.backend`` with this case's options for ``model``."""
         kwargs = {"inner": self.inner, "attention": self.attention, **dict(self.backend_kwargs)}
         if self.use_config or self.config_overrides:
@@ -194,7 +195,7 @@ class ParityCase:
 
     def max_runs(self, cp_size: int) -> int:
         """The most runs of consecutive tokens one rank holds when ``shard`` places this case's batch."""
-        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
+        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         return int(cpcompile.plan.count_runs(plan.indices).max())
 
     def check_layout(self, cp_size: int) -> None:
@@ -203,7 +204,7 @@ class ParityCase:
             raise ValueError(f"case {self.name}: use B >= 2 rows, got {len(self.doc_lens)}")
         if cp_size == 1:
             return
-        plan = cpcompile.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
+        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         owner = torch.empty(plan.padded_len, dtype=torch.long)
         owner[plan.gathered_indices()] = torch.arange(cp_size).repeat_interleave(plan.chunk_len)
         crossing = any(
@@ -234,7 +235,7 @@ class Step:
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     #: CP side only: the collectives cpcompile counted, and the gloo events the profiler saw (``profile=True``).
-    comm: cpcompile.CommStats | None = None
+    comm: cpcompile.runtime.CommStats | None = None
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -287,8 +288,8 @@ def cp_step(
         if corrupt == "label_shift":
             local["shift_labels"] = local["labels"]
         elif corrupt == "plan_merges_documents":  # the batch's true positions, into the tensor shard marked
-            true = cpcompile.build_plan(batch, dist.get_world_size(group), 0)  # position ids of every token
-            local["position_ids"].copy_(cpcompile.current_plan().local(true.position_ids))
+            true = cpcompile.plan.build_plan(batch, dist.get_world_size(group), 0)  # position ids of every token
+            local["position_ids"].copy_(cpcompile.runtime.current_plan().local(true.position_ids))
         with profiler:
             out = compiled(**local)
             out.loss.backward()
@@ -328,7 +329,7 @@ class ParityOutcome:
     #: deltas of this step (compiles happen on the first step only), collectives of this step.
     actions: list[str]
     counter_delta: dict[str, int]
-    comm: cpcompile.CommStats
+    comm: cpcompile.runtime.CommStats
     seconds: float
     #: The attention each rewritten site emitted (``"dense"`` or ``"block"``), in compile order.
     kernels: list[str] = dataclasses.field(default_factory=list)
@@ -423,7 +424,7 @@ class ParityRunner:
         group: dist.ProcessGroup,
         *,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-        compile: Callable[[torch.nn.Module, cpcompile.CPBackend], Callable[..., object]] | None = None,
+        compile: Callable[[torch.nn.Module, CPBackend], Callable[..., object]] | None = None,
         full_grads: Callable[[torch.nn.Module, dist.ProcessGroup], dict[str, torch.Tensor]] = sum_grads_over_cp,
     ) -> None:
         self.case, self.group, self.full_grads = case, group, full_grads
@@ -455,7 +456,7 @@ class ParityRunner:
         start = time.perf_counter()
         ref = self.reference if batch is None else reference_step(self.ref_model, batch)
         batch = self.batch if batch is None else batch
-        before = dict(cpcompile.counters)
+        before = dict(cpcompile.passes.counters)
         cp = cp_step(
             self.compiled,
             self.model,
@@ -480,7 +481,7 @@ class ParityRunner:
             forms=[(r.mask_form, r.enable_gqa) for r in self.backend.reports],
             positions=[(r.kind, r.action) for r in self.backend.position_reports],
             kernels=[r.kernel for r in self.backend.reports if r.action == "rewritten"],
-            counter_delta={k: v - before.get(k, 0) for k, v in cpcompile.counters.items()},
+            counter_delta={k: v - before.get(k, 0) for k, v in cpcompile.passes.counters.items()},
             comm=cp.comm,
             collectives=cp.collectives,
             seconds=time.perf_counter() - start,

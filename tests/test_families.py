@@ -8,9 +8,8 @@ Each spawned group runs several families to pay the process start-up once. The c
 loss, every summed gradient, every attention layer rewritten, K and V gathered once per layer) is the parity
 harness's (:func:`tests.parity.check_outcome`, tolerances in :mod:`tests.parity`).
 
-Measured max abs differences (torch 2.13 CPU, fp32, aot_eager): dense path at CP=2 and 3, logits
-bit-identical, loss <= 9.5e-7, gradients <= 2.6e-8. Mistral compiled with a config whose sliding window is one
-token larger is refused at compile time (UnsupportedAttentionError naming both windows).
+Measured differences: BENCHMARKS.md ("parity errors"). Mistral compiled with a config whose sliding window is
+one token larger must be refused at compile time (UnsupportedAttentionError naming both windows).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def _runs(batch, cp_group) -> int:
     import cpcompile
     from cpcompile.plan import count_runs
 
-    plan = cpcompile.build_plan(batch, dist.get_world_size(cp_group), 0, **LAYOUT)
+    plan = cpcompile.plan.build_plan(batch, dist.get_world_size(cp_group), 0, **LAYOUT)
     return int(count_runs(plan.indices).max())
 
 
@@ -536,7 +536,7 @@ def test_bad_input_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="cp must be a positive int"):
         cpcompile.init_dp_cp_mesh(2, 0)
     with pytest.raises(TypeError, match="DeviceMesh"):
-        cpcompile.dp_cp_mesh("not a mesh")
+        cpcompile.fsdp.dp_cp_mesh("not a mesh")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         cpcompile.fully_shard_dp_cp(object(), None)
     logits = torch.zeros(2, 5, 7)

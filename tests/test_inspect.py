@@ -182,7 +182,7 @@ def test_cli_dump_files_png_and_graph_code(cli_llama):
 def test_function_dump_is_byte_identical_to_cli_dump(cli_llama, configs, tmp_path):
     _, cli_dump = cli_llama
     result = cpcompile.inspect_model(configs["llama"], cp_size=2, seq_len=64, doc_lens=[LLAMA_DOCS])
-    written = cpcompile.write_dump(result, str(tmp_path / "again"))
+    written = cpcompile.inspect.write_dump(result, str(tmp_path / "again"))
     assert {os.path.relpath(p, tmp_path / "again") for p in written} == _expected_files([0, 1])
     for rel in sorted(_expected_files([0, 1])):
         with open(os.path.join(cli_dump, rel), "rb") as a, open(tmp_path / "again" / rel, "rb") as b:
@@ -297,7 +297,7 @@ def test_console_entry_point_exit_code_and_message():
 def test_write_dump_refuses_a_non_empty_folder(qwen3_inspection, tmp_path):
     (tmp_path / "x").write_text("keep me")
     with pytest.raises(ValueError, match="is not empty"):
-        cpcompile.write_dump(qwen3_inspection, str(tmp_path))
+        cpcompile.inspect.write_dump(qwen3_inspection, str(tmp_path))
     assert os.listdir(tmp_path) == ["x"]
 
 
@@ -351,7 +351,7 @@ def test_pattern_picture_of_a_long_sequence_uses_blocks():
     # T = 300, CP = 3: ceil(300 / 128) = 3 tokens per cell, 100 cells, 512 // 100 = 5 px per cell, panel 500;
     # two batch rows: width = 56 + 2 * (500 + 16), height = 24 + 500 + 24.
     batch = packed_batch([[100, 200], [300]])
-    image = attention_pattern_image(cpcompile.build_plan(batch, 3, 0), documents=True)
+    image = attention_pattern_image(cpcompile.plan.build_plan(batch, 3, 0, layout="contiguous"), documents=True)
     assert image.size == (1088, 548)
     rgb = image.convert("RGB")
 
@@ -366,8 +366,14 @@ def test_pattern_picture_of_a_long_sequence_uses_blocks():
     assert cell(0, 10, 5) != cell(1, 50, 40)  # rank 0's rows have rank 0's colour
 
 
+def test_auto_attention_is_the_block_loop_on_meta_as_on_cpu(qwen3_inspection):
+    """meta stands in for CUDA: the default attention is the memory-bounded block loop on every device."""
+    assert qwen3_inspection.options.attention == "auto"
+    assert {row.kernel for row in qwen3_inspection.rows} == {"block"}
+
+
 def test_meta_trace_matches_a_real_cpu_trace_in_bfloat16(configs):
-    # attention="auto" resolves by the traced device (meta: dense, as on CUDA; cpu: block): fix it to compare
+    # dense: SDPA stays in the graph, so the two graphs compare as text
     kwargs = dict(cp_size=2, seq_len=16, doc_lens=[[5, 11]], ranks=[1], dtype="bfloat16", attention="dense")
     meta = cpcompile.inspect_model(configs["llama"], **kwargs)
     real = cpcompile.inspect_model(configs["llama"], device="cpu", **kwargs)

@@ -5,14 +5,7 @@ CPU, gloo) and compared with the same trainer class run in one plain process on 
 (``tests/_hf_trainer_worker.py``): the loss and grad norm the Trainer logs at every step, and the parameters after
 the last step. Batches are taken in order, except in the dp=2 x cp=2 run, which shuffles (the Trainer's default).
 
-Measured on CPU (torch 2.13, transformers 5.24, TRL 1.16, fp32, 2 AdamW steps at lr 1e-3, clipping at 1.0):
-
-| run | logged loss | logged grad norm | parameters |
-| --- | --- | --- | --- |
-| Trainer, CP=2 | <= 4.8e-7 | <= 1.2e-7 | 3.9e-6 |
-| Trainer, dp=2 x cp=2, shuffled batches | <= 4.8e-7 | <= 2.4e-7 | 2.0e-5 |
-| SFTTrainer padding-free, 2 micro-batches per step, CP=2 | <= 9.5e-7 | <= 2.4e-7 | 4.2e-6 |
-| negative control: every CP rank's copy counted in the denominator | 2.4 (half the loss) | 0.80 | |
+Measured differences and the negative control's error: BENCHMARKS.md ("parity errors").
 """
 
 from __future__ import annotations

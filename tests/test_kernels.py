@@ -40,7 +40,7 @@ CASES = [
 def _inputs(case: Case, seed: int):
     g = torch.Generator().manual_seed(seed)
     batch = packed_batch(case.doc_lens, seed=seed)
-    plans = [build_plan(batch, case.cp_size, r) for r in range(case.cp_size)]
+    plans = [build_plan(batch, case.cp_size, r, layout="contiguous") for r in range(case.cp_size)]
     B, Tp, c = len(case.doc_lens), plans[0].padded_len, plans[0].chunk_len
     k = torch.randn(B, case.kv_heads, Tp, 16, generator=g)
     v = torch.randn(B, case.kv_heads, Tp, 12, generator=g)
@@ -95,7 +95,7 @@ def test_schedule_skips_masked_blocks():
     # small: the schedule covers the whole mask, and skips blocks
     batch = packed_batch([[40, 3, 70, 44], [1, 100, 56]])
     for r in range(4):
-        plan = build_plan(batch, 4, r)
+        plan = build_plan(batch, 4, r, layout="contiguous")
         bounds, sched = block_schedule(plan.visible_blocks(8, 16))
         mask = plan.mask(documents=True)
         covered = torch.zeros_like(mask)
@@ -123,7 +123,7 @@ def test_schedule_skips_masked_blocks():
     for n in (1, 2, 4):
         computed = visible = 0
         for r in range(n):
-            plan = build_plan(batch, n, r)
+            plan = build_plan(batch, n, r, layout="contiguous")
             computed += computed_pairs(*block_schedule(plan.visible_blocks(128, 128)))
             # query i sees its own document's keys 0..position_ids[i] (positions restart at every document)
             visible += int((plan.local(plan.position_ids) + 1).sum())
@@ -137,7 +137,7 @@ def test_varlen_layout_reproduces_plan_mask(window):
     batch = packed_batch([[40, 3, 70, 44], [1, 100, 56]])
     g = torch.Generator().manual_seed(1)
     for r in range(4):
-        plan = build_plan(batch, 4, r)
+        plan = build_plan(batch, 4, r, layout="contiguous")
         B, c, T = 2, plan.chunk_len, plan.padded_len
         q = torch.randn(B, 4, c, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(B, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -164,7 +164,7 @@ def test_varlen_layout_reproduces_plan_mask(window):
 
 def test_bad_inputs_are_rejected():
     batch = packed_batch([[20, 12]])
-    plan = build_plan(batch, 2, 1)
+    plan = build_plan(batch, 2, 1, layout="contiguous")
     q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 32, 8)
     q_pos, kv_pos = plan.token_indices(), torch.arange(32)
     with pytest.raises(ValueError, match="enable_gqa=True"):
@@ -180,9 +180,9 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="window"):
         cp_attention(q, k, k, q_pos, kv_pos, plan.doc_ids, window=0, enable_gqa=True)
     with pytest.raises(ValueError, match="attention='flash'"):
-        cpcompile.BackendOptions(attention="flash")
+        cpcompile.options.BackendOptions(attention="flash")
     with pytest.raises(ValueError, match="block_size"):
-        cpcompile.BackendOptions(block_size=0)
+        cpcompile.options.BackendOptions(block_size=0)
 
 
 @torch.library.custom_op("cpcompile_test::grad_inside", mutates_args=())
@@ -202,12 +202,12 @@ def test_fake_kernels_match_real_outputs():
     """The fake (meta) kernels that torch.compile traces with agree with the real ops, strides included (inductor
     checks them), with q/k/v laid out as transformers makes them ([B, T, H, D] transposed: not contiguous)."""
     batch = packed_batch([[20, 13]])
-    plan = build_plan(batch, 2, 1)
+    plan = build_plan(batch, 2, 1, layout="contiguous")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     k, v = (torch.randn(1, 34, 2, 8, generator=g).transpose(1, 2) for _ in range(2))
     positions = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
-    args = (None, None, True, 8, 8)
+    args = (None, None, True, 8, 8, "loop")
     out, lse = torch.ops.cpcompile.cp_attention(q, k, v, *positions, *args)
     dout = torch.randn(1, 17, 4, 8, generator=g).transpose(1, 2)
     only_fake = ("test_faketensor",)
@@ -217,3 +217,46 @@ def test_fake_kernels_match_real_outputs():
         (dout, q, k, v, *positions, out, lse, *args),
         test_utils=only_fake,
     )
+
+
+def _largest_tensor_made(fn) -> int:
+    """The most elements of any tensor an aten op returns while ``fn`` runs (inputs excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    with Largest():
+        fn()
+    return Largest.most
+
+
+def test_block_loop_memory_grows_with_the_chunk_not_with_chunk_times_length():
+    """The default path never builds a [c, T] mask or score matrix: per call, its largest tensor grows like
+    c * block (and the inputs), not like c * T; the dense path, the negative control, grows like c * T."""
+    largest = {}
+    for T in (512, 2048):  # CP=4: c = 128 and 512
+        batch = packed_batch([[T // 2, T // 2]])
+        plan = build_plan(batch, 4, 3, layout="contiguous")
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, plan.chunk_len, 8, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, 2, T, 8, generator=g, requires_grad=True) for _ in range(2))
+        positions = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
+        for name, fn in (
+            ("loop", lambda: cp_attention(q, k, v, *positions, block_q=32, block_k=32).sum().backward()),
+            ("dense", lambda: dense_cp_attention(q, k, v, *positions).sum().backward()),
+        ):
+            largest[name, T] = _largest_tensor_made(fn)
+    loop_growth, dense_growth = (
+        largest["loop", 2048] / largest["loop", 512],
+        largest["dense", 2048] / largest["dense", 512],
+    )
+    assert loop_growth <= 4.5, largest  # linear: the chunk (and the inputs) grew 4x
+    assert dense_growth >= 12, largest  # quadratic: c * T grew 16x

@@ -16,8 +16,8 @@ import torch
 import cpcompile
 from benchmarks._common import packed_doc_lens
 from cpcompile import _compat, runtime
-from cpcompile.balance import balance, token_work
 from cpcompile.kernels import cp_attention, dense_cp_attention
+from cpcompile.layouts import balance, token_work
 from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
 from cpcompile.testing import packed_batch
 
@@ -149,7 +149,7 @@ def test_shard_balances_the_compiled_forms():
         name = _compat.group_name_of(group)
         runtime.record_attention_form(name, "model.layers.0.self_attn", True, 512, 64)
         with cpcompile.shard(batch, group) as local:
-            plan = cpcompile.current_plan()
+            plan = cpcompile.runtime.current_plan()
             wl = Workload(forms=(AttentionForm(window=512),), block_size=64)
             assert plan.layout == "balanced"
             assert torch.equal(plan.indices, build_plan(batch, 4, 1, layout="balanced", workload=wl).indices)
@@ -218,7 +218,7 @@ def test_inspect_columns_and_picture_follow_the_layout(tmp_path):
     contiguous = computed(build_plan(packed_batch(docs), 4, 0, layout="contiguous"), result.workload)
     assert max_over_mean(ours) <= TARGET < max_over_mean(contiguous), (ours, contiguous)
     assert int(count_runs(result.plan.indices).max()) > 1
-    cpcompile.write_dump(result, str(tmp_path / "dump"))
+    cpcompile.inspect.write_dump(result, str(tmp_path / "dump"))
     geo = pattern_geometry(512, 1)
     owner = torch.empty(512, dtype=torch.long)
     owner[result.plan.gathered_indices()] = torch.arange(4).repeat_interleave(result.chunk_len)

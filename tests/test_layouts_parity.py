@@ -21,26 +21,11 @@ import pytest
 from cpcompile.plan import AttentionForm, Workload
 from cpcompile.testing import FAMILIES
 from tests._dist import run_distributed
-from tests.parity import ParityCase
+from tests._workers import BALANCED_WORKLOAD as WORKLOAD
+from tests._workers import FAMILY_DOCS, balanced_case
 
-FAMILY_DOCS = ((24, 30, 10), (5, 50, 9))  # T = 64; a document crosses every chunk edge at CP = 2, 3, 4
-WORKLOAD = Workload(block_size=4)
 FAMILY_NAMES = sorted(FAMILIES)
-
-
-def layout_case(family: str) -> ParityCase:
-    """The balanced-layout parity case of ``family`` (kernel block 8: several blocks per rank to skip)."""
-    return ParityCase(
-        model=family,
-        doc_lens=FAMILY_DOCS,
-        inner="eager",
-        backend_kwargs=(("block_size", 8),),
-        layout="balanced",
-        shard_kwargs=(("workload", WORKLOAD),),
-    )
-
-
-LAYOUT_CASES = {family: layout_case(family) for family in FAMILY_NAMES}
+LAYOUT_CASES = {family: balanced_case(family) for family in FAMILY_NAMES}
 
 
 def _families(group, families) -> dict:
@@ -96,8 +81,8 @@ def _layout_changes(group) -> dict:
     out["compiles"] = len(compiles)
     # without a workload, shard balances what was compiled for the group: 2 full-causal layers, blocks of 8
     with cpcompile.shard(packed_batch([list(r) for r in FAMILY_DOCS]), group) as local:
-        out["default_workload"] = cpcompile.runtime.compiled_workload(cpcompile.current_plan().group_name)
-        out["default_runs"] = int(count_runs(cpcompile.current_plan().indices).max())
+        out["default_workload"] = cpcompile.runtime.compiled_workload(cpcompile.runtime.current_plan().group_name)
+        out["default_runs"] = int(count_runs(cpcompile.runtime.current_plan().indices).max())
         compiled(**local)
     out["compiles_with_default"] = len(compiles)
     return out
@@ -116,7 +101,7 @@ def _mask_checks(group, rank: int) -> dict:
     batch = packed_batch([list(r) for r in FAMILY_DOCS], seed=1)
     q = torch.zeros(2, 4, 16, 8)
     with cpcompile.shard(batch, group, layout="balanced", workload=WORKLOAD):
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
         out["runs"] = int((torch.diff(plan.token_indices()) != 1).sum()) + 1
 
         def check(name, model_mask):

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpcompile
+from cpcompile.passes import counters
 from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_config, tiny_model
 from tests._graphs import counter_delta
 from tests._mixing_models import mixer_lm
@@ -60,7 +61,7 @@ LOSS = ("", "cross_entropy", "loss", "partial_sum")
     ],
 )
 def test_causal_mixers_run_on_the_whole_sequence(world, mixer, found):
-    before = dict(cpcompile.counters)
+    before = dict(counters)
     # AOTAutograd traces the rewritten conv with its backward (the others: forward only, cheaper)
     backend, out, comm = _compile_and_run(mixer_lm(mixer=mixer), world, backward=mixer == "conv")
     assert _actions(backend) == [found, LOSS]
@@ -176,7 +177,7 @@ def test_listed_custom_op_is_per_token(world):
     ],
 )
 def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words):
-    before = dict(cpcompile.counters)
+    before = dict(counters)
     with pytest.raises(cpcompile.UnsupportedMixingError) as info:
         _compile_and_run(mixer_lm(mixer=mixer), world)
     message = str(info.value)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpcompile.plan import Workload
+from cpcompile.layouts import Workload
 from tests._dist import run_distributed
 from tests.parity import ParityCase, assert_controls, report
 

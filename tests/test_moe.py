@@ -22,12 +22,11 @@ import torch.nn.functional as F
 
 import cpcompile
 from cpcompile.passes.positions import ROW_NUMBERS, UnsupportedPositionError
-from cpcompile.plan import Workload
 from cpcompile.testing import MOE_FAMILIES, packed_batch
 from tests._dist import run_distributed
 from tests._graphs import dynamo_graph, run_pass
 from tests._models import lm_output, seeded
-from tests.parity import ParityCase
+from tests._workers import balanced_case
 
 DOCS = [[10, 20, 7], [5, 30, 2]]  # T = 37
 
@@ -123,20 +122,7 @@ def test_keys_are_exchanged_after_in_place_writes():
 
 
 # -- parity of the MoE families -----------------------------------------------------------------------------
-FAMILY_DOCS = ((24, 30, 10), (5, 50, 9))  # T = 64: CP=3 pads to 66; documents cross every chunk edge
 MOE_NAMES = sorted(MOE_FAMILIES)
-
-
-def moe_case(family: str) -> ParityCase:
-    return ParityCase(
-        model=family,
-        doc_lens=FAMILY_DOCS,
-        inner="eager",
-        backend_kwargs=(("block_size", 8),),
-        layout="balanced",
-        shard_kwargs=(("workload", Workload(block_size=4)),),
-        use_config=True,
-    )
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -149,7 +135,7 @@ def _worker(rank: int, world: int) -> dict:
             continue
         for family in MOE_NAMES:
             torch.compiler.reset()
-            out[(cp, family)] = check_case(moe_case(family), group)
+            out[(cp, family)] = check_case(balanced_case(family, use_config=True), group)
     dist.barrier()
     return out
 

@@ -11,20 +11,7 @@ gradients, the logits stay right), the batch's documents merged (logits), the pl
 model's true positions (logits). The CP=2 run also checks ``cpcompile.gather`` and its backward, with contiguous
 chunks and with the balanced layout.
 
-Measured max abs differences (torch 2.13 CPU, fp32):
-
-| case | CP | logits | loss | grad |
-| --- | --- | --- | --- | --- |
-| qwen3 B2 T37 aot_eager | 2 | 2.1e-7 | 0 | 3.7e-8 |
-| llama B3 T45 aot_eager | 2 | 1.6e-7 | 4.8e-7 | 1.7e-8 |
-| causal_gqa B2 T37 aot_eager | 2 | 6.0e-7 | 0 | 3.0e-8 |
-| llama B2 T37 aot_eager | 4 | 2.4e-7 | 0 | 2.6e-8 |
-| qwen3 B2 T37 aot_eager head_tail | 4 | 2.1e-7 | 0 | 3.4e-8 |
-
-Negative controls (qwen3, CP=2): unshifted labels move the loss by 1.6e-2 and gradients by 1.2e-1 (logits
-2.1e-7, as in the correct run); the merged batch moves logits by 6.3e-1, the loss by 8.7e-3 and gradients by
-8.7e-2; the plan merging documents under the true positions moves logits by 5.3e-1, the loss by 5.6e-3 and
-gradients by 8.0e-2.
+Measured differences and the controls' errors: BENCHMARKS.md ("parity errors").
 """
 
 from __future__ import annotations
@@ -87,7 +74,7 @@ def _check_gather_autograd(rank, world_size, group):
         x = chunks[rank].clone().requires_grad_()
         w = torch.randn(2, T, 3, generator=torch.Generator().manual_seed(99))
         with cpcompile.shard(batch, group, layout=layout, workload=Workload(block_size=4)):
-            held = cpcompile.current_plan().indices  # [N, c]: the global index of every rank's tokens
+            held = cpcompile.runtime.current_plan().indices  # [N, c]: the global index of every rank's tokens
             y = cpcompile.gather(x)
         if layout == "contiguous":
             assert torch.equal(held, torch.arange(world_size * c).view(world_size, c))

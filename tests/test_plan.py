@@ -80,7 +80,7 @@ def ref_shift(labels: list[int]) -> list[int]:
 def test_slicing_padding_and_round_trip(docs, n):
     batch = packed_batch(docs, seed=3)
     B, T = batch["input_ids"].shape
-    plans = [build_plan(batch, n, r) for r in range(n)]
+    plans = [build_plan(batch, n, r, layout="contiguous") for r in range(n)]
     Tp = ref_padded_len(T, n)
     for r, plan in enumerate(plans):
         assert (plan.seq_len, plan.padded_len, plan.chunk_len, plan.num_padding) == (T, Tp, Tp // n, Tp - T)
@@ -109,7 +109,7 @@ def test_local_batch_and_label_shift(docs, n):
     batch["token_weight"] = torch.rand(B, T)
     batch["note"] = "passed through"
     Tp = ref_padded_len(T, n)
-    locals_ = [_local_batch(batch, build_plan(batch, n, r), **LOCAL_DEFAULTS) for r in range(n)]
+    locals_ = [_local_batch(batch, build_plan(batch, n, r, layout="contiguous"), **LOCAL_DEFAULTS) for r in range(n)]
 
     def cat(key):
         return torch.cat([loc[key] for loc in locals_], dim=1).tolist()
@@ -131,7 +131,7 @@ def test_local_batch_and_label_shift(docs, n):
 def test_label_shift_at_chunk_boundary():
     """The token before a chunk boundary is trained on the first token of the next chunk (not ignored)."""
     batch = packed_batch([[12]], seed=0, mask_first_label=False)
-    plan = build_plan(batch, 2, 0)
+    plan = build_plan(batch, 2, 0, layout="contiguous")
     local0 = _local_batch(batch, plan, **LOCAL_DEFAULTS)
     assert local0["shift_labels"][0, -1].item() == batch["labels"][0, 6].item()
 
@@ -144,7 +144,7 @@ def test_mask_matches_definition(docs, n, documents, window):
     batch = packed_batch(docs, seed=5)
     pos = batch["position_ids"].tolist()
     for r in range(n):
-        plan = build_plan(batch, n, r)
+        plan = build_plan(batch, n, r, layout="contiguous")
         expected = ref_mask(pos, n, r, documents=documents, window=window)
         assert torch.equal(plan.mask(documents=documents, window=window), expected), f"rank {r}"
         # asking for another rank's rows gives that rank's mask
@@ -156,7 +156,7 @@ def test_mask_matches_definition(docs, n, documents, window):
 
 
 def test_mask_cache_is_per_form_and_rank():
-    plan = build_plan(packed_batch([[10, 20, 7], [5, 30, 2]]), 2, 1)
+    plan = build_plan(packed_batch([[10, 20, 7], [5, 30, 2]]), 2, 1, layout="contiguous")
     m = plan.mask(documents=True)
     assert plan.mask(documents=True) is m
     assert plan.mask(documents=False) is not m
@@ -166,7 +166,7 @@ def test_mask_cache_is_per_form_and_rank():
 def test_padding_is_its_own_document():
     # the last document ends at position 2; padding restarts at 0, so it never joins that document
     batch = packed_batch([[4, 3]], seed=0)
-    plan = build_plan(batch, 4, 3)  # T = 7 -> padded 8, rank 3 holds tokens 6 (real) and 7 (padding)
+    plan = build_plan(batch, 4, 3, layout="contiguous")  # T = 7 -> padded 8: rank 3 holds 6 (real) and 7 (padding)
     m = plan.mask(documents=True)[0, 0]
     assert m[1].tolist() == [False] * 7 + [True]  # the padding token sees only itself
     assert not bool(m[0, 7])  # the real token does not see the padding
@@ -219,5 +219,5 @@ def test_document_ids_definition():
 )
 def test_build_plan_rejects(batch, n, rank, error, words):
     with pytest.raises(error) as info:
-        build_plan(batch, n, rank)
+        build_plan(batch, n, rank, layout="contiguous")
     assert words in str(info.value)

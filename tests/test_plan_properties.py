@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpcompile.balance import balance, token_work
+from cpcompile.layouts import balance, token_work
 from cpcompile.plan import IGNORE_INDEX, LAYOUTS, MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
 
 SETTINGS = settings(max_examples=60, deadline=None)

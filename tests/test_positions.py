@@ -54,7 +54,7 @@ def _position_actions(backend):
     ],
 )
 def test_sources_found_and_rewritten(world, form, expected):
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     backend, out = _compile_and_run(pm.position_lm(form), world)
     assert _position_actions(backend) == expected
     assert all(r.reason == "" for r in backend.position_reports)
@@ -147,7 +147,7 @@ def test_one_token_per_rank(world):
     ],
 )
 def test_refused_at_compile_time(world, form, node_words, reason_words):
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     with pytest.raises(cpcompile.UnsupportedPositionError) as info:
         _compile_and_run(pm.position_lm(form), world)
     message = str(info.value)
@@ -208,7 +208,7 @@ def test_plan_token_indices_and_real_tokens():
     """Rank r holds global tokens [r*c, (r+1)*c); indices >= T are padding (T = 37, CP = 4: c = 10)."""
     batch = packed_batch(DOCS)
     for rank in range(4):
-        plan = build_plan(batch, 4, rank)
+        plan = build_plan(batch, 4, rank, layout="contiguous")
         idx = plan.token_indices()
         assert idx.dtype == torch.long and idx.tolist() == list(range(10 * rank, 10 * rank + 10))
         real = plan.real_tokens()

@@ -16,7 +16,7 @@ def test_inspect_lists_rewritten_positions(tmp_path):
     text = inspection.report()
     assert "positions computed from the local sequence length" in text
     assert "static trace" not in text  # inspect traces with training's symbolic length: found by the symbol
-    written = cpcompile.write_dump(inspection, str(tmp_path))
+    written = cpcompile.inspect.write_dump(inspection, str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(p["rank"], p["layer"], p["action"]) for p in summary["positions"]] == [
         (r, f"layers.{i}.attn", "rewritten") for r in (0, 1) for i in (0, 1)

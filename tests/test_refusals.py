@@ -40,7 +40,7 @@ def test_refused_at_compile_time(world, make, layer, words):
     assert model.training
     backend = cpcompile.backend(world, inner="aot_eager")
     compiled = torch.compile(model, backend=backend)
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     with cpcompile.shard(packed_batch(DOCS), world) as local:
         with pytest.raises(cpcompile.UnsupportedAttentionError) as info:
             compiled(**local)
@@ -48,6 +48,14 @@ def test_refused_at_compile_time(world, make, layer, words):
     assert layer in message and words in message, message
     delta = counter_delta(before)
     assert delta.get("sdpa_refused") == 1 and "sdpa_rewritten" not in delta, delta
+
+
+@pytest.mark.parametrize("attention", ["flex", "flash_varlen"])
+def test_cuda_only_attention_paths_are_refused_on_cpu(world, attention):
+    compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=cpcompile.backend(world, attention=attention))
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        with pytest.raises(cpcompile.UnsupportedAttentionError, match=f"attention='{attention}' runs on CUDA only"):
+            compiled(**local)
 
 
 # -- errors at run time ----------------------------------------------------------------------------------
@@ -118,7 +126,7 @@ def test_model_without_sdpa_is_unchanged(world):
     model = _models.mlp_lm()
     backend = cpcompile.backend(world, inner="aot_eager")
     compiled = torch.compile(model, backend=backend)
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     with cpcompile.shard(packed_batch(DOCS), world) as local:
         out = compiled(**local)
         ref = model(**local)
@@ -144,7 +152,7 @@ def test_cp_group_of_size_one_is_a_noop(world):
     ref_out.loss.backward()
     model = tiny_model("llama")
     backend = cpcompile.backend(single, inner="aot_eager")
-    before = dict(cpcompile.counters)
+    before = dict(cpcompile.passes.counters)
     with cpcompile.shard(batch, single) as local:
         assert torch.equal(local["input_ids"], batch["input_ids"])
         out = torch.compile(model, backend=backend)(**local)
@@ -198,7 +206,7 @@ def test_model_mask_check_covers_every_block_of_rows(world):
 
     c = ops.MASK_CHECK_ROWS + 300  # two blocks of rows
     with cpcompile.shard(packed_batch([[c, c], [2 * c]]), world, layout="contiguous"):
-        plan = cpcompile.current_plan()
+        plan = cpcompile.runtime.current_plan()
         good = plan.local_rule_mask(documents=True)
         bad = good.clone()
         bad[1, 0, c - 1, 0] = ~bad[1, 0, c - 1, 0]

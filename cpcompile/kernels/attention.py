@@ -5,19 +5,23 @@ at global indices ``kv_pos`` (e.g. the whole sequence in the order an all-gather
 visible to query ``i`` under :func:`cpcompile.plan.visible` with the document ids ``doc_ids[:, pos]``. No mask
 larger than one block is ever built.
 
-Implementations, chosen by the device of ``q``:
+Implementations (``impl``, chosen by :attr:`cpcompile.options.BackendOptions.attention`):
 
-* CPU: a FlashAttention-2 style loop in pure torch. The keys are put in ascending order first (no copy when
-  they already are); every query block (:func:`cpcompile.plan.query_blocks`) visits the key blocks of
-  :func:`cpcompile.plan.visible_blocks` (start of the block's earliest document up to its last query); blocks
-  that every query of the block sees are multiplied without a mask (in spans of up to :data:`SPAN_KEYS` keys),
-  the others with a block-sized mask. Online softmax in fp32; the backward recomputes the scores per block from
-  the saved logsumexp. GQA without expanding K/V: query head ``h`` uses KV head ``h // n_rep`` and the
-  ``n_rep`` query heads of one KV head are stacked into one matmul.
-* CUDA: flash-attn's varlen kernel when ``flash_attn`` is installed and q is fp16/bf16 (one segment per run of
-  local queries of one document, keys from the document's start: :func:`varlen_layout`), else
-  ``flex_attention`` (compiled) with a ``BlockMask`` whose ``mask_mod`` is :func:`cpcompile.plan.visible`. The
-  backward recomputes that forward under autograd. Each of these paths logs a warning on its first use that
+* ``"loop"`` (``attention="auto"`` or ``"block"``, every device): a FlashAttention-2 style loop in pure torch.
+  The keys are put in ascending order first (no copy when they already are); every query block
+  (:func:`cpcompile.plan.query_blocks`) visits the key blocks of :func:`cpcompile.plan.visible_blocks` (start of
+  the block's earliest document up to its last query); blocks that every query of the block sees are multiplied
+  without a mask (in spans of up to :data:`SPAN_KEYS` keys), the others with a block-sized mask. Online softmax
+  in fp32; the backward recomputes the scores per block from the saved logsumexp. GQA without expanding K/V:
+  query head ``h`` uses KV head ``h // n_rep`` and the ``n_rep`` query heads of one KV head are stacked into one
+  matmul. Memory per call: the inputs and outputs, the gradients' fp32 accumulators, and per query block a score
+  buffer of at most ``block_q x SPAN_KEYS`` per head: nothing grows with ``c x T``.
+* ``"flash_varlen"`` (CUDA, ``flash_attn`` installed, fp16/bf16): flash-attn's varlen kernel (one segment per run
+  of local queries of one document, keys from the document's start: :func:`varlen_layout`).
+* ``"flex"`` (CUDA): ``flex_attention`` (compiled once, with dynamic shapes after the first length) with a
+  ``BlockMask`` whose ``mask_mod`` is :func:`cpcompile.mask.visible`.
+
+  The backward of these two recomputes their forward under autograd. Each logs a warning on its first use that
   names ``benchmarks/gpu_attention.py`` (which checks it against dense SDPA); their status on GPUs is in
   BENCHMARKS.md. The varlen layout and flex's mask are checked on CPU.
 
@@ -28,15 +32,19 @@ gradients, like CPU SDPA.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import math
 
 import torch
 
 from cpcompile import _compat
-from cpcompile.plan import VisibleBlocks, visible, visible_blocks, visible_mask
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE
+from cpcompile.mask import visible, visible_mask
+from cpcompile.plan import VisibleBlocks, visible_blocks
 
 __all__ = [
+    "IMPLS",
     "SPAN_KEYS",
     "BlockPiece",
     "VarlenLayout",
@@ -48,6 +56,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Implementations of ``cpcompile::cp_attention`` (module docstring).
+IMPLS = ("loop", "flex", "flash_varlen")
 
 #: Longest run of unmasked keys multiplied in one matmul (bounds the score buffer to block_q x SPAN_KEYS).
 SPAN_KEYS = 1024
@@ -104,8 +115,21 @@ def computed_pairs(q_bounds: list[int], schedule: list[list[list[BlockPiece]]]) 
     return total
 
 
-def _check(q, k, v, q_pos, kv_pos, doc_ids, window, enable_gqa, block_q, block_k) -> int:
+def _check(q, k, v, q_pos, kv_pos, doc_ids, window, enable_gqa, block_q, block_k, impl) -> int:
     """Validate the op's inputs; return ``n_rep`` (query heads per KV head)."""
+    if impl not in IMPLS:
+        raise ValueError(f"cp_attention: impl={impl!r} is not one of {IMPLS}")
+    if impl != "loop" and q.device.type != "cuda":
+        raise ValueError(
+            f"cp_attention: impl={impl!r} runs on CUDA tensors only, got {q.device.type}; use impl='loop' "
+            "(cpcompile.backend(..., attention='auto'))"
+        )
+    if impl == "flash_varlen" and not _flash_varlen_available(q):
+        raise ValueError(
+            f"cp_attention: impl='flash_varlen' needs the flash_attn package and fp16/bf16 inputs, got {q.dtype}"
+            f"{'' if importlib.util.find_spec('flash_attn') else ' without flash_attn installed'}; use "
+            "attention='flex' or 'auto'"
+        )
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cp_attention expects [B, H, T, D] q/k/v, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D tensors")
     B, H, c, D = q.shape
@@ -170,8 +194,8 @@ def _block_mask(doc_row, q_pos, kv_pos, window) -> torch.Tensor:
     return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], kv_doc[None, :], window)
 
 
-# -- CPU ------------------------------------------------------------------------------------------------
-def _cpu_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_k):
+# -- the loop (every device) -----------------------------------------------------------------------------
+def _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_k):
     B, H, c, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     R = H // Hkv
@@ -210,7 +234,7 @@ def _cpu_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_
     return out, lse
 
 
-def _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, block_q, block_k):
+def _loop_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, block_q, block_k):
     B, H, c, D = q.shape
     Hkv, K, Dv = k.shape[1], k.shape[2], v.shape[3]
     R = H // Hkv
@@ -249,7 +273,7 @@ def _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale
     return dq.to(q.dtype), _unsort(order, dk).to(k.dtype), _unsort(order, dv).to(v.dtype)
 
 
-# -- CUDA -------------------------------------------------------------------------------------------------
+# -- library kernels (CUDA) -----------------------------------------------------------------------------
 _WARNED: set[str] = set()
 
 
@@ -349,27 +373,25 @@ def _flash_varlen_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale):
     return out, lse.float().view(H, B, c).transpose(0, 1).contiguous()
 
 
-def _use_flash_varlen(q) -> bool:
-    """flash-attn's varlen kernel when it is installed and supports the dtype; flex_attention otherwise."""
-    import importlib.util
-
+def _flash_varlen_available(q) -> bool:
+    """Whether flash-attn's varlen kernel is installed and supports ``q``'s dtype."""
     return q.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
 
 
-def _cuda_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa):
+def _library_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, impl):
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     k, v = _sorted(order, k, v)
-    if _use_flash_varlen(q):
+    if impl == "flash_varlen":
         return _flash_varlen_forward(q, k, v, q_pos, ks, doc_ids, window, scale)
     return _flex_forward(q, k, v, q_pos, ks, doc_ids, window, scale, enable_gqa)
 
 
-def _cuda_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa):
+def _library_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, impl):
     """Recomputes the forward under autograd (flex/flash-attn's own backward kernels run inside)."""
     with _compat.autograd_inside_custom_op():
         q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-        out, _ = _cuda_forward(q_, k_, v_, q_pos, kv_pos, doc_ids, window, scale, enable_gqa)
+        out, _ = _library_forward(q_, k_, v_, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, impl)
         grads = torch.autograd.grad(out, (q_, k_, v_), dout)
     return tuple(g.contiguous() for g in grads)
 
@@ -388,17 +410,18 @@ def _cp_attention_op(
     enable_gqa: bool,
     block_q: int,
     block_k: int,
+    impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [B, H, c, Dv] in q's dtype, logsumexp [B, H, c] fp32)``; see :func:`cp_attention`."""
-    _check(q, k, v, q_pos, kv_pos, doc_ids, window, enable_gqa, block_q, block_k)
+    _check(q, k, v, q_pos, kv_pos, doc_ids, window, enable_gqa, block_q, block_k, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.device.type == "cuda":
-        return _cuda_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa)
-    return _cpu_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_k)
+    if impl != "loop":
+        return _library_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, impl)
+    return _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_k)
 
 
 @_cp_attention_op.register_fake
-def _(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, block_q, block_k):
+def _(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, block_q, block_k, impl):
     B, H, c, _ = q.shape
     return q.new_empty((B, H, c, v.shape[3])), q.new_empty((B, H, c), dtype=torch.float32)
 
@@ -419,17 +442,18 @@ def _cp_attention_backward_op(
     enable_gqa: bool,
     block_q: int,
     block_k: int,
+    impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`cp_attention`, shaped and typed like ``q``, ``k``, ``v``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     dout = dout.contiguous()
-    if q.device.type == "cuda":
-        return _cuda_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa)
-    return _cpu_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, block_q, block_k)
+    if impl != "loop":
+        return _library_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, impl)
+    return _loop_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, block_q, block_k)
 
 
 @_cp_attention_backward_op.register_fake
-def _(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, enable_gqa, block_q, block_k):
+def _(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, enable_gqa, block_q, block_k, impl):
     # contiguous, like the real outputs (inductor checks real strides against these)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -445,7 +469,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, q_pos, kv_pos, doc_ids, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.cpcompile.cp_attention_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -462,8 +486,9 @@ def cp_attention(
     window: int | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int = DEFAULT_BLOCK_SIZE,
+    block_k: int = DEFAULT_BLOCK_SIZE,
+    impl: str = "loop",
 ) -> torch.Tensor:
     """Attention of local queries at global indices ``q_pos`` against keys at ``kv_pos``; differentiable.
 
@@ -478,12 +503,13 @@ def cp_attention(
         window: sliding window in tokens (``None``: none).
         scale: softmax scale (default ``1/sqrt(D)``, like SDPA).
         enable_gqa: allow fewer KV heads than query heads (query head ``h`` uses KV head ``h // (H // Hkv)``).
-        block_q, block_k: block sizes of the CPU kernel.
+        block_q, block_k: block sizes of the loop.
+        impl: ``"loop"`` (every device), ``"flex"`` or ``"flash_varlen"`` (CUDA; module docstring).
 
     Same result as :func:`dense_cp_attention` (SDPA under the :func:`cpcompile.plan.visible_mask` mask).
     """
     op = torch.ops.cpcompile.cp_attention
-    return op(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, block_q, block_k)[0]
+    return op(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, block_q, block_k, impl)[0]
 
 
 def dense_cp_attention(

@@ -51,6 +51,7 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.errors import UnsupportedMixingError
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.common import PassContext, arg, counters, finish, graph_modules, node_value
 from cpcompile.passes.positions import SequenceLength, graph_facts, sequence_length
@@ -60,7 +61,6 @@ __all__ = [
     "CausalRegion",
     "MixingOp",
     "MixingReport",
-    "UnsupportedMixingError",
     "check_op",
     "find_mixing_ops",
     "mixing_pass",
@@ -73,13 +73,6 @@ Kind = Literal[
 ]  # fmt: skip
 #: What became of it (see the module docstring).
 Action = Literal["gathered", "partial_sum", "dispatch", "per_token", "refused"]
-
-
-class UnsupportedMixingError(_compat.PassThroughCompileError):
-    """An op that mixes tokens along the sharded sequence and that cpcompile cannot make exact across ranks.
-
-    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
-    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ sources*) in a Dynamo graph and, for each one:
 find -> check -> rewrite: :func:`sequence_length` (how the local length appears in the graph),
 :func:`find_position_sources` (typed :class:`PositionSource` matches), :func:`check_source` (a
 :class:`PositionCheck` with a one-line reason), :func:`rewrite_source`; :func:`positions_pass` is the entry point
-the backend runs on every graph when the CP group has more than one rank. ``cpcompile.counters`` counts
+the backend runs on every graph when the CP group has more than one rank. ``cpcompile.passes.counters`` counts
 ``position_sources_found`` and, by what became of them, ``position_sources_rewritten``, ``_refused``, ``_mask``
 and ``_unchanged``.
 
@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.common import arg as _arg
@@ -52,7 +53,6 @@ __all__ = [
     "PositionReport",
     "PositionSource",
     "SequenceLength",
-    "UnsupportedPositionError",
     "check_source",
     "find_position_sources",
     "positions_pass",
@@ -72,13 +72,6 @@ FIX = (
     "position_ids); or derive positions only with arange / a table slice by the sequence length used "
     "element-wise, which cpcompile rewrites"
 )
-
-
-class UnsupportedPositionError(_compat.PassThroughCompileError):
-    """A value the model computes from the local sequence length that cpcompile cannot make global exactly.
-
-    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
-    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,16 +24,16 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
+from cpcompile.errors import UnsupportedAttentionError
+from cpcompile.layouts import MAX_RUNS
 from cpcompile.passes.aliasing import last_write
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
-from cpcompile.plan import MAX_RUNS
 
 __all__ = [
     "SDPASite",
     "SiteReport",
-    "UnsupportedAttentionError",
     "find_sdpa_sites",
     "check_site",
     "graph_windows",
@@ -46,13 +46,6 @@ __all__ = [
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-class UnsupportedAttentionError(_compat.PassThroughCompileError):
-    """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics.
-
-    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
-    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +108,8 @@ class SiteReport:
     #: ``rewritten``, ``refused`` or ``untouched`` (CP group of size 1).
     action: str
     reason: str = ""
-    #: Attention the rewrite emitted: ``"dense"`` (SDPA under the plan's mask) or ``"block"`` (cp_attention).
+    #: Attention the rewrite emitted: ``"dense"`` (SDPA under the plan's mask), or cp_attention's ``"block"`` loop,
+    #: ``"flex"`` or ``"flash_varlen"``.
     kernel: str = ""
     #: Sliding window of the site in tokens (``None``: none).
     window: int | None = None
@@ -449,12 +443,20 @@ def _heads_first(graph: fx.Graph, t: fx.Node, layout: str) -> fx.Node:
 
 
 def _kernel_for(site: SDPASite, attention: str) -> str:
-    """``"auto"`` picks the block kernel for CPU tensors and dense SDPA for every other device (the CUDA block
-    path runs with ``"block"`` only); ``"dense"``/``"block"`` are taken as given."""
-    if attention != "auto":
-        return attention
+    """``"auto"`` is the block loop on every device (memory bounded by blocks, and the code the CPU tests run);
+    the other paths are taken as given."""
+    return "block" if attention == "auto" else attention
+
+
+def _kernel_reason(site: SDPASite, kernel: str) -> str | None:
+    """Why ``kernel`` cannot run this site (the CUDA library paths on another device), or ``None``."""
     q = site.meta(site.query)
-    return "block" if q is not None and q.device.type == "cpu" else "dense"
+    if kernel in ("flex", "flash_varlen") and q is not None and q.device.type not in ("cuda", "meta"):
+        return (
+            f"attention={kernel!r} runs on CUDA only, the query is on {q.device.type} (flex_attention has no "
+            "CPU backward); use cpcompile.backend(..., attention='auto')"
+        )
+    return None
 
 
 def _erase_unused_chain(graph: fx.Graph, node: fx.Node, source: fx.Node) -> None:
@@ -611,7 +613,7 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
 
     ``ctx.refuse == "raise"`` raises :class:`UnsupportedAttentionError` for the first site that cannot be
     rewritten exactly (nothing runs wrong silently); ``"report"`` only records it (for inspection, never for
-    running). ``ctx.options.attention`` (``"dense"``, ``"block"`` or ``"auto"``, see :func:`_kernel_for`)
+    running). ``ctx.options.attention`` (see :func:`_kernel_for`)
     selects the attention emitted. With ``cp_size == 1`` nothing is rewritten, except with ``attention="block"``.
 
     With CP > 1 the pass also refuses attention that is not an SDPA call (:func:`find_non_sdpa_attention`)
@@ -652,14 +654,16 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             reports.append(_report(site, ctx.graph_id, "untouched", "CP group of size 1"))
             continue
         reason = check_site(site)
-        window = None
+        window, kernel = None, _kernel_for(site, ctx.options.attention)
         if reason is None:
             window, reason = site_window(site, config)
+        if reason is None:
+            reason = _kernel_reason(site, kernel)
         if reason is not None:
             counters["sdpa_refused"] += 1
             refuse(site.where, reason, _report(site, ctx.graph_id, "refused", reason))
             continue
-        spec = _site_spec(site, ctx, window, _kernel_for(site, ctx.options.attention))
+        spec = _site_spec(site, ctx, window, kernel)
         ops.register_site(spec)
         reports.append(_report(site, ctx.graph_id, "rewritten", spec=spec))
         try:

@@ -1,7 +1,17 @@
-"""The ``"balanced"`` layout: every CP rank computes the same attention work for the batch at hand.
+"""Layouts: which global tokens every CP rank holds (:data:`LAYOUTS`), and the balancer behind ``"balanced"``.
 
-Main API: :func:`balance` (``LAYOUTS["balanced"]`` in :mod:`cpcompile.plan` returns its ``indices``) and
-:func:`token_work`, the work model it balances.
+The sequence of every row is padded to ``T_pad``, a multiple of the CP size ``N``; a layout gives rank ``r`` the
+``c = T_pad // N`` global indices ``indices[r]`` (ascending), the same for every row, in at most
+:data:`MAX_RUNS` runs of consecutive indices:
+
+* ``"contiguous"``: rank ``r`` holds ``[r * c, (r + 1) * c)``;
+* ``"head_tail"``: the sequence is cut into ``2N`` pieces and rank ``r`` holds piece ``r`` and piece
+  ``2N - 1 - r`` (the classic load-balanced layout for causal attention);
+* ``"balanced"`` (:data:`DEFAULT_LAYOUT`): the tokens are placed so that every rank computes the same attention
+  work (:class:`Workload`) for this batch's documents (:func:`balance`, below).
+
+The balancer: :func:`balance` (``LAYOUTS["balanced"]`` returns its ``indices``) and :func:`token_work`, the work
+model it balances. Layers: :mod:`cpcompile.mask` -> this module -> :mod:`cpcompile.plan`.
 
 **Work.** The block kernel cuts a rank's queries into blocks that never span a run of consecutive indices
 nor a multiple of the block size (:func:`cpcompile.plan.query_blocks`), so every query block lies inside one
@@ -11,7 +21,7 @@ document's start (or window start) to its last query (:meth:`cpcompile.plan.CPPl
 (all rows share one layout). A rank's computed pairs are at most the sum of its tokens' work, with equality
 when its runs start and end on block boundaries, so balancing the sums balances the kernel.
 
-**Layouts tried.** ``balance`` builds candidate layouts, each with at most :data:`~cpcompile.plan.MAX_RUNS`
+**Layouts tried.** ``balance`` builds candidate layouts, each with at most :data:`MAX_RUNS`
 runs per rank and exactly ``c`` tokens per rank, and keeps the one whose slowest rank has the least work:
 
 * ``contiguous`` and ``head_tail`` (1 and 2 runs);
@@ -24,7 +34,7 @@ runs per rank and exactly ``c`` tokens per rank, and keeps the one whose slowest
 * ``atoms{K}``: the sequence cut into ``K`` block-aligned pieces per rank, given out largest first to the rank
   with the least work that still has room (at most ``K`` runs), for ``K = 2..MAX_RUNS``.
 
-Candidates are built for every attention form of the :class:`~cpcompile.plan.Workload` (full causal, each
+Candidates are built for every attention form of the :class:`Workload` (full causal, each
 window) and for their layer-weighted sum. The objective is the work every layer waits for: the sum over forms
 of ``layers x`` the slowest rank's work. Among the candidates within 0.5% of the best, the one with the fewest
 runs wins (one document: ``head_tail``; no imbalance to fix: ``contiguous``).
@@ -37,12 +47,108 @@ every rank computes the same layout from the same batch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, count_runs, document_starts
+from cpcompile.mask import document_starts
 
-__all__ = ["Balance", "balance", "token_work"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_LAYOUT",
+    "LAYOUTS",
+    "MAX_RUNS",
+    "AttentionForm",
+    "Balance",
+    "Workload",
+    "balance",
+    "count_runs",
+    "token_work",
+]
+
+#: The most runs of consecutive global indices one rank holds, in every layout (``contiguous`` 1, ``head_tail``
+#: 2, ``balanced`` at most 4). A compile-time bound: the halo exchange of sliding-window layers gives every rank
+#: ``MAX_RUNS * (window - 1)`` key slots. Two runs (head and tail) balance one document, but a rank that takes a
+#: slice of a long document's expensive tail must fill up with cheap tokens from elsewhere; how often 2, 3, 4 and
+#: 6 runs reach an even split is measured in BENCHMARKS.md (``benchmarks/layouts.py --sweep``).
+MAX_RUNS = 4
+
+#: The layout :func:`cpcompile.shard`, :func:`cpcompile.plan.build_plan` and ``cpcompile inspect`` use by default.
+DEFAULT_LAYOUT = "balanced"
+#: Query and key block size of the block attention kernel (``cpcompile.backend(..., block_size=...)``), and the
+#: block the balanced layout counts work in, unless told otherwise.
+DEFAULT_BLOCK_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """One kind of attention layer of a model, as the ``"balanced"`` layout weighs it."""
+
+    #: Packed documents are kept apart (transformers' bool mask) or plain causal order over the whole row.
+    documents: bool = True
+    #: Sliding window in tokens, or ``None`` (full causal attention).
+    window: int | None = None
+    #: Number of layers of this form (each layer waits for its slowest rank).
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"AttentionForm window={self.window!r} must be a positive int or None")
+        if not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"AttentionForm layers={self.layers!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The attention work the ``"balanced"`` layout evens out across ranks.
+
+    Work is what the block kernel computes: (query, key) pairs of the not fully masked blocks
+    (:meth:`CPPlan.visible_blocks`), for every form of attention layer, weighted by its number of layers.
+    """
+
+    #: The model's attention forms (default: one full-causal, packed-document form).
+    forms: tuple[AttentionForm, ...] = (AttentionForm(),)
+    #: Query and key block size of the block kernel (``cpcompile.backend(..., block_size=...)``).
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if not self.forms or not all(isinstance(f, AttentionForm) for f in self.forms):
+            raise ValueError(f"Workload forms must be a non-empty tuple of AttentionForm, got {self.forms!r}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"Workload block_size={self.block_size!r} must be a positive int (e.g. 128)")
+
+
+def _contiguous(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
+    return torch.arange(padded_len, device=doc_ids.device).view(cp_size, -1)
+
+
+def _head_tail(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
+    c = padded_len // cp_size
+    head = c // 2  # tokens of each rank's first piece; the second piece has c - head
+    r = torch.arange(cp_size, device=doc_ids.device)[:, None]
+    first = r * head + torch.arange(head, device=doc_ids.device)
+    tail_start = padded_len - (r + 1) * (c - head)
+    second = tail_start + torch.arange(c - head, device=doc_ids.device)
+    return torch.cat([first, second], dim=1)
+
+
+def _balanced(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
+    return balance(padded_len, cp_size, doc_ids, workload).indices
+
+
+#: Layout name -> ``fn(padded_len, cp_size, doc_ids [B, T_pad], workload) -> [N, c]`` global indices, ascending
+#: per rank, every rank in at most :data:`MAX_RUNS` runs of consecutive indices.
+LAYOUTS: dict[str, Callable[[int, int, torch.Tensor, Workload], torch.Tensor]] = {
+    "contiguous": _contiguous,
+    "head_tail": _head_tail,
+    "balanced": _balanced,
+}
+
+
+def count_runs(indices: torch.Tensor) -> torch.Tensor:
+    """``[N]``: the number of runs of consecutive global indices of every rank of ``[N, c]`` ascending indices."""
+    return 1 + (torch.diff(indices, dim=-1) != 1).sum(-1)
+
 
 #: A candidate with fewer runs is preferred when its objective is within this factor of the best (0.5%).
 TOLERANCE = (1000, 1005)
@@ -94,10 +200,8 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
     """The layout of ``padded_len`` tokens over ``cp_size`` ranks that evens out ``workload`` (module docstring).
 
     ``doc_ids`` ``[B, padded_len]``: the plan's document ids. Every rank gets ``padded_len // cp_size`` tokens
-    in at most :data:`~cpcompile.plan.MAX_RUNS` runs.
+    in at most :data:`MAX_RUNS` runs.
     """
-    from cpcompile.plan import LAYOUTS
-
     T, N, device = padded_len, cp_size, doc_ids.device
     forms = workload.forms
     works = torch.stack([_form_work(doc_ids, workload.block_size, f) for f in forms])  # [F, T]

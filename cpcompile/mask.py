@@ -1,0 +1,81 @@
+"""Who sees whom: the one visibility rule every attention path applies, and packed documents.
+
+Visibility (:func:`visible`) follows transformers' index-based definitions exactly: query ``i`` may see key ``j``
+iff ``j <= i`` (global causal order), and, for the document form, both lie in the same document, where a new
+document starts wherever ``position_ids[t] - position_ids[t - 1] != 1``
+(``transformers.masking_utils.find_packed_sequence_indices``); with a sliding window ``w`` additionally
+``j > i - w``. The dense mask (:func:`visible_mask`), the block kernel's blocks and flex_attention's
+``mask_mod`` are all built from :func:`visible`; :func:`first_visible` is the same rule in interval form.
+
+The bottom layer of the package: ``mask`` -> ``layouts`` -> ``plan`` -> ``runtime`` -> ``passes`` -> ``backend``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["document_ids", "document_starts", "first_visible", "visible", "visible_mask"]
+
+
+def visible(
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    kv_doc: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """The visibility rule: key at global index ``kv_pos`` is visible to the query at ``q_pos``.
+
+    ``0 <= kv_pos <= q_pos`` (causal; a negative index marks an empty key slot, never visible), ``kv_doc == q_doc``
+    (same document; skipped when the docs are ``None``) and ``kv_pos > q_pos - window`` (sliding window;
+    ``None``: none). Arguments broadcast like any elementwise op, so the same function builds dense masks, block
+    masks and flex_attention's ``mask_mod``.
+    """
+    m = (kv_pos <= q_pos) & (kv_pos >= 0)
+    if q_doc is not None:
+        m = m & (kv_doc == q_doc)
+    if window is not None:
+        m = m & (kv_pos > q_pos - window)
+    return m
+
+
+def visible_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, 1, len(q_pos), len(kv_pos)]`` bool mask of :func:`visible` for ``[B, T_pad]`` document ids.
+
+    ``q_pos``/``kv_pos`` are global token indices (any order; a negative key index is an empty slot);
+    ``doc_ids`` all zeros means no document condition.
+    """
+    q_doc = doc_ids[:, q_pos][:, :, None]
+    kv_doc = doc_ids[:, kv_pos.clamp(min=0)][:, None, :]
+    return visible(q_pos[:, None], kv_pos[None, :], q_doc, kv_doc, window)[:, None]
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document index of every token of ``[B, T]`` position ids (new document where the step is not +1).
+
+    The same rule transformers uses to detect packed sequences, so that our masks agree with the model's.
+    """
+    first = position_ids[:, :1] - 1
+    step = torch.diff(position_ids, prepend=first, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the global index of the first token of every token's document (docs contiguous per row)."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def first_visible(doc_ids: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, len(q_pos)]``: the global index of the first key visible to each query at ``q_pos``.
+
+    :func:`visible` in interval form, for document ids that are non-decreasing along each row: the keys
+    visible to query ``q`` are exactly the global indices ``[first_visible, q]`` (its document's start, or the
+    window's, whichever is later). Memory is O(B * T), never one entry per (query, key) pair.
+    """
+    lo = document_starts(doc_ids)[:, q_pos]
+    if window is not None:
+        lo = lo.clamp(min=q_pos - window + 1)
+    return lo
