@@ -26,7 +26,13 @@ torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graph
 """
 
 from cpcompile.backend import backend
-from cpcompile.errors import MaskMismatchError, RankFailedError, UnsupportedAttentionError, UnsupportedPositionError
+from cpcompile.errors import (
+    MaskMismatchError,
+    RankFailedError,
+    UnsupportedAttentionError,
+    UnsupportedMixingError,
+    UnsupportedPositionError,
+)
 from cpcompile.failsafe import FailsafeOptions, fail_together
 from cpcompile.failsafe import configure as configure_failsafe
 from cpcompile.fsdp import fully_shard_dp_cp, init_dp_cp_mesh
@@ -44,6 +50,7 @@ __all__ = [
     "MaskMismatchError",
     "RankFailedError",
     "UnsupportedAttentionError",
+    "UnsupportedMixingError",
     "UnsupportedPositionError",
     "Workload",
     "backend",

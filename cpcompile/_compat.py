@@ -18,6 +18,7 @@ __all__ = [
     "free_symbols",
     "is_higher_order_op",
     "is_module_state",
+    "custom_op_name",
     "op_argument_names",
     "op_overload_name",
     "sym_expr",
@@ -28,6 +29,7 @@ __all__ = [
     "FLEX_ATTENTION_TARGETS",
     "PassThroughCompileError",
     "all_gather_into",
+    "all_gather_seq",
     "all_gather_start",
     "all_gather_wait",
     "fake_process_group",
@@ -118,6 +120,18 @@ def all_gather_wait(started: torch.Tensor) -> torch.Tensor:
     if _tracing():
         started = torch.ops._c10d_functional.wait_tensor(started)
     return started.permute(1, 2, 0, 3)
+
+
+def all_gather_seq(t: torch.Tensor, dim: int, cp_size: int, group_name: str) -> torch.Tensor:
+    """All-gather ``t`` along ``dim`` over the group: every rank's chunk, rank-major (``cp_size * t.shape[dim]``).
+
+    The functional all-gather of :func:`all_gather_start` (its autograd: a sum reduce-scatter in backward), for a
+    tensor of any rank, waited for at once.
+    """
+    moved = t.movedim(dim, 0).contiguous()
+    out = _all_gather_op()(moved, cp_size, group_name)
+    out = torch.ops._c10d_functional.wait_tensor(out) if _tracing() else _fc._maybe_wrap_tensor(out)
+    return out.movedim(0, dim)
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -451,6 +465,16 @@ def op_overload_name(target: object) -> str | None:
     else ``None``. torch 2.11-2.13: ``torch._ops.OpOverload`` and its ``_schema``."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.split("::")[-1]
+    return None
+
+
+def custom_op_name(target: object) -> str | None:
+    """``"namespace::name"`` of an ``OpOverload`` or ``OpOverloadPacket`` graph target (``torch.ops.ns.name``),
+    else ``None``. torch 2.11-2.13: ``torch._ops.OpOverload(Packet)``, ``_schema.name`` / ``_qualified_op_name``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
     return None
 
 

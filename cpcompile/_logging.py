@@ -2,7 +2,9 @@
 
 - ``TORCH_LOGS="cpcompile"`` (or ``torch._logging.set_logs(modules={"cpcompile": logging.INFO})``): as every graph
   compiles, each rank logs one line for the graph and a table of its attention sites (layer, shapes, mask found,
-  what the backend did, bytes all-gathered per call), on the ``cpcompile.sites`` logger.
+  what the backend did, bytes all-gathered per call), on the ``cpcompile.sites`` logger, then a table of the ops
+  that mix tokens outside attention (layer, op, kind, what the backend did, the model's line), on
+  ``cpcompile.mixing``.
 - ``TORCH_LOGS="+cpcompile"`` (level DEBUG): also the graph before and after the pass (``cpcompile.graphs``).
 - ``TORCH_TRACE=dir`` (then ``tlparse dir/...log``): every compiled graph adds three artifacts under its compile id:
   ``cpcompile_graph_before`` and ``cpcompile_graph_after`` (the code of ``cpcompile.dump.graph_source``) and
@@ -21,10 +23,12 @@ from tabulate import tabulate
 
 from cpcompile import _compat
 
-__all__ = ["GraphTrace", "format_sites"]
+__all__ = ["GraphTrace", "format_mixing", "format_sites"]
 
 #: One summary line and a table of sites per compiled graph (INFO).
 sites_log = logging.getLogger("cpcompile.sites")
+#: One table of the ops that mix tokens outside attention per compiled graph that has any (INFO).
+mixing_log = logging.getLogger("cpcompile.mixing")
 #: The graph before and after the pass (DEBUG).
 graphs_log = logging.getLogger("cpcompile.graphs")
 
@@ -65,6 +69,16 @@ def format_sites(reports: list) -> str:
     return tabulate(rows, headers=[title for title, _ in _COLUMNS], disable_numparse=True)
 
 
+def format_mixing(reports: list) -> str:
+    """A text table of mixing reports (:class:`cpcompile.MixingReport`), one row per op."""
+    rows = [
+        [r.layer or "<top level>", r.node, r.op, r.kind, r.action, r.all_gather_bytes_per_call or "", r.source]
+        for r in reports
+    ]
+    headers = ["layer", "node", "op", "kind", "action", "AG bytes/call", "model code"]
+    return tabulate(rows, headers=headers, disable_numparse=True)
+
+
 @dataclasses.dataclass
 class GraphTrace:
     """The logs and trace artifacts of one graph through the backend, titled ``title``."""
@@ -75,11 +89,20 @@ class GraphTrace:
         """Whether a log or trace is listening for the graphs' code (so the backend renders it)."""
         return graphs_log.isEnabledFor(logging.DEBUG) or _compat.structured_trace_enabled()
 
-    def emit(self, before: str, after: str, reports: list, *, rank: int, cp_size: int) -> None:
-        """Log the site table (INFO) and, when :meth:`wants_code`, the graphs (DEBUG) and the trace artifacts.
+    def emit(
+        self, before: str, after: str, reports: list, *, rank: int, cp_size: int, mixing: list | tuple = ()
+    ) -> None:
+        """Log the site table and the mixing table (INFO) and, when :meth:`wants_code`, the graphs (DEBUG) and
+        the trace artifacts.
 
-        ``before``/``after``: the graph's code before and after the pass (``""`` when it was not rendered).
+        ``before``/``after``: the graph's code before and after the pass (``""`` when it was not rendered);
+        ``mixing``: the graph's :class:`cpcompile.MixingReport` records.
         """
+        if mixing and mixing_log.isEnabledFor(logging.INFO):
+            mixing_log.info(
+                "%s",
+                f"{self.title}: {len(mixing)} op(s) mixing tokens outside attention\n{format_mixing(list(mixing))}",
+            )
         if sites_log.isEnabledFor(logging.INFO):
             counts = {a: sum(r.action == a for r in reports) for a in ("rewritten", "refused", "untouched")}
             summary = ", ".join(f"{n} {a}" for a, n in counts.items() if n) or "no attention"
@@ -93,5 +116,11 @@ class GraphTrace:
         _compat.trace_artifact(
             "cpcompile_sites",
             "json",
-            lambda: {"title": self.title, "rank": rank, "cp_size": cp_size, "sites": [r.to_json() for r in reports]},
+            lambda: {
+                "title": self.title,
+                "rank": rank,
+                "cp_size": cp_size,
+                "sites": [r.to_json() for r in reports],
+                "mixing": [m.to_json() for m in mixing],
+            },
         )

@@ -14,8 +14,10 @@ import torch.fx as fx
 
 from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
+from cpcompile.passes.common import PassContext
+from cpcompile.passes.mixing import MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass
-from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
+from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group, current_plan, record_attention_free_graph
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
@@ -37,6 +39,7 @@ class TracedGraph:
     after: str
     reports: tuple[SiteReport, ...]
     positions: tuple[PositionReport, ...] = ()
+    mixing: tuple[MixingReport, ...] = ()
     #: How many times the (unrewritten) graph ran so far.
     calls: int = 0
 
@@ -45,8 +48,9 @@ class CPBackend:
     """A ``(GraphModule, example_inputs) -> callable`` compiler; build it with :func:`backend`.
 
     Every Dynamo graph goes through :func:`cpcompile.passes.cp_attention_pass`,
-    :func:`cpcompile.passes.positions_pass` (CP > 1) and then the inner compiler. ``reports`` lists what was done
-    with every SDPA site of every graph compiled so far, ``position_reports`` with every position source.
+    :func:`cpcompile.passes.positions_pass` and :func:`cpcompile.passes.mixing_pass` (CP > 1) and then the inner
+    compiler. ``reports`` lists what was done with every SDPA site of every graph compiled so far,
+    ``position_reports`` with every position source, ``mixing_reports`` with every other op that mixes tokens.
 
     ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
     copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
@@ -75,6 +79,8 @@ class CPBackend:
         self.reports: list[SiteReport] = []
         #: What :func:`cpcompile.passes.positions_pass` did with every position source (CP > 1).
         self.position_reports: list[PositionReport] = []
+        #: What :func:`cpcompile.passes.mixing_pass` did with every op that mixes tokens outside attention (CP > 1).
+        self.mixing_reports: list[MixingReport] = []
         self.traced: list[TracedGraph] = []
         #: Prefix of the ids of the sites this backend compiles (``backend<n>``, n counting backends per process).
         self.name = f"backend{next(_backend_ids)}" if name is None else name
@@ -114,24 +120,31 @@ class CPBackend:
             site_prefix=f"{self.name}/graph{graph_id}",
             refuse="report" if self.trace_only else "raise",
         )
+        positions: list[PositionReport] = []
+        mixing: list[MixingReport] = []
         try:
             reports = cp_attention_pass(target, ctx)
             self.reports += reports
-            positions: list[PositionReport] = []
+            plan = current_plan()
+            chunk_len = plan.chunk_len if plan is not None else None
             if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals first
-                plan = current_plan()
-                positions = positions_pass(target, ctx, plan.chunk_len if plan is not None else None)
+                positions = positions_pass(target, ctx, chunk_len)
                 self.position_reports += positions
+            if self.cp_size > 1 and self.options.mixing == "exact":  # last: it sees the rewritten attention
+                mixing = mixing_pass(target, ctx, chunk_len)
+                self.mixing_reports += mixing
         except _compat.PassThroughCompileError as e:  # a refusal: the refused graph is the one to look at
             if self._dump is not None:
                 self._dump.add_graph(before, "", [], refused=str(e))
             raise
         after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
-        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size)  # TORCH_LOGS, TORCH_TRACE
+        trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size, mixing=mixing)  # TORCH_LOGS, TRACE
         if self._dump is not None:
-            self._dump.add_graph(before, after, reports, positions=positions)
+            self._dump.add_graph(before, after, reports, positions=positions, mixing=mixing)
         if self.trace_only:
-            record = TracedGraph(dist.get_rank(), graph_id, before, after, tuple(reports), tuple(positions))
+            record = TracedGraph(
+                dist.get_rank(), graph_id, before, after, tuple(reports), tuple(positions), tuple(mixing)
+            )
             self.traced.append(record)
 
             def run(*args):
@@ -194,7 +207,8 @@ def backend(cp_group: dist.ProcessGroup, **options: object) -> CPBackend:
 
     ``cp_group`` is the context-parallel process group (the ranks that share one sequence). ``options`` are the
     fields of :class:`cpcompile.options.BackendOptions`, each documented there: ``inner`` (``"inductor"``,
-    ``"aot_eager"`` or ``"eager"``), ``attention``, ``block_size``, ``halo``, ``positions``, ``config`` (the
+    ``"aot_eager"`` or ``"eager"``), ``attention``, ``block_size``, ``halo``, ``positions``, ``mixing``,
+    ``per_token_ops``, ``config`` (the
     model's transformers config: pass it in training), ``regather_kv_in_backward``, ``dump_dir`` (``None``: the
     ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump). An unknown option raises ``TypeError`` naming the
     known ones; a bad value, ``ValueError``.

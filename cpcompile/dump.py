@@ -5,7 +5,8 @@ One folder per rank, names from a counter, no uuids, so two runs of the same mod
     DIR/rank{r}/graph{n}_before.py   # graph n as Dynamo traced it (GraphModule.print_readable)
     DIR/rank{r}/graph{n}_after.py    # the same graph after the cpcompile passes
     DIR/rank{r}/summary.json         # every dumped graph of this rank, what the passes did with each SDPA site
-                                     # ("sites") and each position source ("positions"); for a graph cpcompile
+                                     # ("sites"), each position source ("positions") and each op
+                                     # that mixes tokens outside attention ("mixing"); for a graph cpcompile
                                      # refused, the refusal ("refused") and no graph{n}_after.py
 
 ``n`` counts the graphs dumped into ``DIR`` for rank ``r`` by this process, in compile order.
@@ -21,6 +22,7 @@ import types
 
 import torch.fx as fx
 
+from cpcompile.passes.mixing import MixingReport
 from cpcompile.passes.positions import PositionReport
 from cpcompile.passes.sdpa_cp import SiteReport
 
@@ -96,6 +98,7 @@ class RankDumpWriter:
         *,
         calls_per_forward: int | None = None,
         positions: list[PositionReport] | tuple[PositionReport, ...] = (),
+        mixing: list[MixingReport] | tuple[MixingReport, ...] = (),
         refused: str | None = None,
     ) -> list[str]:
         """Write graph ``n`` (the next counter value) and the updated summary; return the paths written.
@@ -117,6 +120,7 @@ class RankDumpWriter:
                     "calls_per_forward": calls_per_forward,
                     "sites": [r.to_json() for r in reports],
                     "positions": [dataclasses.asdict(p) for p in positions],
+                    "mixing": [m.to_json() for m in mixing],
                     **({"refused": refused} if refused is not None else {}),
                 }
             )

@@ -25,6 +25,7 @@ __all__ = [
     "RankFailedValueError",
     "RanksDivergedError",
     "UnsupportedAttentionError",
+    "UnsupportedMixingError",
     "UnsupportedPositionError",
 ]
 
@@ -38,6 +39,13 @@ class UnsupportedAttentionError(_compat.PassThroughCompileError):
 
 class UnsupportedPositionError(_compat.PassThroughCompileError):
     """A value the model computes from the local sequence length that cpcompile cannot make global exactly.
+
+    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
+    """
+
+
+class UnsupportedMixingError(_compat.PassThroughCompileError):
+    """An op that mixes tokens along the sharded sequence and that cpcompile cannot make exact across ranks.
 
     Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
     """

@@ -10,7 +10,8 @@ computed; Dynamo traces the model on the shapes alone, with the same dynamic seq
 The backend is the one training builds (:func:`cpcompile.backend`'s :class:`~cpcompile.backend.CPBackend`,
 same options) in its ``trace_only`` mode: every graph is rewritten in a copy with refusals listed instead of
 raised, and the untouched graph is what runs (on meta), so no collective is ever issued. The rows of the
-positions pass list every position source the model computes from the local sequence length.
+positions pass list every position source the model computes from the local sequence length, those of the mixing
+pass every other op that mixes tokens along the sequence (run on the whole sequence, accounted for, or refused).
 """
 
 from __future__ import annotations
@@ -278,6 +279,20 @@ class Inspection:
         headers = ["ranks", "graph", "layer", "node", "kind", "action", "reason"]
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
 
+    def mixing_table(self) -> str:
+        """One row per op that mixes tokens outside attention (an op found alike on several ranks gets one row)."""
+        from tabulate import tabulate
+
+        rows: dict[tuple, list[int]] = {}
+        for g in self.graphs:
+            for m in g.mixing:
+                nbytes = m.all_gather_bytes_per_call or ""
+                key = (g.graph, m.layer or "<top level>", m.node, m.op, m.kind, m.action, nbytes, m.reason)
+                rows.setdefault(key, []).append(g.rank)
+        body = [[_fmt_ranks(ranks, self.cp_size), *key] for key, ranks in rows.items()]
+        headers = ["ranks", "graph", "layer", "node", "op", "kind", "action", "AG bytes/call", "reason"]
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
     def report(self) -> str:
         """The text ``cpcompile inspect`` prints."""
         lines = [self.headline(), ""]
@@ -300,6 +315,14 @@ class Inspection:
                 "positions computed from the local sequence length (rewritten to global token indices, left to "
                 "the attention mask, unchanged, or refused):",
                 self.position_table(),
+            ]
+        if any(g.mixing for g in self.graphs):
+            lines += [
+                "",
+                "ops that mix tokens along the sequence outside attention (gathered: run on the whole sequence; "
+                "partial_sum: a sum the ranks' values add up to; dispatch: MoE token bookkeeping; per_token: a "
+                "listed custom op; refused):",
+                self.mixing_table(),
             ]
         return "\n".join(lines) + "\n"
 
@@ -341,6 +364,7 @@ class Inspection:
             "attention": self.options.attention,
             "sites": [row.to_json() for row in self.rows],
             "positions": [{"rank": g.rank, **dataclasses.asdict(p)} for g in self.graphs for p in g.positions],
+            "mixing": [{"rank": g.rank, **m.to_json()} for g in self.graphs for m in g.mixing],
             "rank_totals": [dataclasses.asdict(t) for t in self.totals],
         }
 
@@ -674,7 +698,7 @@ def write_dump(inspection: Inspection, directory: str) -> list[str]:
         writer = RankDumpWriter(directory, rank, inspection.cp_size)
         for g in (g for g in inspection.graphs if g.rank == rank):
             written += writer.add_graph(
-                g.before, g.after, list(g.reports), calls_per_forward=g.calls, positions=g.positions
+                g.before, g.after, list(g.reports), calls_per_forward=g.calls, positions=g.positions, mixing=g.mixing
             )
     written = list(dict.fromkeys(written))
     png = os.path.join(directory, "attention_pattern.png")

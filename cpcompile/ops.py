@@ -34,6 +34,10 @@ exactly the keys the receiving rank's queries can see, and the graph keeps a sta
 attention needs it (it is not overlapped with the work before it, unlike the all-gathers); its backward sends
 the gradients of the received keys back to their owners.
 
+``cpcompile::sequence_order`` serves :mod:`cpcompile.passes.mixing`: the permutation that puts a tensor
+all-gathered along the sequence into global token order, and this rank's token indices to take its tokens back
+(:func:`emit_sequence_gather`).
+
 ``cpcompile::token_positions`` serves :mod:`cpcompile.passes.positions`: the global index of every token this
 rank holds, for position sources (``arange`` of the local length, tables sliced by it) the model computes itself.
 """
@@ -60,10 +64,12 @@ __all__ = [
     "emit_attention",
     "emit_gather_start",
     "emit_halo_exchange",
+    "emit_sequence_gather",
     "emit_site_plan",
     "emit_token_positions",
     "token_positions",
     "register_site",
+    "sequence_order",
     "site_spec",
 ]
 
@@ -500,3 +506,60 @@ def emit_token_positions(graph: fx.Graph, like: fx.Node, table_rows: int, site: 
     """
     detached = graph.call_method("detach", (like,))
     return graph.call_function(torch.ops.cpcompile.token_positions.default, (detached, table_rows, site))
+
+
+# -- ops that mix tokens outside attention, run on the whole sequence -------------------------------------------
+@torch.library.custom_op("cpcompile::sequence_order", mutates_args=())
+def sequence_order(
+    like: torch.Tensor, dim: int, cp_size: int, needs_grad: bool, site: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [N * c], local [c])`` of the active plan for a region of :mod:`cpcompile.passes.mixing`.
+
+    A tensor all-gathered over the CP group (rank-major chunks of ``c`` tokens along ``dim``) is in global token
+    order after ``index_select(dim, order)``, padding tokens last; ``local`` are this rank's global token indices,
+    which take its tokens back from a tensor in token order. ``like`` (detached) has this rank's ``c`` tokens
+    along ``dim``: only its size and device are read, and its bytes are counted as one sequence all-gather
+    (``CommStats.sequence_gathers``; with ``needs_grad``, one reduce-scatter in backward).
+    """
+    context = active_context(f"the sequence-mixing op at {site}")
+    plan = context.plan
+    if plan.cp_size != cp_size:
+        raise RuntimeError(
+            f"the sequence-mixing op at {site} was compiled for a CP group of size {cp_size}, but the active shard "
+            f"context has size {plan.cp_size}; pass the same cp_group to cpcompile.backend and cpcompile.shard"
+        )
+    if like.shape[dim] != plan.chunk_len:
+        raise RuntimeError(
+            f"the sequence-mixing op at {site} got {like.shape[dim]} tokens along dim {dim}, but the active plan "
+            f"expects this rank's chunk length {plan.chunk_len}; call the model with the `local` batch of the "
+            "active cpcompile.shard context"
+        )
+    context.comm.record_sequence_gather(like, cp_size, needs_grad)
+    order = torch.argsort(plan.gathered_indices())
+    return order.to(like.device), plan.token_indices().clone().to(like.device)
+
+
+@sequence_order.register_fake
+def _(like, dim, cp_size, needs_grad, site):
+    c = like.shape[dim]
+    return like.new_empty((cp_size * c,), dtype=torch.long), like.new_empty((c,), dtype=torch.long)
+
+
+def emit_sequence_gather(
+    graph: fx.Graph, t: fx.Node, dim: int, cp_size: int, group_name: str, site: str
+) -> tuple[fx.Node, fx.Node]:
+    """Insert the all-gather of ``t`` along ``dim`` into global token order; returns ``(whole, local)``: the
+    gathered tensor and this rank's token indices (take its tokens back with ``index_select(dim, local)``).
+
+    Autograd: the all-gather's backward is a sum reduce-scatter, so every rank gets, for its own tokens, the
+    gradients every rank's copy of the whole-sequence computation sent them.
+    """
+    value = t.meta.get("example_value", t.meta.get("val"))
+    needs_grad = bool(isinstance(value, torch.Tensor) and value.requires_grad)
+    ref = graph.call_method("detach", (t,))
+    args = (ref, dim, cp_size, needs_grad, site)
+    order_local = graph.call_function(torch.ops.cpcompile.sequence_order.default, args)
+    order, local = (graph.call_function(operator.getitem, (order_local, i)) for i in range(2))
+    gathered = graph.call_function(_compat.all_gather_seq, (t, dim, cp_size, group_name))
+    whole = graph.call_method("index_select", (gathered, dim, order))
+    return whole, local

@@ -8,11 +8,12 @@ from typing import Literal
 
 from cpcompile.layouts import DEFAULT_BLOCK_SIZE
 
-__all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "POSITION_MODES", "BackendOptions"]
+__all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "MIXING_MODES", "POSITION_MODES", "BackendOptions"]
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 ATTENTION_PATHS = ("auto", "block", "dense", "flex", "flash_varlen")
 POSITION_MODES = ("rewrite", "off")
+MIXING_MODES = ("exact", "off")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
 DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
 
@@ -53,6 +54,16 @@ class BackendOptions:
     #: ``"off"``: left as the model computes them, so every rank but the first gets the positions of tokens
     #: ``[0, c)``: silently wrong for such models; only for measuring what the rewrite changes.
     positions: Literal["rewrite", "off"] = "rewrite"
+    #: Ops other than attention that mix tokens along the sequence (convolutions, cumulative sums, shifts,
+    #: reductions; see :mod:`cpcompile.passes.mixing`). ``"exact"`` (default): causal ones run on the whole
+    #: sequence, sums over tokens are checked to be partial sums of the loss, the rest is refused at compile time.
+    #: ``"off"``: left as the model computes them, on this rank's tokens only: silently wrong for such models;
+    #: only for measuring what the pass changes.
+    mixing: Literal["exact", "off"] = "exact"
+    #: Custom ops (``"namespace::name"``) that compute every token's outputs from that token's inputs, added to
+    #: :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS`. Any other custom op that takes sequence-sharded
+    #: tensors is refused.
+    per_token_ops: tuple[str, ...] = ()
     #: The model's transformers config (``model.config``), or ``None``. Gives every layer's sliding window
     #: (``sliding_window``, ``layer_types``), also where the mask is built outside the compiled graph, and
     #: lets the backend refuse a non-SDPA ``attn_implementation`` up front.
@@ -71,6 +82,20 @@ class BackendOptions:
             )
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions={self.positions!r} is not a known mode; choose one of {POSITION_MODES}")
+        if self.mixing not in MIXING_MODES:
+            raise ValueError(f"mixing={self.mixing!r} is not a known mode; choose one of {MIXING_MODES}")
+        if isinstance(self.per_token_ops, str) or not isinstance(self.per_token_ops, (tuple, list)):
+            raise TypeError(
+                f"per_token_ops must be a tuple of 'namespace::name' strings, got {self.per_token_ops!r}; e.g. "
+                'per_token_ops=("mylib::fused_norm",)'
+            )
+        bad = [op for op in self.per_token_ops if not isinstance(op, str) or op.count("::") != 1 or op.startswith("::")]
+        if bad:
+            raise ValueError(
+                f"per_token_ops holds {bad!r}; every entry must name a custom op as 'namespace::name' (the name "
+                'torch.library.custom_op was given), e.g. per_token_ops=("mylib::fused_norm",)'
+            )
+        object.__setattr__(self, "per_token_ops", tuple(self.per_token_ops))
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")
         if self.config is not None and not hasattr(self.config, "to_dict"):

@@ -721,7 +721,8 @@ def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
 # -- collective counts ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CommStats:
-    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context), and control rounds.
+    """Collectives the CP attention issued on this rank for one batch (one ``shard`` context), and control rounds;
+    apart, the all-gathers of the ops that mix tokens outside attention (:mod:`cpcompile.passes.mixing`).
 
     Forward all-gathers are counted as they run; every gathered K/V that needs a gradient adds one
     reduce-scatter of the same size in backward.
@@ -748,6 +749,19 @@ class CommStats:
     #: Bytes this rank wrote to and read from the store for them (and, on a group's first step, the few bytes
     #: that let its peers check that its process is alive).
     control_bytes: int = 0
+    #: All-gathers of the inputs of ops that mix tokens outside attention, run on the whole sequence (a causal
+    #: conv1d, a token shift, a cumsum), and the bytes this rank received in them; each that needs a gradient
+    #: adds a reduce-scatter of the same size in backward (``sequence_reduce_scatter_bytes``).
+    sequence_gathers: int = 0
+    sequence_gather_bytes: int = 0
+    sequence_reduce_scatter_bytes: int = 0
+
+    def record_sequence_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
+        nbytes = (cp_size - 1) * t.numel() * t.element_size()
+        self.sequence_gathers += 1
+        self.sequence_gather_bytes += nbytes
+        if needs_grad:
+            self.sequence_reduce_scatter_bytes += nbytes
 
     def record_halo(self, nbytes: int, needs_grad: bool) -> None:
         self.halo_exchanges += 1

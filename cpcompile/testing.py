@@ -48,6 +48,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         "Qwen3MoeConfig",
         {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     ),
+    # hybrid: a short causal conv layer (depthwise conv1d, kernel 3) before an attention layer
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
 
 # DeepSeek-V3-style routing (GLM-4-MoE shares it): routed and shared experts, a dense first layer, grouped top-k.

@@ -7,7 +7,8 @@ import itertools
 import torch
 
 from cpcompile.options import BackendOptions
-from cpcompile.passes.sdpa_cp import PassContext, SiteReport, cp_attention_pass
+from cpcompile.passes.common import PassContext
+from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 
 _runs = itertools.count()
 

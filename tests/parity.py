@@ -101,7 +101,11 @@ DEMO_PARAM_ATOL = 1e-3
 #:   (windowed models only): refused at compile time (``UnsupportedAttentionError``).
 #: * ``positions_off``: the case compiled afresh with ``cpcompile.backend(..., positions="off")``, so positions the
 #:   model computes from the local length stay local (models that compute positions): the logits differ.
-Corruption = Literal["label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off"]
+#: * ``mixing_off``: the case compiled afresh with ``cpcompile.backend(..., mixing="off")``, so ops that mix tokens
+#:   outside attention (a causal conv1d, a token shift, a cumsum) see only this rank's tokens: the logits differ.
+Corruption = Literal[
+    "label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off", "mixing_off"
+]
 CONTROLS: tuple[Corruption, ...] = ("label_shift", "merge_documents", "plan_merges_documents", "wrong_window")
 
 
@@ -144,6 +148,8 @@ class ParityCase:
     expected_positions: tuple[tuple[str, str], ...] | None = None
     #: Extra keyword arguments of ``cpcompile.shard`` (e.g. the balanced layout's ``workload``).
     shard_kwargs: tuple[tuple[str, object], ...] = ()
+    #: ``(op, action)`` of every op the mixing pass must report, in order; None: not checked.
+    expected_mixing: tuple[tuple[str, str], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -183,9 +189,13 @@ class ParityCase:
             kwargs["config"] = config
         return cpcompile.backend(group, **kwargs)
 
+    def plan_kwargs(self) -> dict[str, object]:
+        """The ``shard_kwargs`` that shape the plan (``shard``'s own ``dynamic`` does not)."""
+        return {k: v for k, v in self.shard_kwargs if k != "dynamic"}
+
     def max_runs(self, cp_size: int) -> int:
         """The most runs of consecutive tokens one rank holds when ``shard`` places this case's batch."""
-        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **dict(self.shard_kwargs))
+        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         return int(cpcompile.plan.count_runs(plan.indices).max())
 
     def check_layout(self, cp_size: int) -> None:
@@ -194,7 +204,7 @@ class ParityCase:
             raise ValueError(f"case {self.name}: use B >= 2 rows, got {len(self.doc_lens)}")
         if cp_size == 1:
             return
-        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **dict(self.shard_kwargs))
+        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         owner = torch.empty(plan.padded_len, dtype=torch.long)
         owner[plan.gathered_indices()] = torch.arange(cp_size).repeat_interleave(plan.chunk_len)
         crossing = any(
@@ -327,6 +337,8 @@ class ParityOutcome:
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     #: SDPA sites the case must rewrite (``case.expected_sites``, else the model's attention layer count).
     expected_sites: int = 0
+    #: (op, action) of every op the mixing pass reported for this runner's backend so far.
+    mixing: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -474,6 +486,7 @@ class ParityRunner:
             collectives=cp.collectives,
             seconds=time.perf_counter() - start,
             expected_sites=self.expected_sites,
+            mixing=[(r.op, r.action) for r in self.backend.mixing_reports],
         )
 
 
@@ -487,11 +500,12 @@ def run_control(
     compiles afresh with the changed config.
     """
     try:
-        if corrupt == "positions_off":
+        if corrupt in ("positions_off", "mixing_off"):
             torch._dynamo.reset()  # compile the control afresh, with no cache entry of the rewritten graph
-            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, ("positions", "off")))
+            option = corrupt.removesuffix("_off")
+            off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, (option, "off")))
             bad = ParityRunner(off, group, **runner_kwargs).run()
-            assert bad.positions == [], f"{case.name}: positions='off' still reported {bad.positions}"
+            assert bad.positions == [] and bad.mixing == [], f"{case.name}: {option}='off' still reported ops"
         elif corrupt == "wrong_window":
             window = case.build_model().config.sliding_window
             bad_case = dataclasses.replace(case, config_overrides=(("sliding_window", window + 1),))
@@ -549,6 +563,11 @@ def check_outcome(outcome: ParityOutcome) -> None:
         assert set(outcome.forms) == {case.expected_form}, f"{case.name}: SDPA forms {outcome.forms}"
     if case.expected_positions is not None:
         assert outcome.positions == list(case.expected_positions), f"{case.name}: positions {outcome.positions}"
+    if case.expected_mixing is not None:
+        assert outcome.mixing == list(case.expected_mixing), f"{case.name}: mixing {outcome.mixing}"
+    if outcome.cp_size > 1:  # one all-gather per step for every region run on the whole sequence
+        gathered = sum(action == "gathered" for _, action in outcome.mixing)
+        assert outcome.comm.sequence_gathers == gathered, f"{case.name}: {outcome.comm}"
     assert_parity(outcome)
     e = outcome.errors()
     print(f"\n{outcome.name}: logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} ({e['grad_param']})")
@@ -561,6 +580,7 @@ EXPECTED_CATCH: dict[str, dict] = {
     "plan_merges_documents": {"error": "parity", "failing_includes": "logits"},  # sites already checked
     "wrong_window": {"error": "UnsupportedAttentionError", "message_includes": "sliding window"},
     "positions_off": {"error": "parity", "failing_includes": "logits"},
+    "mixing_off": {"error": "parity", "failing_includes": "logits"},
 }
 
 
@@ -599,5 +619,6 @@ def report(summaries: list[dict]) -> None:
 def _layer_count(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
     if config is not None:
-        return config.num_hidden_layers
+        types = getattr(config, "layer_types", None)  # hybrids (LFM2): only the attention layers call SDPA
+        return sum("attention" in t for t in types) if types else config.num_hidden_layers
     return len(model.layers)

@@ -444,3 +444,15 @@ def test_inspect_peak_memory_at_4x_the_length_stays_under_2x():
     small, large = _inspect_peak_rss_kb(8192, 4 * 8192)
     print(f"peak RSS: {small / 1024:.0f} MiB at 8k, {large / 1024:.0f} MiB at 32k")
     assert large < 2 * small, (small, large)
+
+
+def test_inspect_lists_mixing_ops():
+    """A model with a causal conv outside attention: the report and summary list it with what the backend does."""
+    result = cpcompile.inspect_model("tests._mixing_models:mixer_lm", cp_size=2, seq_len=32)
+    text = result.report()
+    assert "ops that mix tokens along the sequence outside attention" in text, text
+    rows = [line for line in text.splitlines() if "conv1d" in line]
+    assert rows and "gathered" in rows[0] and "mixer.conv" in rows[0], text
+    mixing = {(m["rank"], m["op"], m["action"]) for m in result.to_json()["mixing"]}
+    found = (("conv1d", "gathered"), ("cross_entropy", "partial_sum"))
+    assert mixing == {(r, op, a) for r in (0, 1) for op, a in found}

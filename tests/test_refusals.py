@@ -167,7 +167,13 @@ def test_model_without_sdpa_is_unchanged(world):
     torch.testing.assert_close(out.logits, ref.logits, **EXACT)
     torch.testing.assert_close(out.loss, ref.loss, **EXACT)
     assert backend.reports == []
-    assert counter_delta(before) == {"graphs": 1, "graphs_without_sdpa": 1}
+    # the loss (cross entropy summed over this rank's tokens) is the one op that mixes tokens: a partial sum
+    assert counter_delta(before) == {
+        "graphs": 1,
+        "graphs_without_sdpa": 1,
+        "mixing_ops_found": 1,
+        "mixing_partial_sum": 1,
+    }
 
 
 def test_cp_group_of_size_one_is_a_noop(world):

@@ -45,7 +45,8 @@ import torch.fx as fx
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
-from cpcompile.passes.sdpa_cp import PassContext, _graph_modules, counters
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import arg as _arg
 
 __all__ = [
     "PositionCheck",
@@ -232,8 +233,7 @@ class PositionReport:
 
 
 # -- graph vocabulary ------------------------------------------------------------------------------------
-def _val(n: object) -> object:
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+_val = node_value  # the fake value of a node (short name: used on nearly every line of the pass)
 
 
 def _shape(n: object) -> tuple | None:
@@ -292,12 +292,6 @@ def _has_seq(n: object, seq: SequenceLength) -> bool:
 def _is_seq_scalar(n: object, seq: SequenceLength) -> bool:
     v = _val(n)
     return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and seq.involves(v)
-
-
-def _arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
-    if name in n.kwargs:
-        return n.kwargs[name]
-    return n.args[pos] if len(n.args) > pos else default
 
 
 # Ops whose tensor arguments past the first are read for their dtype, device or shape only.
@@ -653,7 +647,7 @@ def find_position_sources(gm: fx.GraphModule, seq: SequenceLength) -> list[Posit
     itself as a value (``x / T``, ``table[T - 1]``).
     """
     sources = []
-    for g in _graph_modules(gm):
+    for g in graph_modules(gm):
         facts = graph_facts(g, seq)
         for n in g.graph.nodes:
             if n.op in ("call_function", "call_method") and n in facts.live and _is_tensorish(n):  # dead: no effect
@@ -1137,7 +1131,5 @@ def positions_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) 
         done[action] += 1
         reports.append(PositionReport(graph_id, src.node.name, src.layer, src.kind, action, reason))
     if done["rewritten"]:
-        for g in _graph_modules(gm):
-            g.graph.lint()
-            g.recompile()
+        finish(gm)
     return reports

@@ -19,8 +19,6 @@ import math
 import numbers
 import operator
 import re
-from collections import Counter
-from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -28,16 +26,14 @@ import torch.fx as fx
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
-from cpcompile.options import BackendOptions
 from cpcompile.passes.aliasing import last_write, op_name
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
 
 __all__ = [
-    "PassContext",
     "SDPASite",
     "SiteReport",
-    "counters",
     "find_sdpa_sites",
     "check_site",
     "graph_windows",
@@ -47,11 +43,6 @@ __all__ = [
     "rewrite_site",
     "cp_attention_pass",
 ]
-
-#: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process:
-#: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
-#: ``non_sdpa_attention`` (attention computed some other way, refused when CP > 1).
-counters: Counter[str] = Counter()
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -77,9 +68,7 @@ class SDPASite:
 
     def meta(self, arg: fx.Node | None) -> torch.Tensor | None:
         """The example (fake) tensor Dynamo recorded for ``arg``."""
-        if not isinstance(arg, fx.Node):
-            return None
-        return arg.meta.get("example_value", arg.meta.get("val"))
+        return node_value(arg)
 
     @property
     def mask_form(self) -> str:
@@ -171,33 +160,11 @@ class SiteReport:
         return out
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PassContext:
-    """What the pass needs to know about one compilation besides the graph."""
-
-    options: BackendOptions
-    #: CP process group (registered name), its size and this process's rank in it.
-    group_name: str
-    cp_size: int
-    cp_rank: int
-    #: Counter of the graph within its backend.
-    graph_id: int
-    #: Prefix of the site ids of this graph: with the site's layer, node and description, unique in the process.
-    site_prefix: str
-    #: ``"raise"``: refuse with :class:`UnsupportedAttentionError`; ``"report"``: only record (for inspection).
-    refuse: Literal["raise", "report"] = "raise"
-
-
-def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """``gm`` and the graph modules nested in it (bodies of higher-order ops such as activation checkpointing)."""
-    return [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
-
-
 _HEAD_BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})
 
 
 def _recorded_shape(n: fx.Node) -> tuple | None:
-    v = n.meta.get("example_value", n.meta.get("val"))
+    v = node_value(n)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
@@ -225,7 +192,7 @@ def _one_mask_for_all_heads(mask: object) -> object:
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
     """Every SDPA call of ``gm`` and of its nested graphs (e.g. checkpointed layers), in graph order."""
     sites = []
-    for node in (n for g in _graph_modules(gm) for n in g.graph.nodes):
+    for node in (n for g in graph_modules(gm) for n in g.graph.nodes):
         if node.op != "call_function" or node.target not in _compat.SDPA_TARGETS:
             continue
         bound = dict(_SDPA_DEFAULTS)
@@ -418,7 +385,7 @@ def find_non_sdpa_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]
     over fewer dimensions (routers, the loss) is not attention and is ignored.
     """
     found = []
-    for g in _graph_modules(gm):
+    for g in graph_modules(gm):
         for n in g.graph.nodes:
             if n.op == "call_function" and n.target in _compat.FLEX_ATTENTION_TARGETS:
                 found.append((n, _compat.node_module_path(n), "a flex_attention call"))
@@ -428,7 +395,7 @@ def find_non_sdpa_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]
             )
             if not is_softmax or not n.args or not isinstance(n.args[0], fx.Node):
                 continue
-            x = n.args[0].meta.get("example_value", n.args[0].meta.get("val"))
+            x = node_value(n.args[0])
             if isinstance(x, torch.Tensor) and x.dim() == 4:
                 what = f"a softmax over a {x.dim()}-D attention score tensor (eager matmul/softmax attention)"
                 found.append((n, _compat.node_module_path(n), what))
@@ -745,7 +712,5 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
         counters["sdpa_rewritten"] += 1
-    for g in _graph_modules(gm):
-        g.graph.lint()
-        g.recompile()
+    finish(gm)
     return reports

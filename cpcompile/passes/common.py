@@ -1,0 +1,72 @@
+"""Plumbing every cpcompile pass shares: the per-compilation context, the counters and the node helpers.
+
+Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
+(rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
+(the fake value Dynamo recorded for a node), :func:`arg` (an argument by position or keyword),
+:func:`node_where` (a node's layer and name, for messages), :func:`finish` (the lint-and-recompile ending).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Literal
+
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.options import BackendOptions
+
+__all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_value", "node_where"]
+
+#: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process. Attention pass:
+#: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
+#: ``non_sdpa_attention`` (attention computed some other way, refused when CP > 1). Positions pass:
+#: ``position_sources_*``. Mixing pass: ``mixing_*``.
+counters: Counter[str] = Counter()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassContext:
+    """What a pass needs to know about one compilation besides the graph."""
+
+    options: BackendOptions
+    #: CP process group (registered name), its size and this process's rank in it.
+    group_name: str
+    cp_size: int
+    cp_rank: int
+    #: Counter of the graph within its backend.
+    graph_id: int
+    #: Prefix of the site ids of this graph: with the site's layer, node and description, unique in the process.
+    site_prefix: str
+    #: ``"raise"``: refuse with the pass's error; ``"report"``: only record (for inspection).
+    refuse: Literal["raise", "report"] = "raise"
+
+
+def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the graph modules nested in it (bodies of higher-order ops such as activation checkpointing)."""
+    return [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+
+
+def node_value(n: object) -> object:
+    """The example (fake) value Dynamo recorded for ``n`` (``example_value``, or ``val`` after AOT), or ``None``."""
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
+    """The argument of ``n`` passed as keyword ``name`` or at position ``pos``, else ``default``."""
+    if name in n.kwargs:
+        return n.kwargs[name]
+    return n.args[pos] if len(n.args) > pos else default
+
+
+def node_where(n: fx.Node) -> str:
+    """A human-readable location of ``n``: the layer that made it and the graph node (``layers.0.conv (node x)``)."""
+    return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
+
+
+def finish(gm: fx.GraphModule) -> None:
+    """Check every graph of ``gm`` after a rewrite (``lint``) and regenerate its code (``recompile``)."""
+    for g in graph_modules(gm):
+        g.graph.lint()
+        g.recompile()

@@ -1,0 +1,257 @@
+"""Which dims of every tensor of a Dynamo graph hold the sharded sequence: the map the mixing pass reads.
+
+Main API: :func:`sequence_dims` (per node, one bool per dim), with :func:`shape_of`, :func:`size_hint` and
+:func:`is_nested`. The sequence dim is followed from the graph's inputs (the dims of the local length ``shard``
+marks dynamic; in a static graph, dim 1 of ``shard``'s ``[B, T, ...]`` tensors) through reshapes that split or
+merge it, transposes and element-wise ops; in a dynamic graph every size that involves the length's symbol is a
+sequence dim too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.passes import vocabulary as vocab
+from cpcompile.passes.common import arg, node_value
+from cpcompile.passes.positions import SequenceLength
+
+__all__ = ["Tags", "is_nested", "sequence_dims", "shape_of", "size_hint"]
+
+Tags = tuple  # per dim: True where the dim holds (part of) the sharded sequence
+
+
+def _val(n: object) -> object:
+    return node_value(n)
+
+
+def shape_of(n: object) -> tuple | None:
+    """The shape of a node's tensor value, or ``None``."""
+    v = _val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _expr(size: object) -> object:
+    return sympy.Integer(size) if isinstance(size, int) else _compat.sym_expr(size)
+
+
+def size_hint(size: object) -> int:
+    """The value of a (possibly symbolic) size at this compilation (``-1`` when it has none)."""
+    value = size if isinstance(size, int) else _compat.sym_hint(size)
+    return -1 if value is None else int(value)
+
+
+def _size_is_seq(size: object, seq: SequenceLength) -> bool:
+    """Whether a size alone says its dim holds the sequence: it involves the length's symbol. In a static graph
+    no size says so (a hidden size may equal the chunk length): dims are followed from the inputs instead."""
+    return not seq.static and seq.involves(size)
+
+
+def _involved(shape: tuple, seq: SequenceLength) -> Tags:
+    return tuple(_size_is_seq(s, seq) for s in shape)
+
+
+def _input_tags(shape: tuple, seq: SequenceLength) -> Tags:
+    """Tags of a graph input: the dims of the local length; in a static graph the sequence dim ``shard`` gives
+    ``[B, T, ...]`` tensors (dim 1) when it has the chunk length, else the first dim that has it."""
+    if not seq.static:
+        return _involved(shape, seq)
+    dims = [d for d, size in enumerate(shape) if seq.involves(size)]
+    pick = 1 if 1 in dims else (dims[0] if dims else None)
+    return tuple(d == pick for d in range(len(shape)))
+
+
+def _same_size(a: object, b: object) -> bool:
+    return a == b if isinstance(a, int) and isinstance(b, int) else _compat.statically_true(a == b)
+
+
+def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Tags:
+    """Tags of a reshape's output: dims are grouped by equal element counts; in a group holding a sequence dim,
+    an output dim is a sequence dim when its size involves the local length, and a piece of constant size is
+    one when the sequence was divided into it (``[T] -> [T // 64, 64]``: chunks of the sequence), not when the
+    group multiplied the length by a constant (``[k * T] -> [T, k]``: top-k slots of every token). In a static
+    graph, by sizes: the pieces that hold whole multiples of the chunk length, else every piece."""
+    a, b = [size_hint(s) for s in src], [size_hint(s) for s in out]
+    if -1 in a or -1 in b or math.prod(a) != math.prod(b):
+        return _involved(out, seq)
+    res = [False] * len(out)
+    i = j = 0
+    while i < len(a) or j < len(b):
+        if j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+            j += 1  # a new dim of size 1 holds no tokens
+            continue
+        if i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+            i += 1
+            continue
+        if i >= len(a) or j >= len(b):
+            return _involved(out, seq)
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+                gi.append(i - 1)
+            elif pb < pa and j < len(b):
+                pb, j = pb * b[j], j + 1
+                gj.append(j - 1)
+            else:
+                return _involved(out, seq)
+        if not any(tags[k] for k in gi):
+            continue
+        if seq.static:  # sizes only: the pieces holding whole multiples of the chunk, else all (chunks of it)
+            whole = [k for k in gj if seq.chunk_len and b[k] % seq.chunk_len == 0]
+            for k in gj:
+                res[k] = b[k] != 1 and (k in whole or not whole)
+            continue
+        symbolic = [k for k in gj if seq.involves(out[k])]
+        ratio = sympy.simplify(math.prod(_expr(src[k]) for k in gi) / math.prod(_expr(out[k]) for k in symbolic))
+        pieces_are_seq = not symbolic or bool(ratio.free_symbols)
+        for k in gj:
+            res[k] = k in symbolic or (pieces_are_seq and b[k] != 1)
+    return tuple(res)
+
+
+def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLength) -> Tags | None:
+    ndim = len(tags)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = (arg(n, 1, "dim0") % ndim, arg(n, 2, "dim1") % ndim) if ndim else (0, 0)
+        t = list(tags)
+        t[d0], t[d1] = t[d1], t[d0]
+        return tuple(t)
+    if name == "t":
+        return tuple(reversed(tags))
+    if name == "permute":
+        dims = n.args[1:] if not isinstance(n.args[1], (tuple, list)) else n.args[1]
+        return tuple(tags[d % ndim] for d in dims)
+    if name in ("movedim", "moveaxis") and isinstance(n.args[1], int) and isinstance(n.args[2], int):
+        t = list(tags)
+        t.insert(n.args[2] % ndim, t.pop(n.args[1] % ndim))
+        return tuple(t)
+    if name == "unsqueeze":
+        d = arg(n, 1, "dim")
+        t = list(tags)
+        t.insert(d % (ndim + 1), False)
+        return tuple(t)
+    if len(out) >= ndim:  # casts, copies, expand (new leading dims)
+        lead = len(out) - ndim
+        return tuple(False for _ in range(lead)) + tuple(
+            t or _size_is_seq(s, seq) for t, s in zip(tags, out[lead:], strict=True)
+        )
+    return None
+
+
+def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, tags: dict) -> Tags:
+    index = n.args[1]
+    entries = index if isinstance(index, tuple) else (index,)
+    if len(entries) == 1 and isinstance(entries[0], fx.Node) and isinstance(_val(entries[0]), torch.Tensor):
+        index_tags = tags.get(entries[0])  # rows picked by an index tensor: its dims, then the rows' dims
+        if isinstance(index_tags, tuple) and not is_nested(index_tags) and _val(entries[0]).dtype != torch.bool:
+            got = tuple(t or (d == 0 and bool(base_tags) and base_tags[0]) for d, t in enumerate(index_tags))
+            got += base_tags[1:]
+            if len(got) == len(out):
+                return tuple(g or s for g, s in zip(got, _involved(out, seq), strict=True))
+    if any(isinstance(e, fx.Node) and isinstance(_val(e), torch.Tensor) for e in entries) or any(
+        isinstance(e, (list, torch.Tensor)) for e in entries
+    ):
+        return _involved(out, seq)
+    res, d = [], 0
+    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    for e in entries:
+        if e is None:
+            res.append(False)
+        elif e is Ellipsis:
+            k = len(base_tags) - consumed
+            res += base_tags[d : d + k]
+            d += k
+        elif isinstance(e, slice):
+            res.append(base_tags[d] if d < len(base_tags) else False)
+            d += 1
+        else:
+            d += 1
+    res += base_tags[d:]
+    return tuple(res) if len(res) == len(out) else _involved(out, seq)
+
+
+def sequence_dims(g: fx.GraphModule, seq: SequenceLength) -> dict[fx.Node, object]:
+    """For every node of ``g`` with a tensor value: a tuple telling for each dim whether it holds the sequence
+    (a tuple of such tuples for ops returning several tensors, e.g. ``chunk``)."""
+    tags: dict[fx.Node, object] = {}
+    for n in g.graph.nodes:
+        v = _val(n)
+        if isinstance(v, (tuple, list)):
+            base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            base_tags = tags.get(base)
+            if n.op in ("call_function", "call_method") and vocab.op_name(n) == "unbind":
+                dim = arg(n, 1, "dim", 0)
+                if isinstance(base_tags, tuple) and not is_nested(base_tags) and isinstance(dim, int):
+                    base_tags = tuple(t for d, t in enumerate(base_tags) if d != dim % len(base_tags))
+            out = []
+            for x in v:
+                if not isinstance(x, torch.Tensor):
+                    out.append(None)
+                elif isinstance(base_tags, tuple) and len(base_tags) == x.dim() and not is_nested(base_tags):
+                    out.append(tuple(t or _size_is_seq(s, seq) for t, s in zip(base_tags, x.shape, strict=True)))
+                else:
+                    out.append(_involved(tuple(x.shape), seq))
+            tags[n] = tuple(out)
+            continue
+        if not isinstance(v, torch.Tensor):
+            continue
+        out = tuple(v.shape)
+        tags[n] = _node_tags(n, out, tags, seq)
+    return tags
+
+
+def is_nested(t: object) -> bool:
+    """Whether ``t`` is the tags of an op returning several tensors (a tuple of tags)."""
+    return isinstance(t, tuple) and any(isinstance(x, tuple) or x is None for x in t)
+
+
+def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
+    if n.op == "get_attr" or (n.op == "placeholder" and _compat.is_module_state(n)):
+        return _involved(out, seq)  # parameters and buffers hold no tokens
+    if n.op == "placeholder":
+        return _input_tags(out, seq)
+    name = vocab.op_name(n)
+    first = n.args[0] if n.args else None
+    first_tags = tags.get(first) if isinstance(first, fx.Node) else None
+    if name == "getitem" and isinstance(first_tags, tuple) and is_nested(first_tags) and isinstance(n.args[1], int):
+        got = first_tags[n.args[1]]
+        return got if isinstance(got, tuple) and len(got) == len(out) else _involved(out, seq)
+    if not isinstance(first_tags, tuple) or is_nested(first_tags):
+        first_tags = None
+    if first_tags is not None:
+        if name in vocab.RESHAPE:
+            return _reshape_tags(shape_of(first), first_tags, out, seq)
+        if name == "getitem":
+            return _getitem_tags(n, first_tags, out, seq, tags)
+        if name in vocab.LAYOUT:
+            got = _layout_tags(n, name, first_tags, out, seq)
+            if got is not None and len(got) == len(out):
+                return got
+    # every op: dims whose size involves the local length; the leading dims it keeps from its first input keep
+    # their tags (a linear keeps [B, T], a scan of sequence chunks keeps them all); element-wise ops broadcast
+    # their inputs' tags (right-aligned)
+    res = list(_involved(out, seq))
+    first_shape = shape_of(first)
+    if first_tags is not None and first_shape is not None:
+        for d in range(min(len(first_shape), len(out))):
+            if not _same_size(first_shape[d], out[d]):
+                break
+            res[d] = res[d] or first_tags[d]
+    if name not in vocab.ELEMENTWISE:
+        return tuple(res)
+    for i in n.all_input_nodes:
+        t = tags.get(i)
+        if not isinstance(t, tuple) or is_nested(t) or len(t) > len(out):
+            continue
+        shape = shape_of(i)
+        lead = len(out) - len(t)
+        for d, tagged in enumerate(t):
+            if tagged and shape is not None and _same_size(shape[d], out[lead + d]):
+                res[lead + d] = True
+    return tuple(res)

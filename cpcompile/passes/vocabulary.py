@@ -1,0 +1,154 @@
+"""Which graph ops keep the tokens of a sequence apart and which mix them: the one table the mixing pass reads.
+
+Names are those :func:`op_name` gives a Dynamo graph node: a ``call_method`` target (``"view"``), a function's
+``__name__`` (``"conv1d"``), an ``OpOverload``'s operator name, ``"getitem"``, or ``"ns::name"`` for a custom op
+(:data:`PER_TOKEN_OPS`). Each table says how an op treats the sequence dim of a tensor it reads:
+
+* :data:`ELEMENTWISE`, :data:`LAYOUT`, :data:`RESHAPE`, :data:`SPLITS`: every output element comes from the
+  elements at the same token (broadcasting, casts, dim moves, reshapes that keep each token's elements
+  together; a reshape that splits the sequence dim keeps every piece a sequence dim);
+* :data:`FEATURE_REDUCTIONS`: reduce over the trailing (feature) dims only (norms);
+* :data:`DIM_REDUCTIONS`: reduce, scan, sort or shift along the dims of their ``dim`` argument: mixing when that
+  is a sequence dim (``"scan"`` kinds run forward: a causal prefix);
+* :data:`CONTRACTIONS`: matrix products, mixing when they contract a sequence dim;
+* :data:`CONVOLUTIONS`: mixing when a sequence dim is a spatial dim;
+* :data:`LOSSES`: cross entropy and its kin over tokens (see :mod:`cpcompile.passes.mixing` for when a loss is a
+  partial sum);
+* :data:`DISPATCH`: the ops transformers' MoE dispatch runs over ``tokens x top_k`` expert ids (sort, histogram):
+  token bookkeeping when their input is expert ids (see the mixing pass);
+* :data:`PER_TOKEN_OPS`: custom ops the pass cannot see into that are known to compute every token's output from
+  that token's inputs (extended with the backend's ``per_token_ops`` option).
+
+PyTorch's DTensor sharding rules were considered as this vocabulary: they are registered for ATen ops, while the
+pass reads Dynamo graphs of ``torch`` functions and ``Tensor`` methods before AOTAutograd, where a ``Shard(seq)``
+strategy cannot be looked up by name; these tables follow the same split (ops that propagate a shard of a dim,
+ops that need it replicated).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.passes import aliasing
+
+__all__ = [
+    "CONTRACTIONS",
+    "CONVOLUTIONS",
+    "DIM_REDUCTIONS",
+    "DISPATCH",
+    "ELEMENTWISE",
+    "FEATURE_REDUCTIONS",
+    "LAYOUT",
+    "LOSSES",
+    "NO_VALUES",
+    "PER_TOKEN_OPS",
+    "RESHAPE",
+    "ROW_MOVES",
+    "SPLITS",
+    "op_name",
+]
+
+#: Element-wise ops (broadcasting): output element ``i`` from input elements at ``i`` (``tril``/``triu`` zero
+#: elements by their index, which keeps them apart too).
+ELEMENTWISE = frozenset({
+    "add", "sub", "rsub", "mul", "truediv", "div", "floordiv", "floor_divide", "mod", "remainder", "fmod", "pow",
+    "float_power", "neg", "pos", "abs", "absolute", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin",
+    "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh", "sigmoid", "sqrt", "rsqrt",
+    "reciprocal", "square", "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "clamp", "clip",
+    "clamp_min", "clamp_max", "maximum", "minimum", "fmax", "fmin", "where", "masked_fill", "lerp", "addcmul",
+    "addcdiv", "hypot", "copysign", "logaddexp", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
+    "logical_or", "logical_not", "logical_xor", "and_", "or_", "xor", "invert", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "bitwise_not", "lshift", "rshift", "polar", "complex", "real", "imag", "angle", "conj",
+    "conj_physical", "resolve_conj", "silu", "gelu", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "mish",
+    "hardswish", "hardsigmoid", "hardtanh", "softplus", "softsign", "logsigmoid", "tanhshrink", "erf", "erfc",
+    "erfinv", "nan_to_num", "isnan", "isinf", "isfinite", "deg2rad", "rad2deg", "dropout", "alpha_dropout",
+    "feature_alpha_dropout", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+    "ixor", "not_", "truth", "type_as", "masked_fill_", "add_", "mul_", "sub_", "div_", "clamp_", "copy_",
+    "fill_", "zero_", "bernoulli", "_set_grad_enabled", "requires_grad_", "tril", "triu",
+})  # fmt: skip
+
+#: Ops that only move dims, copy or cast: each token's elements stay its own.
+LAYOUT = frozenset({
+    "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze", "expand",
+    "broadcast_to", "expand_as", "contiguous", "clone", "detach", "to", "type", "float", "double", "half",
+    "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "repeat", "tile",
+    "_assert_tensor_metadata",
+})  # fmt: skip
+
+#: Reshapes: regrouping dims. A reshape that splits a sequence dim keeps every piece a sequence dim.
+RESHAPE = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "view_as_complex",
+                     "view_as_real", "ravel"})  # fmt: skip
+
+#: Splits: name -> (position of the dim argument after the tensor, keyword, default).
+SPLITS = {"split": (1, "dim", 0), "split_with_sizes": (1, "dim", 0), "chunk": (1, "dim", 0),
+          "tensor_split": (1, "dim", 0), "unbind": (0, "dim", 0)}  # fmt: skip
+
+#: Ops that read no tensor value (shape queries, factories shaped like a tensor).
+NO_VALUES = frozenset({
+    "size", "dim", "numel", "stride", "element_size", "is_contiguous", "get_device", "is_floating_point",
+    "is_complex", "nelement", "ndimension", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
+    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_ones", "new_zeros", "new_empty", "new_full", "_check_is_size", "sym_size_int",
+})  # fmt: skip
+
+#: Per-token normalisations over trailing dims (``normalized_shape``) and look-ups of a table by token ids.
+FEATURE_REDUCTIONS = frozenset({"layer_norm", "rms_norm", "embedding", "linear"})
+
+#: name -> (position of the dim argument after the tensor, keyword, default, kind). ``"all"``: every dim.
+#: kinds: ``reduction`` (a value from all tokens), ``scan`` (a forward prefix: causal), ``order`` (a sort or a
+#: selection by rank), ``shift`` (values moved along the dim).
+DIM_REDUCTIONS: dict[str, tuple[int, str, object, str]] = {
+    **{name: (0, "dim", "all", "reduction") for name in (
+        "sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "any",
+        "all", "count_nonzero", "logsumexp", "std", "var", "median", "nanmedian", "softmax", "log_softmax",
+        "norm", "aminmax", "var_mean", "std_mean",
+    )},
+    **{name: (0, "dim", "all", "scan") for name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")},
+    **{name: (0, "dim", -1, "order") for name in ("sort", "argsort", "msort")},
+    "topk": (1, "dim", -1, "order"), "kthvalue": (1, "dim", -1, "order"),
+    "unique": (0, "dim", "all", "order"), "unique_consecutive": (0, "dim", "all", "order"),
+    "flip": (0, "dims", "all", "shift"), "roll": (1, "dims", "all", "shift"), "diff": (1, "dim", -1, "shift"),
+    "histc": (0, "dim", "all", "reduction"), "bincount": (0, "dim", "all", "reduction"),
+}  # fmt: skip
+
+#: Matrix products: mixing when a contracted dim is a sequence dim.
+CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "einsum", "baddbmm", "addmm", "addbmm", "__matmul__", "tensordot"})
+
+#: Convolutions (input ``[B, C, *spatial]``): mixing along a sequence dim among the spatial dims.
+CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "convolution"})
+
+#: Losses over tokens: name -> position of their ``reduction`` argument after the input.
+LOSSES = {"cross_entropy": (5, "reduction"), "nll_loss": (5, "reduction"), "mse_loss": (3, "reduction"),
+          "l1_loss": (3, "reduction"), "binary_cross_entropy_with_logits": (4, "reduction"),
+          "kl_div": (4, "reduction"), "smooth_l1_loss": (4, "reduction")}  # fmt: skip
+
+#: Ops transformers' MoE dispatch applies to the ``tokens x top_k`` expert ids along the token dim.
+DISPATCH = frozenset({"sort", "argsort", "histc", "bincount"})
+
+#: Ops that move whole rows (tokens) by an index tensor without combining values.
+ROW_MOVES = frozenset({"index_select", "gather", "take_along_dim", "index_add", "index_add_", "index_copy",
+                       "index_copy_", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_put",
+                       "index_put_", "setitem", "getitem"})  # fmt: skip
+
+#: Custom ops that compute every token's output rows from that token's input rows, by ``namespace::name``.
+#: transformers' MoE ``grouped_mm_fallback(x, w, offs=...)`` multiplies each row by its expert's weight, the
+#: expert given by the row's place among the offsets (the dispatch's sorted layout).
+PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def op_name(n: fx.Node) -> str:
+    """The vocabulary name of a graph node's operation (see the module docstring): :func:`aliasing.op_name
+    <cpcompile.passes.aliasing.op_name>`, with ``"setitem"``, ``"ns::name"`` for a custom op and
+    ``"scaled_dot_product_attention"``."""
+    if n.op == "call_function":
+        if n.target is operator.setitem:
+            return "setitem"
+        qualified = _compat.custom_op_name(n.target)
+        if qualified is not None and qualified.split("::")[0] not in ("aten", "prims"):
+            return qualified
+        if n.target in _compat.SDPA_TARGETS:
+            return "scaled_dot_product_attention"
+    return aliasing.op_name(n)

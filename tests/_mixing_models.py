@@ -1,0 +1,135 @@
+"""Small causal LMs that mix tokens outside attention, one mixer each, for tests of the mixing pass.
+
+:class:`MixerLM` is embedding -> ``mixer`` -> one attention block (packed-document mask, tests._models) -> LM head;
+it takes a transformers causal LM's keyword arguments and returns a ``CausalLMOutput``. Mixers (``MIXERS``):
+
+* ``conv``: LFM2's short conv: depthwise ``conv1d(padding=k-1, groups=C)`` over ``[B, C, T]``, then ``[..., :T]``;
+* ``shift``: token shift, ``F.pad(x, (0, 0, 1, 0))[:, :-1]`` mixed into ``x`` (RWKV-style);
+* ``mask_cumsum``: positions from a mask inside the model, ``(input_ids > 0).cumsum(-1) - 1``, looked up in a
+  learned position table;
+* ``mean_pool``: adds the mean over the sequence to every token (a reduction over the sequence);
+* ``last_token``: adds the last token's state to every token (a selection at a position);
+* ``chunked_scan``: a linear recurrence in plain torch in the style of the gated delta rule: the sequence in
+  chunks of 4, ``q k^T`` within chunks (causal), ``k^T v`` states summed over earlier chunks;
+* ``custom_per_token``: ``cpcompile_tests::softsign`` (a custom op, per token);
+* ``custom_scan``: ``cpcompile_tests::prefix_sum`` (a custom op, a cumulative sum over the sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._models import Block, lm_output, seeded
+
+MIXERS = ("conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan")
+KERNEL = 3
+CHUNK = 4
+
+
+@torch.library.custom_op("cpcompile_tests::softsign", mutates_args=())
+def softsign(x: torch.Tensor) -> torch.Tensor:
+    """``x / (1 + |x|)``, element-wise: every token's output from its own input."""
+    return x / (1 + x.abs())
+
+
+@softsign.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _softsign_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _softsign_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad / (1 + x.abs()) ** 2
+
+
+softsign.register_autograd(_softsign_backward, setup_context=_softsign_setup)
+
+
+@torch.library.custom_op("cpcompile_tests::prefix_sum", mutates_args=())
+def prefix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``cumsum(x, dim)``: a fused scan over the sequence that the mixing pass cannot see into."""
+    return x.cumsum(dim)
+
+
+@prefix_sum.register_fake
+def _(x, dim):
+    return torch.empty_like(x)
+
+
+def _prefix_setup(ctx, inputs, output):
+    ctx.dim = inputs[1]
+
+
+def _prefix_backward(ctx, grad):
+    return grad.flip(ctx.dim).cumsum(ctx.dim).flip(ctx.dim), None
+
+
+prefix_sum.register_autograd(_prefix_backward, setup_context=_prefix_setup)
+
+
+class Mixer(nn.Module):
+    def __init__(self, form: str, hidden: int, max_positions: int) -> None:
+        super().__init__()
+        if form not in MIXERS:
+            raise ValueError(f"unknown mixer {form!r}; known: {MIXERS}")
+        self.form = form
+        self.conv = nn.Conv1d(hidden, hidden, KERNEL, groups=hidden, padding=KERNEL - 1, bias=True)
+        self.mix = nn.Linear(hidden, hidden, bias=False)
+        self.pos = nn.Embedding(max_positions, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        if self.form == "conv":
+            y = self.conv(self.mix(x).transpose(1, 2))[..., :T]
+            return x + y.transpose(1, 2)
+        if self.form == "shift":
+            shifted = F.pad(x, (0, 0, 1, 0))[:, :-1]
+            return x + self.mix(shifted)
+        if self.form == "mask_cumsum":
+            return x + self.pos((input_ids > 0).long().cumsum(-1) - 1)
+        if self.form == "mean_pool":
+            return x + self.mix(x.mean(1, keepdim=True))
+        if self.form == "last_token":
+            return x + self.mix(x[:, -1:])
+        if self.form == "custom_per_token":
+            return x + torch.ops.cpcompile_tests.softsign(self.mix(x))
+        if self.form == "custom_scan":
+            return x + torch.ops.cpcompile_tests.prefix_sum(self.mix(x), 1)
+        q, k, v = self.qkv(x).view(B, T // CHUNK, CHUNK, 3, H).unbind(3)  # chunked_scan
+        within = (q @ k.transpose(-1, -2)).tril() @ v
+        states = k.transpose(-1, -2) @ v  # [B, chunks, H, H]
+        carried = states.cumsum(1) - states
+        return x + (within + q @ carried).reshape(B, T, H)
+
+
+class MixerLM(nn.Module):
+    """Embedding -> ``mixer`` -> one packed-document attention block -> LM head (modules ``mixer``, ``layers.0``)."""
+
+    def __init__(self, mixer: str, *, vocab: int = 128, hidden: int = 32, max_positions: int = 512) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mixer = Mixer(mixer, hidden, max_positions)
+        self.layers = nn.ModuleList([Block("packed_docs", hidden, 4, 2)])
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.mixer(self.embed(input_ids), input_ids)
+        for layer in self.layers:
+            x = layer(x, position_ids)
+        return lm_output(self.head(x), labels, shift_labels, num_items_in_batch)
+
+
+def mixer_lm(*, seed: int = 0, mixer: str = "conv", **kwargs) -> MixerLM:
+    """A :class:`MixerLM` with weights drawn from ``seed``, in train mode (``ParityCase`` factory)."""
+    return seeded(MixerLM, mixer, **kwargs, seed=seed)

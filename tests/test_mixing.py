@@ -1,0 +1,259 @@
+"""Ops that mix tokens outside attention: found, run on the whole sequence, accounted for, or refused. One process,
+fake CP group of 2.
+
+The fake group moves no data, so these tests check what the mixing pass decides at compile time (the ops it finds
+and what it does with each, the refusals and their messages, the graph it writes, the options); parity of the
+rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests._mixing_models.MixerLM``
+(one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), every family of
+``cpcompile.testing.FAMILIES``, Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
+dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cpcompile
+from cpcompile.passes import counters
+from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_config, tiny_model
+from tests._graphs import counter_delta
+from tests._mixing_models import mixer_lm
+from tests._models import lm_output
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+# T = 32, CP = 2: chunks of 16 (a multiple of the chunked scan's chunk of 4); documents cross the chunk edge
+DOCS = [[10, 22], [5, 27]]
+# T = 37: one padding token on rank 1
+ODD_DOCS = [[10, 20, 7], [5, 30, 2]]
+
+
+def _compile_and_run(model, group, *, docs=DOCS, backward=False, **backend_kwargs):
+    backend = cpcompile.backend(group, inner="aot_eager" if backward else "eager", **backend_kwargs)
+    compiled = torch.compile(model, backend=backend)
+    with cpcompile.shard(packed_batch(docs), group) as local:
+        out = compiled(**local)
+        if backward:
+            out.loss.backward()
+        comm = cpcompile.comm_stats()
+    return backend, out, comm
+
+
+def _actions(backend):
+    return [(r.layer, r.op, r.kind, r.action) for r in backend.mixing_reports]
+
+
+LOSS = ("", "cross_entropy", "loss", "partial_sum")
+
+
+# -- run on the whole sequence -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mixer, found",
+    [
+        ("conv", ("mixer.conv", "conv1d", "convolution", "gathered")),
+        ("shift", ("mixer", "pad", "shift", "gathered")),
+        ("mask_cumsum", ("mixer", "cumsum", "scan", "gathered")),
+    ],
+)
+def test_causal_mixers_run_on_the_whole_sequence(world, mixer, found):
+    before = dict(counters)
+    # AOTAutograd traces the rewritten conv with its backward (the others: forward only, cheaper)
+    backend, out, comm = _compile_and_run(mixer_lm(mixer=mixer), world, backward=mixer == "conv")
+    assert _actions(backend) == [found, LOSS]
+    delta = counter_delta(before)
+    assert delta["mixing_ops_found"] == 2 and delta["mixing_gathered"] == 1 and delta["mixing_partial_sum"] == 1
+    assert "mixing_refused" not in delta
+    # one all-gather of the region's input per step (16 tokens of rank 1 received), kept apart from attention's
+    (gathered,) = [r for r in backend.mixing_reports if r.action == "gathered"]
+    assert comm.sequence_gathers == 1 and comm.sequence_gather_bytes == gathered.all_gather_bytes_per_call > 0
+    assert comm.all_gathers == 2  # K and V of the one attention layer
+    assert torch.isfinite(out.loss)
+    assert "_mixing_models.py" in gathered.source
+
+
+def test_rewritten_region_reads_the_plan(world, tmp_path):
+    """The conv region becomes: all-gather of its input, the plan's order, the conv on the whole sequence trimmed to
+    the gathered length, this rank's tokens taken back; the dump lists the mixing ops."""
+    backend, _, _ = _compile_and_run(mixer_lm(mixer="conv"), world, dump_dir=str(tmp_path))
+    after = (tmp_path / "rank0" / "graph0_after.py").read_text()
+    assert "torch.ops.cpcompile.sequence_order.default" in after and "all_gather_seq" in after
+    assert after.count("conv1d(") == 1  # the local conv is gone
+    summary = json.loads((tmp_path / "rank0" / "summary.json").read_text())
+    (graph,) = summary["graphs"]
+    found = [(m["op"], m["action"]) for m in graph["mixing"]]
+    assert found == [("conv1d", "gathered"), ("cross_entropy", "partial_sum")]
+
+
+def test_static_graph_region_trims_to_the_gathered_length(world):
+    """shard(dynamic=False): the conv's trim [..., :16] is a constant; rewritten, it stops at the gathered length."""
+    model = mixer_lm(mixer="conv")
+    backend = cpcompile.backend(world, inner="eager", dump_dir=None)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        out = backend(gm, example_inputs)
+        graphs.append(gm)
+        return out
+
+    with cpcompile.shard(packed_batch(DOCS), world, dynamic=False) as local:
+        torch.compile(model, backend=keep)(**local)
+    assert _actions(backend)[0] == ("mixer.conv", "conv1d", "convolution", "gathered")
+    (gm,) = graphs
+    code = gm.code
+    assert "slice(None, size" in code and "slice(None, 16" not in code, code
+
+
+def test_transformers_lfm2_conv_layer_runs_on_the_whole_sequence(world):
+    """Lfm2ForCausalLM with layer_types ["conv", "full_attention"]: the short conv is gathered, attention rewritten."""
+    backend, _, _ = _compile_and_run(tiny_model("lfm2"), world)
+    assert _actions(backend) == [("model.layers.0.conv", "conv1d", "convolution", "gathered"), LOSS]
+    assert [r.action for r in backend.reports] == ["rewritten"]
+    assert "modeling_lfm2.py" in backend.mixing_reports[0].source
+
+
+# -- accounted for: no false refusal ------------------------------------------------------------------------------
+#: What a family may do besides its summed loss: LFM2's conv runs on the whole sequence, MoE dispatch is bookkeeping.
+ACCOUNTED = {"gathered", "dispatch", "per_token"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(MOE_FAMILIES))
+def test_families_are_not_refused(world, family):
+    """Every tested family compiles: its loss is a partial sum, anything else is run on the whole sequence or
+    accounted for, nothing is refused."""
+    backend, _, _ = _compile_and_run(tiny_model(family), world, docs=ODD_DOCS)
+    assert _actions(backend)[-1] == LOSS, _actions(backend)
+    assert {a[3] for a in _actions(backend)[:-1]} <= ACCOUNTED, _actions(backend)
+
+
+@pytest.mark.parametrize("family, T", [("llama", 128), ("lfm2", 32), ("glm4_moe", 37)])
+def test_static_graph_sizes_equal_to_the_chunk_length(world, family, T):
+    """In a static graph (FSDP2's per-layer graphs, shard(dynamic=False)) a hidden size (64) or head dim (16) equal
+    to the chunk length is not taken for the sequence: dims are followed from the inputs; GLM-4-MoE's grouped
+    router (``view(-1, n_group, E // n_group).topk(2, dim=-1)``) reduces over experts, not tokens."""
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard(packed_batch([[T // 2, T - T // 2], [T]]), world, dynamic=False) as local:
+        torch.compile(tiny_model(family), backend=backend)(**local)
+    assert _actions(backend)[-1] == LOSS, _actions(backend)
+    assert {a[3] for a in _actions(backend)[:-1]} <= ACCOUNTED, _actions(backend)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_dispatch_is_bookkeeping(world, name):
+    """transformers' MoE dispatch (integrations/moe.py): the sort of expert ids over tokens x top_k, the rows moved
+    by that permutation and back, the histogram and grouped_mm_fallback are token bookkeeping, not mixing."""
+    backend, _, _ = _compile_and_run(tiny_model(name), world)
+    actions = {(r.op, r.action) for r in backend.mixing_reports}
+    assert actions == {
+        ("sort", "dispatch"),
+        ("getitem", "dispatch"),
+        ("setitem", "dispatch"),
+        ("histc", "dispatch"),
+        ("transformers::grouped_mm_fallback", "per_token"),
+        ("cross_entropy", "partial_sum"),
+    }, actions
+
+
+def test_listed_custom_op_is_per_token(world):
+    backend, _, _ = _compile_and_run(
+        mixer_lm(mixer="custom_per_token"), world, per_token_ops=("cpcompile_tests::softsign",)
+    )
+    assert _actions(backend) == [("mixer", "cpcompile_tests::softsign", "custom", "per_token"), LOSS]
+
+
+# -- refused ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mixer, op_words, reason_words, fix_words",
+    [
+        ("mean_pool", "mean at mixer (node mean)", "mean along the sequence", "cpcompile.gather"),
+        ("last_token", "getitem at mixer", "picks tokens [-1:] of the sequence", "cpcompile.gather"),
+        ("chunked_scan", "matmul at mixer (node within)", "matmul contracts the sequence dim", "causal conv1d"),
+        ("custom_scan", "cpcompile_tests::prefix_sum at mixer", "cannot see into it", "per_token_ops=("),
+        ("custom_per_token", "cpcompile_tests::softsign at mixer", "cannot see into it", "per_token_ops=("),
+    ],
+)
+def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words):
+    before = dict(counters)
+    with pytest.raises(cpcompile.UnsupportedMixingError) as info:
+        _compile_and_run(mixer_lm(mixer=mixer), world)
+    message = str(info.value)
+    assert f"cpcompile cannot run {op_words}" in message and reason_words in message, message
+    assert "Model code: " in message and "_mixing_models.py:" in message, message
+    assert "Fix: " in message and fix_words in message, message
+    assert counter_delta(before).get("mixing_refused", 0) >= 1
+    assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
+
+
+@pytest.mark.parametrize("mixer", ["chunked_scan", "mean_pool", "last_token"])
+def test_refused_in_static_graphs(world, mixer):
+    """shard(dynamic=False): the sequence dim is followed from the inputs, through the chunking view and unbind."""
+    backend = cpcompile.backend(world, inner="eager")
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"cpcompile cannot run .* at mixer"):
+        with cpcompile.shard(packed_batch(DOCS), world, dynamic=False) as local:
+            torch.compile(mixer_lm(mixer=mixer), backend=backend)(**local)
+
+
+def test_sequence_classification_last_token_pooling_is_refused(world):
+    """LlamaForSequenceClassification pools the last non-padding token (an argmax over the sequence)."""
+    import transformers
+
+    config = tiny_config("llama", num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+    backend = cpcompile.backend(world, inner="eager")
+    batch = {k: v for k, v in packed_batch(DOCS).items() if k != "labels"}
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"argmax at .*argmax along the sequence"):
+        with cpcompile.shard(batch, world) as local:
+            torch.compile(model, backend=backend)(**local)
+
+
+class _LossPlusConstant(nn.Module):
+    """A summed loss with a constant added: each rank would add it, so the ranks' values would not add up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 16)
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **_):
+        logits = self.head(self.embed(input_ids))
+        loss = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), reduction="sum") / num_items_in_batch
+        out = lm_output(logits)
+        out.loss = loss + 1.0
+        return out
+
+
+def test_sum_that_is_not_a_partial_sum_is_refused(world):
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"not only scaled into the graph's output"):
+        _compile_and_run(_LossPlusConstant(), world)
+
+
+# -- options ---------------------------------------------------------------------------------------------------
+def test_mixing_off_leaves_the_graph_alone(world):
+    backend, _, comm = _compile_and_run(mixer_lm(mixer="mean_pool"), world, mixing="off")
+    assert backend.mixing_reports == [] and comm.sequence_gathers == 0
+
+
+def test_options_are_checked(world):
+    with pytest.raises(ValueError, match=r"mixing='on' is not a known mode; choose one of \('exact', 'off'\)"):
+        cpcompile.backend(world, mixing="on")
+    with pytest.raises(TypeError, match=r"per_token_ops must be a tuple of 'namespace::name' strings"):
+        cpcompile.backend(world, per_token_ops="mylib::norm")
+    with pytest.raises(ValueError, match=r"per_token_ops holds \['norm'\]; every entry must name a custom op"):
+        cpcompile.backend(world, per_token_ops=("norm",))
+
+
+def test_torch_logs_list_mixing_ops(world, caplog):
+    """TORCH_LOGS=cpcompile: each graph's mixing ops, what became of them and the model's line, on cpcompile.mixing."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="cpcompile.mixing")
+    _compile_and_run(mixer_lm(mixer="shift"), world)
+    (text,) = [r.getMessage() for r in caplog.records if r.name == "cpcompile.mixing"]
+    assert "2 op(s) mixing tokens outside attention" in text, text
+    row = next(line for line in text.splitlines() if " pad " in line)
+    assert "gathered" in row and "_mixing_models.py" in row, text

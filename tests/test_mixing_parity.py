@@ -1,0 +1,117 @@
+"""Parity of models that mix tokens outside attention, compiled with cpcompile at CP=2 and CP=4 (gloo processes), vs
+the same model run whole in one process on the same global batch. ONE spawned group of 4 processes runs every case.
+
+Models: ``tests._mixing_models.MixerLM`` with a causal depthwise conv1d (``conv``), a pad-and-slice token shift
+(``shift``) and positions from a cumsum of a mask (``mask_cumsum``), each before a packed-document attention
+layer; transformers LFM2 (``Lfm2ForCausalLM``, ``layer_types=["conv", "full_attention"]``, the ``lfm2`` family).
+T = 37 is not a multiple of 2 or 4: the last rank holds padding tokens, which sit after every real token and so
+never reach a real token through a causal op. Documents cross chunk edges; the conv does not reset at document
+edges (neither does the one-process model).
+
+Each case asserts the logits, the summed loss and every summed gradient (``tests.parity`` tolerances), the SDPA
+sites rewritten, the mixing ops reported (``expected_mixing``) and one sequence all-gather per region per step.
+The negative control of every kind of region (conv, shift, scan) and of LFM2 compiles the same case with
+``cpcompile.backend(..., mixing="off")``: the parity check must fail, on the logits.
+
+The 4 processes run CP=2 on ranks {0, 1} (contiguous layout, ``inner="eager"``, with the controls) and on {2, 3}
+(LFM2 with aot_eager, the conv model with inductor: the new all-gather and op compiled for real; the conv model
+in a static graph, ``shard(dynamic=False)``, where the trim ``[..., :T]`` is a constant) side by side, then CP=4
+on all four under the balanced layout (each rank holds several runs of tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cpcompile.layouts import Workload
+from tests._dist import run_distributed
+from tests.parity import ParityCase, assert_controls, report
+
+DOCS = ((10, 20, 7), (5, 30, 2))
+LOSS = ("cross_entropy", "partial_sum")
+EXPECTED = {
+    "conv": (("conv1d", "gathered"), LOSS),
+    "shift": (("pad", "gathered"), LOSS),
+    "mask_cumsum": (("cumsum", "gathered"), LOSS),
+    "lfm2": (("conv1d", "gathered"), LOSS),
+}
+
+
+def _case(name: str, inner: str = "eager", layout: str = "contiguous", dynamic: bool = True) -> ParityCase:
+    balanced = layout == "balanced"
+    shard_kwargs = (("workload", Workload(block_size=4)),) if balanced else ()
+    return ParityCase(
+        model=name if name == "lfm2" else "tests._mixing_models:mixer_lm",
+        doc_lens=DOCS,
+        inner=inner,
+        overrides=() if name == "lfm2" else (("mixer", name),),
+        expected_sites=1,
+        layout=layout,
+        expected_mixing=EXPECTED[name],
+        # kernel blocks of 4 tokens give the balanced layout something to balance at this length
+        shard_kwargs=shard_kwargs + ((("dynamic", False),) if not dynamic else ()),
+    )
+
+
+PAIR0 = [_case(m) for m in ("conv", "shift", "mask_cumsum", "lfm2")]
+PAIR1 = [_case("lfm2", inner="aot_eager"), _case("conv", inner="inductor"), _case("conv", dynamic=False)]
+CP4 = [_case(m, layout="balanced") for m in ("conv", "shift", "mask_cumsum", "lfm2")]
+
+
+def _run(cases, group, controls):
+    import torch
+
+    from tests.parity import check_case
+
+    out = []
+    for case in cases:
+        torch.compiler.reset()
+        out.append(check_case(case, group, controls=controls))
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank takes part in creating every group
+    out = {}
+    if rank < 2:
+        out["cp2"] = _run(PAIR0, pairs[0], ("mixing_off",))
+    else:
+        out["cp2"] = _run(PAIR1, pairs[1], ())
+    out["cp4"] = _run(CP4, dist.group.WORLD, ())
+    return out
+
+
+TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, 4, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_contiguous_with_controls(results):
+    summaries = results[0]["cp2"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in PAIR0]
+    assert all(set(s["controls"]) == {"mixing_off"} for s in summaries)
+    assert_controls(summaries)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_aot_eager_and_inductor(results):
+    summaries = results[2]["cp2"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in PAIR1]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp4_balanced(results):
+    summaries = results[0]["cp4"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in CP4]
+    assert all(s["runs"] > 1 for s in summaries), [s["runs"] for s in summaries]
