@@ -493,10 +493,22 @@ def _mask_use(n: fx.Node, u: fx.Node, seq: SequenceLength, mask_only: set) -> bo
     if mask is not None or others:
         return mask is n and all(o is not n for o in others)
     if _leaves_graph(u):
-        return len(_seq_dims(n, seq)) >= 2  # a pairwise [.., T, T] value: the receiving graph checks its mask
+        return _pairwise(n, seq)  # a [.., T, T] value: the receiving graph checks it as its mask
     if n not in _value_inputs(u):
         return True  # read for its shape only
     return u in mask_only
+
+
+def _pairwise(n: fx.Node, seq: SequenceLength) -> bool:
+    """Whether ``n`` is a ``[.., T, T]`` value of the local length: two sequence dims, or a bool ``[.., c, c]`` whose
+    last two sizes are the plan's chunk length as constants (transformers builds the mask it hands to per-layer
+    graphs with concrete sizes even when the graph's inputs have a symbolic length, e.g. under FSDP2)."""
+    if len(_seq_dims(n, seq)) >= 2:
+        return True
+    v = _val(n)
+    if not isinstance(v, torch.Tensor) or v.dtype != torch.bool or v.dim() < 2 or seq.chunk_len is None:
+        return False
+    return all(type(s) is int and s == seq.chunk_len for s in v.shape[-2:])
 
 
 def _flat_args(n: fx.Node) -> list[tuple[object, fx.Node]]:
