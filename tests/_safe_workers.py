@@ -227,8 +227,8 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     out["caught_in_block"] = _outcome(caught)
     out["caught_in_block_next"] = _outcome(lambda: _step(cm, batch, group))
 
-    # 5. a data-dependent branch in the model's mask code: the rank whose chunk holds a document boundary takes
-    #    the document mask, the others is_causal (different attention calls)
+    # 5. a data-dependent branch in the model's mask code: the rank whose chunk holds a document boundary would
+    #    take the document mask, the others is_causal; its predicate mixes the sequence and is refused
     group = _group(world_size)  # a rank that compiles the other branch keeps its peers waiting for the compile
     cm = _compiled(MaskLM("branch"), group)
     one_doc = packed_batch([[16], [16]], seed=1)

@@ -95,8 +95,8 @@ DEMO_PARAM_ATOL = 1e-3
 #: * ``merge_documents``: the CP run is given the batch with its documents merged (``position_ids`` counting
 #:   through the whole row), the reference keeps them apart: the logits differ.
 #: * ``plan_merges_documents``: ``shard`` gets the merged batch (its plan attends across documents) but the
-#:   model gets the batch's true ``position_ids``: refused by the first-call mask check on a fresh site
-#:   (``MaskMismatchError``), the logits differ on a site already checked.
+#:   model gets the batch's true ``position_ids``: refused by the mask check, which runs on every step
+#:   (``MaskMismatchError`` on every rank), also on a site already checked with the right documents.
 #: * ``wrong_window``: the backend gets a copy of the model config whose ``sliding_window`` is one token larger
 #:   (windowed models only): refused at compile time (``UnsupportedAttentionError``).
 #: * ``positions_off``: the case compiled afresh with ``cpcompile.backend(..., positions="off")``, so positions the
@@ -577,7 +577,7 @@ def check_outcome(outcome: ParityOutcome) -> None:
 EXPECTED_CATCH: dict[str, dict] = {
     "label_shift": {"error": "parity", "failing": ["loss", "grads"]},  # the logits are right
     "merge_documents": {"error": "parity", "failing_includes": "logits"},
-    "plan_merges_documents": {"error": "parity", "failing_includes": "logits"},  # sites already checked
+    "plan_merges_documents": {"error": "MaskMismatchError", "message_includes": "mask check"},
     "wrong_window": {"error": "UnsupportedAttentionError", "message_includes": "sliding window"},
     "positions_off": {"error": "parity", "failing_includes": "logits"},
     "mixing_off": {"error": "parity", "failing_includes": "logits"},

@@ -12,6 +12,9 @@ import pytest
 from tests._dist import run_distributed
 from tests._workers import FAIL_GRACE_S, FAIL_PEER_TIMEOUT_S, fail_together_worker, killed_rank_worker
 
+#: Timing bounds (a peer reacts within seconds) assume no other test competes for the cores.
+pytestmark = pytest.mark.serial
+
 #: Slack on top of the waits under test, for a loaded 2-core machine (steps after the first compile nothing).
 SLACK_S = 15.0
 #: Bound on a first call, which compiles the model first (about 2 s on an idle machine, 15 s under load).
