@@ -16,7 +16,7 @@ from tests._safe_workers import grads_worker
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(grads_worker, 2, timeout_s=120)
+    return run_distributed(grads_worker, 2, timeout_s=120, fresh=True)
 
 
 def test_none_on_one_rank_is_zero_there(results):

@@ -35,7 +35,7 @@ TABLE = {
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
 def results(request):
-    return request.param, run_distributed(misuse_worker, request.param, timeout_s=300)
+    return request.param, run_distributed(misuse_worker, request.param, timeout_s=300, fresh=True)
 
 
 @pytest.mark.parametrize("case", sorted(TABLE))

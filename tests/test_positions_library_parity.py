@@ -16,15 +16,7 @@ Inductor runs ``library_style`` as a layer of ``all_forms`` (``tests/test_positi
 checks of each form's values on the last rank, with ``positions="off"`` as control, are in
 ``tests/test_positions_values.py``.
 
-Measured max abs differences (torch 2.13 CPU, fp32; tolerances in tests/parity.py):
-
-| model | CP | layout | inner | logits | loss | grad | control: logits / loss / grad |
-| --- | --- | --- | --- | --- | --- | --- | --- |
-| library_style | 2 | contiguous | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | off (once): 9.5e-2 / 1.5e-3 / 2.1e-3 |
-| library_style | 2 | head_tail | inductor | 4.8e-7 | 0 | 1.9e-8 | (measured once) |
-| attn:head_expanded | 2 | balanced | aot_eager | 6.0e-7 | 1.4e-6 | 3.0e-8 | merge_documents: 3.2 / 1.0e-1 / 1.0e-1 |
-| library_style | 4 | balanced | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | positions="off": 1.2e-1 / 1.4e-3 / 3.4e-3 |
-| attn:head_expanded | 4 | head_tail | aot_eager | 6.0e-7 | 1.4e-6 | 3.7e-8 | |
+Measured differences: BENCHMARKS.md ("parity errors", models that compute positions).
 """
 
 from __future__ import annotations

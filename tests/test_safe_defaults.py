@@ -22,7 +22,7 @@ AT_ONCE_S = 2.0
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(disagree_worker, 2, timeout_s=300)
+    return run_distributed(disagree_worker, 2, timeout_s=300, fresh=True)
 
 
 #: case -> fragments of the ValueError every rank raises in shard's batch check
