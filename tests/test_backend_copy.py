@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import run_distributed
-from tests.parity import LOGITS_TOL, LOSS_TOL
+from tests.harness.dist import run_distributed
+from tests.harness.tolerances import LOGITS_TOL, LOSS_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import pytest
 
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
-from tests._dist import run_distributed
-from tests._workers import bad_input_worker, failing_worker, sleeping_worker
+from tests.harness.dist import run_distributed
+from tests.harness.workers import bad_input_worker, failing_worker, sleeping_worker
 
 #: case -> (exception type, fragments the message must contain)
 EXPECTED = {

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests._workers import FAIL_GRACE_S, FAIL_PEER_TIMEOUT_S, fail_together_worker, killed_rank_worker
+from tests.harness.dist import run_distributed
+from tests.harness.workers import FAIL_GRACE_S, FAIL_PEER_TIMEOUT_S, fail_together_worker, killed_rank_worker
 
 #: Timing bounds (a peer reacts within seconds) assume no other test competes for the cores.
 pytestmark = pytest.mark.serial

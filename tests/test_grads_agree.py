@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from tests._dist import run_distributed
-from tests._safe_workers import grads_worker
+from tests.harness.dist import run_distributed
+from tests.harness.safe_workers import grads_worker
 
 
 @pytest.fixture(scope="module")

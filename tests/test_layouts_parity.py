@@ -2,12 +2,12 @@
 layout changes without recompiling, the model-mask check, and negative controls, all in ONE group of 4 gloo
 processes.
 
-The cases are :class:`tests.parity.ParityCase` instances (``LAYOUT_CASES``: ``layout="balanced"`` and its workload)
-checked with :func:`tests.parity.check_case` (gathered logits, summed loss, every summed gradient against the
-unsharded eager model; every attention layer rewritten; K and V gathered once per layer), so they move to any
-harness that runs ParityCases. The 4 processes run CP=2 on ranks {0, 1} and {2, 3} side by side (half of the
-families each), CP=3 on ranks {0, 1, 2} and CP=4 on all four. ``inner="eager"``: the rewritten graph runs as
-traced (AOTAutograd and inductor are covered by tests/test_parity.py and tests/test_fsdp_cp.py).
+The cases are :class:`tests.harness.parity.ParityCase` instances (``LAYOUT_CASES``: ``layout="balanced"`` and its
+workload) checked with :func:`tests.harness.parity.check_case` (gathered logits, summed loss, every summed gradient
+against the unsharded eager model; every attention layer rewritten; K and V gathered once per layer). The 4
+processes run CP=2 on ranks {0, 1} and {2, 3} side by side (half of the families each), CP=3 on ranks {0, 1, 2}
+and CP=4 on all four. ``inner="eager"``: the rewritten graph runs as traced (AOTAutograd and inductor are covered
+by tests/test_parity.py and tests/test_fsdp_cp.py).
 
 The batch has T = 64 tokens in documents that cross chunk edges: T is not a multiple of 3, so CP=3 pads it
 to 66. The workload's block of 4 tokens gives the balanced layout something to balance at this length
@@ -21,9 +21,9 @@ import pytest
 
 from cpcompile.plan import AttentionForm, Workload
 from cpcompile.testing import FAMILIES
-from tests._dist import run_distributed
-from tests._workers import BALANCED_WORKLOAD as WORKLOAD
-from tests._workers import FAMILY_DOCS, balanced_case
+from tests.harness.dist import run_distributed
+from tests.harness.workers import BALANCED_WORKLOAD as WORKLOAD
+from tests.harness.workers import FAMILY_DOCS, balanced_case
 
 FAMILY_NAMES = sorted(FAMILIES)
 #: CP=3 and CP=4 run one family of each kind (the layout's arithmetic for more ranks and padded lengths does not
@@ -37,7 +37,7 @@ LAYOUT_CASES = {family: balanced_case(family) for family in FAMILY_NAMES}
 def _families(group, families) -> dict:
     import torch
 
-    from tests.parity import check_case
+    from tests.harness.parity import check_case
 
     out = {}
     for family in families:
@@ -101,7 +101,7 @@ def _mask_checks(group, rank: int) -> dict:
     import cpcompile
     from cpcompile import ops
     from cpcompile.testing import packed_batch
-    from tests import _models
+    from tests.models import attention as _models
 
     out = {}
     batch = packed_batch([list(r) for r in FAMILY_DOCS], seed=1)
@@ -160,7 +160,7 @@ def _controls(group) -> dict:
 
     from cpcompile import ops
     from cpcompile.plan import CPPlan
-    from tests.parity import ParityRunner, assert_parity
+    from tests.harness.parity import ParityRunner, assert_parity
 
     torch.compiler.reset()
     runner = ParityRunner(LAYOUT_CASES["qwen3"], group)

@@ -3,7 +3,7 @@ fake CP group of 2.
 
 The fake group moves no data, so these tests check what the mixing pass decides at compile time (the ops it finds
 and what it does with each, the refusals and their messages, the graph it writes, the options); parity of the
-rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests._mixing_models.MixerLM``
+rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.MixerLM``
 (one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), every family of
 ``cpcompile.testing.FAMILIES``, Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
 dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 import cpcompile
 from cpcompile.passes import counters
 from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_config, tiny_model
-from tests._graphs import counter_delta
-from tests._mixing_models import mixer_lm
-from tests._models import lm_output
+from tests.harness.graphs import counter_delta
+from tests.models.attention import lm_output
+from tests.models.mixing import mixer_lm
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -2,10 +2,10 @@
 
 Two spawned groups for the whole module (module-scoped fixtures): CP=2 and CP=4 on gloo, every case compiled
 with cpcompile and compared with the same model run whole in one process on the same global batch (the one
-harness, :mod:`tests.parity`: logits, summed loss, every summed gradient, every SDPA site rewritten, the position
-sources reported). T = 37 is not a multiple of 2 or 4.
+harness, :mod:`tests.harness.parity`: logits, summed loss, every summed gradient, every SDPA site rewritten, the
+position sources reported). T = 37 is not a multiple of 2 or 4.
 
-Models (``tests._position_models.library_style``, ``tests._models`` form ``head_expanded``):
+Models (``tests.models.positions.library_style``, ``tests.models.attention`` form ``head_expanded``):
 
 * ``library_style``: RoPE from ``arange(T)`` through an unused ``max_pos = t.max() + 1``, an ellipsis einsum,
   ``emb[:, -T:, :]`` and ``narrow(1, k - q, q)``; negative control ``positions="off"`` (at CP=4);
@@ -26,11 +26,11 @@ import traceback
 import pytest
 
 from cpcompile.plan import Workload
-from tests._dist import run_distributed
-from tests.parity import ParityCase, assert_controls, check_case, report
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, assert_controls, check_case, report
 
 DOCS = ((10, 20, 7), (5, 30, 2))  # T = 37
-LIBRARY = "tests._position_models:library_style"
+LIBRARY = "tests.models.positions:library_style"
 ROPE = (("arange", "rewritten"),) * 2  # one arange per attention layer
 
 

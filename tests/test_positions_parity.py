@@ -3,7 +3,7 @@ the same model run whole in one process on the same global batch.
 
 T = 37 is not a multiple of 2 or 4, so the last rank holds padding tokens, whose global indices (>= T) are
 clamped into the tables. Every case asserts the logits, the summed loss and every summed gradient
-(``tests.parity`` tolerances), every SDPA site rewritten, and the position sources the backend reports. The
+(``tests.harness.parity`` tolerances), every SDPA site rewritten, and the position sources the backend reports. The
 negative control compiles the same model with ``cpcompile.backend(..., positions="off")``: the parity check must
 fail. It runs for one model per kind of rewrite (a table slice, an arange, transformers' ``cache_position``) and
 for each real package (``explicit_positions`` takes its positions as input and needs no rewrite).
@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 
 from cpcompile.plan import Workload
-from tests import _position_models as pm
-from tests._dist import run_distributed
-from tests.parity import ParityCase, assert_controls, check_case, report
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, assert_controls, check_case, report
+from tests.models import positions as pm
 
 # T = 37: chunks of 19 (CP=2) and 10 (CP=4, 3 padding tokens on rank 3); documents cross chunk boundaries.
 DOCS = ((10, 20, 7), (5, 30, 2))
@@ -54,7 +54,7 @@ MODELS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "expli
 
 def _case(name: str, inner: str = "aot_eager", layout: str = "contiguous", **overrides) -> ParityCase:
     return ParityCase(
-        model=f"tests._position_models:{name}",
+        model=f"tests.models.positions:{name}",
         # without position_ids a transformers model sees one document per row, padding included, while the plan
         # makes padding its own document: its mask matches the plan's (checked at run time) only without padding
         doc_lens=((38,), (38,)) if name == "llama_without_positions" else DOCS,

@@ -14,6 +14,7 @@ import atexit
 import collections
 import copy
 import datetime
+import faulthandler
 import importlib
 import io
 import itertools
@@ -40,6 +41,7 @@ MAX_POOLED_RANKS = 6
 
 
 def _setup_rank(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    faulthandler.enable()  # a rank that crashes in native code prints where, before its peers report it gone
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
