@@ -11,6 +11,9 @@ tensors of the batch it is given, as torchtitan's document BlockMask does (docum
   an ALiBi-style per-head bias, and ``return_lse=True``: the logsumexp feeds the residual stream, so its
   gradient matters.
 
+Refused forms (:data:`REFUSED_FORMS`): ``dense_mask`` (its mask_mod reads a ``[B, T, T]`` mask precomputed over the
+tokens the model is given) and ``learned_bias`` (its score_mod reads a learned per-head bias, a parameter).
+
 ``impl`` chooses the attention: ``"flex"`` calls ``flex_attention`` with ``create_block_mask``; ``"reference"``
 computes the same attention densely (SDPA under ``create_mask``'s bool mask, or the explicit softmax when a
 score_mod or the logsumexp is needed), which runs forward and backward on CPU, where flex has no backward;
@@ -25,18 +28,19 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
 
 from tests._models import lm_output, seeded
 
 FORMS = ("document", "sliding", "softcap")
+REFUSED_FORMS = ("dense_mask", "learned_bias")
 #: Sliding window of the ``sliding`` form, in tokens.
 WINDOW = 7
 #: Soft-cap of the ``softcap`` form's scores.
 CAP = 2.0
 
 
-def mods(form: str, docs: torch.Tensor, heads: int):
+def mods(form: str, docs: torch.Tensor, heads: int, bias: torch.Tensor | None = None):
     """``(mask_mod, score_mod)`` of ``form`` over the ``[B, T]`` document ids ``docs``."""
 
     def document(b, h, q_idx, kv_idx):
@@ -49,8 +53,20 @@ def mods(form: str, docs: torch.Tensor, heads: int):
         slope = 2.0 ** (-(h + 1).float() / heads)
         return CAP * torch.tanh(score / CAP) - slope * (q_idx - kv_idx).float() * 0.1
 
-    mask_mod = sliding if form == "sliding" else document
-    return mask_mod, softcap if form == "softcap" else None
+    if form == "dense_mask":
+        same = docs[:, :, None] == docs[:, None, :]  # [B, T, T] over the tokens given
+
+        def dense(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & same[b, q_idx, kv_idx]
+
+        return dense, None
+    if form == "learned_bias":
+
+        def learned(score, b, h, q_idx, kv_idx):
+            return score + bias[h]
+
+        return document, learned
+    return (sliding if form == "sliding" else document), (softcap if form == "softcap" else None)
 
 
 class FlexAttention(nn.Module):
@@ -63,21 +79,23 @@ class FlexAttention(nn.Module):
         self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
         if form == "softcap":
             self.lse_proj = nn.Linear(heads, hidden, bias=False)
+        self.bias = nn.Parameter(torch.zeros(heads)) if form == "learned_bias" else None
 
     def forward(self, x: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        mask_mod, score_mod = mods(self.form, docs, self.heads)
+        mask_mod, score_mod = mods(self.form, docs, self.heads, self.bias)
         want_lse = self.form == "softcap"
         flex = self.impl == "flex" or (self.impl == "auto" and torch.compiler.is_compiling())
         if flex:
             block_mask = create_block_mask(mask_mod, B, None, T, T, device=x.device)
-            res = flex_attention(
-                q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_lse=want_lse
-            )
-            out, lse = res if want_lse else (res, None)
+            # the lse through return_aux: the deprecated return_lse=True warns once, and the warning's state is a
+            # Dynamo guard (one recompile on the second call)
+            aux = AuxRequest(lse=True) if want_lse else None
+            res = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_aux=aux)
+            out, lse = (res[0], res[1].lse) if want_lse else (res, None)
         else:
             out, lse = reference_attention(q, k, v, mask_mod, score_mod, want_lse)
         y = self.o(out.transpose(1, 2).reshape(B, T, -1))
@@ -135,7 +153,7 @@ class FlexLM(nn.Module):
         impl: str = "auto",
     ) -> None:
         super().__init__()
-        if form not in FORMS or impl not in ("auto", "flex", "reference"):
+        if form not in (*FORMS, *REFUSED_FORMS) or impl not in ("auto", "flex", "reference"):
             raise ValueError(f"unknown form {form!r} or impl {impl!r}; forms {FORMS}, impls auto/flex/reference")
         self.embed = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(max_len, hidden)
@@ -169,3 +187,33 @@ def sliding(*, seed: int = 0, **kwargs) -> FlexLM:
 
 def softcap(*, seed: int = 0, **kwargs) -> FlexLM:
     return flex_lm("softcap", seed=seed, **kwargs)
+
+
+class EagerReferenceSDPA(nn.Module):
+    """A transformers model with ``attn_implementation="flex_attention"`` that runs its SDPA path in eager mode.
+
+    Compiled (the CP side), the model runs transformers' flex path: ``flex_attention`` with the BlockMask its
+    masking utilities build. In eager mode (the one-process reference) it runs ``"sdpa"`` with the same weights
+    and the equivalent mask, because CPU flex has no backward. ``config`` is the model's.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.model(**kwargs)
+        self.config._attn_implementation = "sdpa"
+        try:
+            return self.model(**kwargs)
+        finally:
+            self.config._attn_implementation = "flex_attention"
+
+
+def hf_flex(*, seed: int = 0, family: str = "llama", **overrides) -> EagerReferenceSDPA:
+    """A tiny transformers ``family`` model (``cpcompile.testing.tiny_model``) on transformers' flex path."""
+    from cpcompile.testing import tiny_model
+
+    return EagerReferenceSDPA(tiny_model(family, seed=seed, attn_implementation="flex_attention", **overrides))

@@ -239,8 +239,9 @@ def _vmap_scalar_fn(fn, first: tuple, n_extra: int):
 class BoundMods:
     """:class:`FlexMods` with one call's buffers, evaluated per block at global indices.
 
-    Indices at or past ``seq_len`` (padding the plan appends) are clamped into the sequence for the call and
-    their pairs masked: padding never takes part in the model's attention, whatever its ``mask_mod`` says.
+    Indices at or past ``seq_len`` (padding the plan appends) are clamped into the sequence for the mods, and
+    the mask_mod decides only pairs of real tokens: a real token never sees padding, whatever the mask_mod says,
+    and a padding query sees the padding keys up to itself (finite values that no real token reads).
     """
 
     mods: FlexMods
@@ -266,13 +267,16 @@ class BoundMods:
     def mask(self, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
         """``[H, rows, L]`` bool: the visible pairs of queries at ``q_pos`` and keys at ``kv_pos`` in row ``b``."""
         bi, h, qi, ki = self._indices(b, q_pos, kv_pos)
-        valid = (q_pos < self.seq_len)[:, None] & ((kv_pos >= 0) & (kv_pos < self.seq_len))[None, :]
+        q_pad, kv_pad = q_pos >= self.seq_len, (kv_pos >= self.seq_len) | (kv_pos < 0)
+        real = ~q_pad[:, None] & ~kv_pad[None, :]
+        # padding queries see the padding keys up to themselves: finite outputs that no real token reads
+        pad = q_pad[:, None] & (kv_pos >= self.seq_len)[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if self.mods.mask_mod is None:
-            return valid.expand(self.heads, -1, -1)
+            return (real | pad).expand(self.heads, -1, -1)
         dims = (None, (0, None, None), (None, 0, None), (None, None, 0))
         fn = _vmap_scalar_fn(self.mods.mask_mod, dims, len(self.mask_args))
         with _compat.vmap_inside_custom_op():
-            return fn(bi, h, qi, ki, *self.mask_args).to(torch.bool) & valid
+            return (fn(bi, h, qi, ki, *self.mask_args).to(torch.bool) & real) | pad
 
     def score(self, s: torch.Tensor, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
         """``score_mod`` applied to the ``[H, rows, L]`` scaled scores ``s``."""
@@ -736,7 +740,7 @@ def flex_cp_attention(
     (:func:`register_flex_mods`): every (query block, key block) pair's ``mask_mod`` is evaluated at the global
     indices (the block is skipped when nothing in it is visible), ``score_mod`` rewrites the scaled scores of
     the blocks computed, and the backward differentiates through ``score_mod`` block by block. ``seq_len``
-    (0-d int64) is the batch's unpadded length: indices at or past it are padding (never visible); ``tensors``
+    (0-d int64) is the batch's unpadded length: indices at or past it are padding (:class:`BoundMods`); ``tensors``
     are the mods' tensor arguments. Returns ``(out, lse)``, ``lse`` in natural log (``+inf`` for a
     query that sees no key, whose output is 0). Memory: one block of scores and masks per head at a time.
     """
