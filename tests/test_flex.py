@@ -210,3 +210,15 @@ def test_parity_cp2_balanced(results):
 
 def test_parity_cp4(results):
     _check(results["cp4"])
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_transformers_flex_path_is_refused_with_the_fix(world):
+    """transformers' flex mask reads packed-sequence ids it detects from this rank's position_ids with the first
+    token's position (``position_ids[:, :1] - 1``): refused at compile time, naming transformers' line and a fix."""
+    model = _flex_models.hf_flex(num_hidden_layers=1)
+    compiled = torch.compile(model, backend=cpcompile.backend(world, inner="aot_eager"))
+    with cpcompile.shard(packed_batch([list(r) for r in DOCS]), world) as local:
+        with pytest.raises(cpcompile.UnsupportedMixingError) as info:
+            compiled(**local)
+    assert "masking_utils.py" in str(info.value) and "position_ids[:, :1]" in str(info.value), str(info.value)
