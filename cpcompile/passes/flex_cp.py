@@ -39,7 +39,7 @@ import torch.fx as fx
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.kernels.attention import FlexMods
-from cpcompile.passes.aliasing import last_write, mutated
+from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.sdpa_cp import SiteReport
 
@@ -213,7 +213,7 @@ def _plan_buffers(args: tuple, mod: fx.GraphModule | None, local_len: object, wh
     return tuple(slots), None
 
 
-def check_site(site: FlexSite, local_len: object = None) -> str | None:
+def check_site(site: FlexSite) -> str | None:
     """``None`` when the site can be rewritten exactly, else a one-line reason saying what to do."""
     q, k, v = (node_value(n) for n in (site.query, site.key, site.value))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -348,11 +348,18 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     live: set[fx.Node] = set()
     stack = [n for n in graph.nodes if n not in region]
     while stack:
-        n = stack.pop()
-        for i in n.all_input_nodes:
-            if i not in live:
-                live.add(i)
-                stack.append(i)
+        while stack:
+            n = stack.pop()
+            for i in n.all_input_nodes:
+                if i not in live:
+                    live.add(i)
+                    stack.append(i)
+        # a write into a tensor that stays (the model's `buf.copy_(k)` before k reached the call) stays too
+        for n in region - live:
+            target = mutated(n)
+            if target is not None and any(b in live for b in viewed_bases(target)):
+                live.add(n)
+                stack.append(n)
     for n in reversed(list(graph.nodes)):
         if n in region and n not in live and not n.users:
             graph.erase_node(n)
@@ -418,7 +425,7 @@ def flex_cp_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             reports.append(_report(site, ctx.graph_id, "untouched", "CP group of size 1"))
             continue
         local_len = node_value(site.query).shape[2] if isinstance(node_value(site.query), torch.Tensor) else None
-        reason = check_site(site, local_len)
+        reason = check_site(site)
         buffers = None
         if reason is None:
             buffers, reason = _buffers(site, local_len)
