@@ -418,7 +418,8 @@ def flex_cp_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
     otherwise the sites are reported ``untouched``. ``ctx.refuse`` as in the SDPA pass: ``"raise"`` raises
     :class:`UnsupportedAttentionError` naming the layer, its line and the fix."""
     sites = find_flex_sites(gm)
-    counters["flex_found"] += len(sites)
+    if sites:
+        counters["flex_found"] += len(sites)
     reports: list[SiteReport] = []
     for site in sites:
         if ctx.cp_size == 1 and ctx.options.attention != "block":
