@@ -27,6 +27,12 @@ Implementations (``impl``, chosen by :attr:`cpcompile.options.BackendOptions.att
 
 Fully masked query rows (not produced by plan masks, where every token sees itself) give 0 output and zero
 gradients, like CPU SDPA.
+
+``cpcompile::flex_cp_attention`` (:func:`flex_cp_attention`) is the same loop for a rewritten flex_attention
+site: its visibility is the site's ``mask_mod`` (:class:`FlexMods`, evaluated per block at global indices by
+:class:`BoundMods`) instead of :func:`cpcompile.mask.visible`, every key block is visited (blocks with no visible
+pair are skipped before the matmul), its ``score_mod`` rewrites the scores, and the backward also takes the
+gradient of the returned logsumexp. It runs on every device.
 """
 
 from __future__ import annotations
