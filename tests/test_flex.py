@@ -222,3 +222,4 @@ def test_transformers_flex_path_is_refused_with_the_fix(world):
         with pytest.raises(cpcompile.UnsupportedMixingError) as info:
             compiled(**local)
     assert "masking_utils.py" in str(info.value) and "position_ids[:, :1]" in str(info.value), str(info.value)
+    assert "attn_implementation='sdpa'" in str(info.value), str(info.value)
