@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["document_ids", "document_starts", "first_visible", "visible", "visible_mask"]
+__all__ = ["document_ids", "document_starts", "first_visible", "needed_keys", "visible", "visible_mask"]
 
 
 def visible(
@@ -79,3 +79,25 @@ def first_visible(doc_ids: torch.Tensor, q_pos: torch.Tensor, window: int | None
     if window is not None:
         lo = lo.clamp(min=q_pos - window + 1)
     return lo
+
+
+def needed_keys(indices: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool ``[N, T_pad]``: key ``j`` is seen by some query of rank ``r`` in some row and another rank holds it.
+
+    ``indices`` ``[N, c]``: the global indices every rank holds (a layout); ``doc_ids`` ``[B, T_pad]``
+    non-decreasing per row (all zeros: plain causal). This is :func:`first_visible` applied to a layout: the keys
+    query ``q`` sees are ``[lo(q), q]`` with ``lo`` non-decreasing in ``q`` (in every row, so also its minimum
+    over the rows), so rank ``r`` needs key ``j`` iff its first query at or after ``j`` sees it. O(N * T_pad)
+    time and memory, no mask.
+    """
+    N, c = indices.shape
+    T = N * c
+    device = indices.device
+    pos = torch.arange(T, device=device)
+    owner = torch.empty(T, dtype=torch.long, device=device)
+    owner[indices.reshape(-1)] = torch.arange(N, device=device).repeat_interleave(c)
+    held = owner[None, :] == torch.arange(N, device=device)[:, None]  # [N, T]
+    nxt = torch.where(held, pos, T).flip(-1).cummin(-1).values.flip(-1)  # first own index >= j, T if none
+    lo = first_visible(doc_ids, pos, window).amin(0)  # [T] earliest key any row's query t sees
+    lo = torch.cat([lo, lo.new_full((1,), T)])
+    return ~held & (lo[nxt] <= pos)

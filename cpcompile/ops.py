@@ -294,7 +294,7 @@ def _site_positions(plan: CPPlan, spec: SiteSpec) -> tuple[torch.Tensor, torch.T
     the halo slots) and the site's document ids."""
     q_pos = plan.token_indices()
     if spec.exchange == "halo":
-        kv_pos = torch.cat([q_pos, plan.halo_routing(spec.window, spec.halo_slots).recv_pos])
+        kv_pos = torch.cat([q_pos, plan.halo_routing(spec.window, spec.halo_slots, documents=spec.documents).recv_pos])
     else:
         kv_pos = plan.gathered_indices().clone()
     return q_pos.clone(), kv_pos, plan.attention_docs(spec.documents).clone()
@@ -306,7 +306,7 @@ def halo_routing(k: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor
     """``(send_slots [N * S], counts [2, N])`` of this rank for the halo site ``site``
     (:class:`cpcompile.plan.HaloRouting`; ``k`` only carries the local length for the checks)."""
     spec = site_spec(site)
-    routing = _site_context(spec, k).plan.halo_routing(spec.window, spec.halo_slots)
+    routing = _site_context(spec, k).plan.halo_routing(spec.window, spec.halo_slots, documents=spec.documents)
     return routing.send_slots.clone(), routing.counts.clone()
 
 

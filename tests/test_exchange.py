@@ -1,0 +1,60 @@
+"""Selective K/V exchange: the keys a rank's queries see on other ranks, and only those, travel.
+
+- The plan's needs (``CPPlan.keys_needed`` / ``key_sources``, full attention and windows, with and without the
+  document condition) equal, for random packed batches, every layout, CP 2-8 and T not a multiple of N, the keys a
+  brute-force dense mask shows some local query sees and another rank holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpcompile.plan import LAYOUTS, CPPlan, Workload, build_plan
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def brute_force_needs(plan: CPPlan, window: int | None, rank: int, documents: bool = True) -> list[int]:
+    """Keys another rank holds that some query of ``rank`` sees in some row (from the dense mask)."""
+    mask = plan.mask(documents=documents, window=window, rank=rank)  # [B, 1, c, T_pad], keys in token order
+    seen = mask.any(dim=2).any(dim=0)[0]  # [T_pad]
+    seen[plan.token_indices(rank)] = False
+    return torch.nonzero(seen).flatten().tolist()
+
+
+@st.composite
+def packed(draw, min_cp=2, max_cp=8):
+    cp_size = draw(st.integers(min_cp, max_cp))
+    T = draw(st.integers(cp_size, 72).filter(lambda t: t % cp_size != 0 or t == cp_size))
+    rows = []
+    for _ in range(draw(st.integers(1, 3))):
+        cuts = sorted(set(draw(st.lists(st.integers(1, T - 1), max_size=6)))) if T > 1 else []
+        bounds = [0, *cuts, T]
+        rows.append([b - a for a, b in zip(bounds, bounds[1:])])
+    pos = torch.tensor([[p for n in row for p in range(n)] for row in rows])
+    batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos}
+    block = draw(st.integers(1, 4))
+    layout = {"layout": draw(st.sampled_from(sorted(LAYOUTS))), "workload": Workload(block_size=block)}
+    window = draw(st.one_of(st.none(), st.integers(1, T + 2)))
+    return batch, cp_size, layout, window, draw(st.booleans())
+
+
+@SETTINGS
+@given(packed())
+def test_needed_keys_are_exactly_the_keys_seen_on_other_ranks(case):
+    batch, N, layout, window, documents = case
+    for r in range(N):
+        plan = build_plan(batch, N, r, **layout)
+        expected = brute_force_needs(plan, window, r, documents)
+        assert plan.keys_needed(window, documents=documents).tolist() == expected, (layout, r)
+        # the same keys as (source rank, run) pairs: every run on one other rank, in token order
+        sources = plan.key_sources(window, documents=documents)
+        flat = [k for _, a, b in sources for k in range(a, b)]
+        assert flat == expected
+        owner = plan.indices.flatten().argsort() // plan.chunk_len
+        assert all(src != r and bool((owner[a:b] == src).all()) for src, a, b in sources)
+        # per row: a subset of the union, and the union of the rows is the union
+        per_row = [set(plan.keys_needed(window, row=b, documents=documents).tolist()) for b in range(plan.batch_size)]
+        assert set().union(*per_row) == set(expected)
