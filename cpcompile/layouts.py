@@ -39,9 +39,15 @@ window) and for their layer-weighted sum. The objective is the work every layer 
 of ``layers x`` the slowest rank's work. Among the candidates within 0.5% of the best, the one with the fewest
 runs wins (one document: ``head_tail``; no imbalance to fix: ``contiguous``).
 
-Cost: O(T log T) on the batch's device (sorts of ``T`` keys), plus one device-to-host copy of the pieces'
-work (``N * K`` numbers per form) for the greedy assignment, which runs on the host. Integer arithmetic, so
-every rank computes the same layout from the same batch.
+**Keeping documents whole.** With ``Workload(split_keys=True)`` (what a selective K/V exchange wants, which
+moves only the keys a rank's queries see on other ranks), the candidates within 5% of the best objective are
+compared by the keys they split across ranks (:func:`split_keys`: summed over ranks, the keys of other ranks
+some local query sees), and the one splitting the fewest wins (then fewest runs). A document that lies whole on
+one rank costs no exchange at all.
+
+Cost: O(T log T) on the batch's device (sorts of ``T`` keys; with ``split_keys``, O(T) more per candidate), plus
+one device-to-host copy of the pieces' work (``N * K`` numbers per form) for the greedy assignment, which runs on
+the host. Integer arithmetic, so every rank computes the same layout from the same batch.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpcompile.mask import document_starts
+from cpcompile.mask import document_starts, needed_key_counts
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -63,6 +69,7 @@ __all__ = [
     "Workload",
     "balance",
     "count_runs",
+    "split_keys",
     "token_work",
 ]
 
@@ -110,8 +117,15 @@ class Workload:
     forms: tuple[AttentionForm, ...] = (AttentionForm(),)
     #: Query and key block size of the block kernel (``cpcompile.backend(..., block_size=...)``).
     block_size: int = DEFAULT_BLOCK_SIZE
+    #: Keep documents whole: among the candidates within :data:`SPLIT_TOLERANCE` (5%) of the best objective,
+    #: choose the one whose ranks need the fewest keys of other ranks (:func:`split_keys`, the keys a selective
+    #: exchange moves for full-attention layers). ``False`` (default): fewest runs within :data:`TOLERANCE`,
+    #: which is what an all-gather, moving every key anyway, wants.
+    split_keys: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.split_keys, bool):
+            raise TypeError(f"Workload split_keys={self.split_keys!r} must be a bool")
         if not self.forms or not all(isinstance(f, AttentionForm) for f in self.forms):
             raise ValueError(f"Workload forms must be a non-empty tuple of AttentionForm, got {self.forms!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
@@ -152,6 +166,20 @@ def count_runs(indices: torch.Tensor) -> torch.Tensor:
 
 #: A candidate with fewer runs is preferred when its objective is within this factor of the best (0.5%).
 TOLERANCE = (1000, 1005)
+#: With ``Workload(split_keys=True)``: a candidate that splits fewer keys across ranks is preferred when its
+#: objective is within this factor of the best (5%).
+SPLIT_TOLERANCE = (100, 105)
+
+
+def split_keys(indices: torch.Tensor, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
+    """``[M]`` int64: for each of ``[M, N, c]`` layouts, the keys summed over ranks that a rank's queries see and
+    another rank holds, in some row (:func:`cpcompile.mask.needed_key_counts`), for the workload's full-attention
+    layers (packed documents kept apart unless none of its full-attention forms does; all forms windowed: the
+    first form's window)."""
+    full = [f for f in workload.forms if f.window is None] or [workload.forms[0]]
+    form = max(full, key=lambda f: (not f.documents, f.layers))  # the form that needs the most keys
+    docs = doc_ids if form.documents else torch.zeros_like(doc_ids)
+    return needed_key_counts(indices, docs, form.window).sum(-1)
 
 
 def token_work(doc_ids: torch.Tensor, block_q: int, block_k: int, window: int | None = None) -> torch.Tensor:
@@ -187,6 +215,8 @@ class Balance:
     objective: torch.Tensor
     #: ``[M]``: the most runs one rank holds in each candidate.
     runs: torch.Tensor
+    #: ``[M]`` int64: :func:`split_keys` of every candidate, with ``Workload(split_keys=True)``; else ``None``.
+    split: torch.Tensor | None
     #: Index of the chosen candidate (0-dim tensor).
     choice: torch.Tensor
 
@@ -223,8 +253,9 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
     loads = works[:, stack].sum(-1)  # [F, M, N]
     objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
     runs = count_runs(stack).amax(-1)
-    choice = _choose(objective, runs)
-    return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, choice)
+    split = split_keys(stack, doc_ids, workload) if workload.split_keys else None
+    choice = _choose(objective, runs, split)
+    return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, split, choice)
 
 
 def _form_name(form: AttentionForm) -> str:
@@ -236,15 +267,21 @@ def _form_work(doc_ids: torch.Tensor, block: int, form: AttentionForm) -> torch.
     return token_work(docs, block, block, form.window)
 
 
-def _choose(objective: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
-    """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties."""
+def _choose(objective: torch.Tensor, runs: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
+    """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties. With
+    ``split`` (keys split across ranks per candidate): fewest split keys within :data:`SPLIT_TOLERANCE`, then
+    fewest runs, then first."""
     big = torch.iinfo(torch.int64).max
     valid = runs <= MAX_RUNS
     best = torch.where(valid, objective, big).min()
-    num, den = TOLERANCE
+    num, den = TOLERANCE if split is None else SPLIT_TOLERANCE
     near = valid & (objective * num <= best * den)
-    order = torch.arange(objective.numel(), device=objective.device)
-    return torch.where(near, runs * objective.numel() + order, big).argmin()
+    M = objective.numel()
+    order = torch.arange(M, device=objective.device)
+    rank = runs * M + order
+    if split is not None:
+        rank = rank + split * (MAX_RUNS + 1) * M
+    return torch.where(near, rank, big).argmin()
 
 
 def _excess(work: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpcompile.layouts import balance
+from cpcompile.mask import needed_key_counts, needed_keys
 from cpcompile.plan import LAYOUTS, CPPlan, Workload, build_plan
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -58,3 +60,17 @@ def test_needed_keys_are_exactly_the_keys_seen_on_other_ranks(case):
         # per row: a subset of the union, and the union of the rows is the union
         per_row = [set(plan.keys_needed(window, row=b, documents=documents).tolist()) for b in range(plan.batch_size)]
         assert set().union(*per_row) == set(expected)
+
+
+@SETTINGS
+@given(packed(min_cp=1))
+def test_needed_key_counts_count_the_needed_keys(case):
+    """The balancer's count from the runs (``needed_key_counts``) equals the size of the needed sets, for every
+    candidate layout the balancer builds (up to many runs per rank)."""
+    batch, N, layout, window, documents = case
+    plan = build_plan(batch, N, 0, **layout)
+    docs = plan.attention_docs(documents)
+    found = balance(plan.padded_len, N, plan.doc_ids, layout["workload"])
+    for indices in [plan.indices, *found.candidates]:
+        expected = needed_keys(indices, docs, window).sum(-1)
+        assert needed_key_counts(indices, docs, window).tolist() == expected.tolist()
