@@ -43,7 +43,9 @@ runs wins (one document: ``head_tail``; no imbalance to fix: ``contiguous``).
 moves only the keys a rank's queries see on other ranks), the candidates within 5% of the best objective are
 compared by the keys they split across ranks (:func:`split_keys`: summed over ranks, the keys of other ranks
 some local query sees), and the one splitting the fewest wins (then fewest runs). A document that lies whole on
-one rank costs no exchange at all.
+one rank costs no exchange at all. One more candidate is built for it: ``pairs`` (:func:`_pairs`), a head and a
+tail piece per rank like ``head_tail`` but with free cut points, each chosen among those that keep the rank's
+work within 1% of the mean as the one splitting the fewest keys.
 
 Cost: O(T log T) on the batch's device (sorts of ``T`` keys; with ``split_keys``, O(T) more per candidate), plus
 one device-to-host copy of the pieces' work (``N * K`` numbers per form) for the greedy assignment, which runs on
@@ -249,6 +251,10 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
         atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
         names += atoms_names
         candidates += atoms
+        if workload.split_keys:
+            cut_cost = _cut_cost(doc_ids)
+            names += [f"pairs[{vname}]" for vname, _ in vectors]
+            candidates += [_pairs(work, N, cut_cost) for _, work in vectors]
     stack = torch.stack(candidates)  # [M, N, c]
     loads = works[:, stack].sum(-1)  # [F, M, N]
     objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
@@ -368,6 +374,50 @@ def _atoms(T: int, N: int, block: int, vectors: list[tuple[str, torch.Tensor]]):
         token_owner = piece_owner.repeat_interleave(lens, output_size=T)
         layouts.append(torch.argsort(token_owner, stable=True).view(N, -1))
     return names, layouts
+
+
+def _cut_cost(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[T + 1]`` int64: the keys a cut before global index ``p`` splits off (``p`` less the start of its
+    document, earliest over the rows; 0 at a document start and at both ends)."""
+    T = doc_ids.shape[1]
+    starts = document_starts(doc_ids).amin(0)
+    pos = torch.arange(T, device=doc_ids.device)
+    return torch.cat([pos - starts, pos.new_zeros(1)])
+
+
+def _pairs(work: torch.Tensor, N: int, cut_cost: torch.Tensor) -> torch.Tensor:
+    """``[N, c]``: every rank a head piece and a tail piece (head_tail with free cuts) whose cuts avoid documents.
+
+    Rank ``r`` holds ``[x_r, x_(r+1))`` and ``[x_(r+1) + T - (r+1) c, x_r + T - r c)``: ``c`` tokens for any
+    ``x_0 = 0 <= x_1 <= ... `` with ``x_(r+1) - x_r <= c`` (the last rank one run ``[x_(N-1), x_(N-1) + c)``).
+    Rank by rank, ``x_(r+1)`` is chosen among the positions where the rank's work is within 1% of the remaining
+    work's mean as the one whose two cuts split the fewest keys (:func:`_cut_cost`), else as the one whose work
+    is nearest that mean. At most 2 runs per rank; one device-to-host copy per rank.
+    """
+    T = work.shape[0]
+    c = T // N
+    device = work.device
+    prefix = torch.nn.functional.pad(torch.cumsum(work, 0), (1, 0))  # [T + 1]
+    owner = torch.full((T,), -1, dtype=torch.long, device=device)
+    x, remaining = 0, int(prefix[-1])
+    for r in range(N - 1):
+        xs = torch.arange(x, x + c + 1, device=device)  # the next cut x_(r+1)
+        ys = xs + T - (r + 1) * c  # the tail's start
+        end = x + T - r * c  # the tail's end
+        load = prefix[xs] - prefix[x] + prefix[end] - prefix[ys]
+        target = remaining / (N - r)
+        near = (load - target).abs() * 100 <= target
+        cost = cut_cost[xs] + cut_cost[ys]
+        miss = (load - target).abs().double()
+        key = torch.where(near, cost.double(), float("inf"))
+        pick = int(key.argmin()) if bool(near.any()) else int(miss.argmin())
+        nxt = x + pick
+        owner[x:nxt] = r
+        owner[nxt + T - (r + 1) * c : end] = r
+        remaining -= int(load[pick])
+        x = nxt
+    owner[x : x + c] = N - 1
+    return torch.argsort(owner, stable=True).view(N, -1)
 
 
 def _largest_first(costs: list[int], grid: _Grid, N: int) -> list[int]:

@@ -7,15 +7,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpcompile.layouts import balance
+from cpcompile.layouts import balance, split_keys
 from cpcompile.mask import needed_key_counts, needed_keys
 from cpcompile.plan import LAYOUTS, CPPlan, Workload, build_plan
 
-SETTINGS = settings(max_examples=60, deadline=None)
+SETTINGS = settings(max_examples=40, deadline=None)
 
 
 def brute_force_needs(plan: CPPlan, window: int | None, rank: int, documents: bool = True) -> list[int]:
@@ -66,11 +67,48 @@ def test_needed_keys_are_exactly_the_keys_seen_on_other_ranks(case):
 @given(packed(min_cp=1))
 def test_needed_key_counts_count_the_needed_keys(case):
     """The balancer's count from the runs (``needed_key_counts``) equals the size of the needed sets, for every
-    candidate layout the balancer builds (up to many runs per rank)."""
+    candidate layout the balancer builds (up to many runs per rank), and every candidate is a layout: every
+    token on exactly one rank, ascending per rank."""
     batch, N, layout, window, documents = case
     plan = build_plan(batch, N, 0, **layout)
     docs = plan.attention_docs(documents)
     found = balance(plan.padded_len, N, plan.doc_ids, layout["workload"])
-    for indices in [plan.indices, *found.candidates]:
+    whole = Workload(block_size=layout["workload"].block_size, split_keys=True)
+    keep = balance(plan.padded_len, N, plan.doc_ids, whole)
+    for indices in [plan.indices, *found.candidates, *keep.candidates]:
+        assert torch.equal(indices.flatten().sort().values, torch.arange(plan.padded_len))
+        assert bool((indices.diff(dim=-1) > 0).all())
         expected = needed_keys(indices, docs, window).sum(-1)
         assert needed_key_counts(indices, docs, window).tolist() == expected.tolist()
+
+
+@SETTINGS
+@given(packed())
+def test_split_keys_layout_splits_fewest_keys_within_five_percent(case):
+    """``Workload(split_keys=True)``: the chosen layout's objective is within 5% of the best candidate's, and it
+    splits no more keys across ranks than the default choice (fewest runs within 0.5%), counted by the plan."""
+    batch, N, layout, _, _ = case
+    plan = build_plan(batch, N, 0, layout="contiguous")
+    base = layout["workload"]
+    keep = Workload(block_size=base.block_size, split_keys=True)
+    default, whole = (balance(plan.padded_len, N, plan.doc_ids, w) for w in (base, keep))
+    valid = whole.runs <= 4
+    assert int(whole.objective[whole.choice]) * 100 <= int(whole.objective[valid].min()) * 105
+    assert torch.equal(whole.split, split_keys(whole.candidates, plan.doc_ids, keep))
+    split = [
+        sum(len(p.keys_needed(None, r)) for r in range(N))
+        for p in (build_plan(batch, N, 0, layout="balanced", workload=w) for w in (base, keep))
+    ]
+    assert split[1] <= split[0] == int(whole.split[default.choice])
+    assert split[1] == int(whole.split[whole.choice])
+
+
+def test_exchange_options_are_checked():
+    from cpcompile.options import BackendOptions
+
+    with pytest.raises(ValueError, match="exchange='ring'"):
+        BackendOptions(exchange="ring")
+    with pytest.raises(ValueError, match="exchange_slots=0"):
+        BackendOptions(exchange="selective", exchange_slots=0)
+    with pytest.raises(TypeError, match="split_keys='yes'"):
+        Workload(split_keys="yes")
