@@ -40,7 +40,8 @@ class BackendOptions:
     #: Keep only the local K/V between forward and backward and all-gather them again in backward:
     #: per attention call, (N-1)/N of the gathered K/V memory saved for one more all-gather of K and V.
     #: Off by default (communication is usually the scarcer resource). Honoured by inner compilers that
-    #: partition with AOTAutograd (``inductor``, ``aot_eager``).
+    #: partition with AOTAutograd (``inductor``, ``aot_eager``), at all-gathered sites (a halo or selective
+    #: exchange keeps its receive buffer).
     regather_kv_in_backward: bool = False
     #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
     #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
