@@ -35,18 +35,18 @@ exactly the keys the receiving rank's queries can see, and the graph keeps a sta
 attention needs it (it is not overlapped with the work before it, unlike the all-gathers); its backward sends
 the gradients of the received keys back to their owners.
 
-The selective exchange (``backend(..., exchange="selective")``) is the same exchange for full-attention sites:
-``S = exchange_slots`` key slots, by default ``(N - 1) * c``, the all-gather's size, which holds every batch's
-needs, so the graph's shapes never depend on the documents and a new batch never recompiles. What moves on the
-wire is only the needed keys (the all-to-all's counts come from the plan); the unused slots cost memory (zeros,
-never attended) and the kernel skips them (their index is ``-1``, sorted before every real key, outside every
-query block's interval). A smaller ``exchange_slots`` bounds the buffer kept for backward at ``S`` keys instead
-of ``(N - 1) * c``; a batch that needs more raises ``ValueError`` on every rank (the plan is the same on every
-rank) before anything is sent. The alternative, a receive buffer sized per batch, would make the attention's
+The selective exchange (``backend(..., exchange="selective")``) is the same exchange for full-attention sites: ``S =
+exchange_slots`` key slots, by default ``(N - 1) * c``, the all-gather's size, which holds every batch's needs, so
+the graph's shapes never depend on the documents and a new batch never recompiles. What moves on the wire is only
+the needed keys (the all-to-all's counts come from the plan); the unused slots cost memory (zeros, never attended):
+the block kernel skips them (their index is ``-1``, sorted before every real key, outside every query block's
+interval), the dense path masks them. A smaller ``exchange_slots`` bounds the buffer kept for backward at ``S`` keys
+instead of ``(N - 1) * c``; a batch that needs more raises ``ValueError`` on every rank (the plan is the same on
+every rank) before anything is sent. The alternative, a receive buffer sized per batch, would make the attention's
 key length data-dependent: a recompile per distinct size, or unbacked sizes through the whole attention. The
-all-gather stays the default: it starts as soon as K/V exist and overlaps the work before attention; the
-exchange runs when attention needs it, and never moves more than the all-gather (a rank's needs are a subset of
-the other ranks' keys; one long document under the contiguous layout needs them all on the last rank).
+all-gather stays the default: it starts as soon as K/V exist and overlaps the work before attention; the exchange
+runs when attention needs it, and never moves more than the all-gather (a rank's needs are a subset of the other
+ranks' keys; one long document under the contiguous layout needs them all on the last rank).
 
 ``cpcompile::sequence_order`` serves :mod:`cpcompile.passes.mixing`: the permutation that puts a tensor
 all-gathered along the sequence into global token order, and this rank's token indices to take its tokens back
