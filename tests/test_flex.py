@@ -26,9 +26,10 @@ import torch
 import cpcompile
 from cpcompile.kernels.attention import FlexMods, flex_cp_attention, register_flex_mods
 from cpcompile.testing import packed_batch
-from tests.models import flex as _flex_models
 from tests.harness.dist import run_distributed
-from tests.harness.parity import KERNEL_TOL, LOGITS_TOL, ParityCase
+from tests.harness.parity import ParityCase
+from tests.harness.tolerances import KERNEL_TOL, LOGITS_TOL
+from tests.models import flex as _flex_models
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 
