@@ -205,7 +205,7 @@ def test_inspect_columns_and_picture_follow_the_layout(tmp_path):
     """inspect's computed-pairs column is balanced and its picture colours every query row by its owner."""
     from PIL import Image
 
-    from cpcompile.pattern import _PALETTE, GUTTER_PX, TITLE_PX, pattern_geometry
+    from cpcompile.inspect.picture import _PALETTE, GUTTER_PX, TITLE_PX, pattern_geometry
     from cpcompile.testing import tiny_config
 
     config = tiny_config("llama")

@@ -8,10 +8,11 @@ The attention pass (:mod:`cpcompile.passes.sdpa_cp`) records every site it rewri
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 from cpcompile.layouts import AttentionForm, Workload
 
-__all__ = ["compiled_workload", "record_attention_form"]
+__all__ = ["compiled_workload", "record_attention_form", "workload_of"]
 
 
 #: What was compiled per CP group: group name -> ((documents, window) -> layer names, block sizes of the kernel).
@@ -35,10 +36,18 @@ def compiled_workload(group_name: str) -> Workload:
     """
     with _FORMS_LOCK:
         forms, blocks = _FORMS.get(group_name, ({}, set()))
-        counts = {key: len(layers) for key, layers in forms.items()}
+        layers = {key: set(names) for key, names in forms.items()}
         block = min(blocks, default=Workload.block_size)
-    if not counts:
-        return Workload()
-    # sorted: every rank builds the same workload whatever order its graphs compiled in
-    ordered = sorted(counts.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
-    return Workload(forms=tuple(AttentionForm(d, w, n) for (d, w), n in ordered), block_size=block)
+    return workload_of(layers, block)
+
+
+def workload_of(layers: Mapping[tuple[bool, int | None], set[str]], block_size: int) -> Workload:
+    """The workload of attention ``layers`` by form (``(documents, window)`` -> layer names, each counted once)
+    in blocks of ``block_size``; the default forms when there are none.
+
+    Sorted: every rank builds the same workload whatever order its graphs compiled in.
+    """
+    if not layers:
+        return Workload(block_size=block_size)
+    ordered = sorted(layers.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None, kv[0][1] or 0))
+    return Workload(forms=tuple(AttentionForm(d, w, len(n)) for (d, w), n in ordered), block_size=block_size)
