@@ -2,7 +2,7 @@
 
 The pass (:mod:`cpcompile.passes.sdpa_cp`) describes every site it rewrites with a frozen :class:`SiteSpec`,
 registers it (:func:`register_site`) and inserts the calls below with the ``emit_*`` helpers; at run time the
-ops read the active :func:`cpcompile.shard` context through :func:`cpcompile.runtime.active_context`.
+ops read the active :func:`cpcompile.shard` context through :func:`cpcompile.runtime.context.active_context`.
 
 Ops and graph calls of a site whose keys are all-gathered (``spec.exchange == "all_gather"``)::
 
@@ -71,7 +71,7 @@ from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cp
 from cpcompile.errors import MaskMismatchError
 from cpcompile.mask import visible_mask
 from cpcompile.plan import CPPlan
-from cpcompile.runtime import Active, active_context, record_attention_form
+from cpcompile.runtime.context import Active, active_context
 
 __all__ = [
     "SiteSpec",
@@ -467,12 +467,7 @@ def emit_attention(
     enable_gqa: bool,
     block_size: int,
 ) -> fx.Node:
-    """Insert the attention of ``spec.kernel`` over keys at ``positions`` (from :func:`emit_site_plan`).
-
-    Also records the site's attention form for ``cpcompile.shard``'s balanced layout
-    (:func:`cpcompile.runtime.record_attention_form`).
-    """
-    record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window, block_size)
+    """Insert the attention of ``spec.kernel`` over keys at ``positions`` (from :func:`emit_site_plan`)."""
     q_pos, kv_pos, docs = positions
     if spec.kernel != "dense":
         impl = "loop" if spec.kernel == "block" else spec.kernel
@@ -543,9 +538,7 @@ def emit_flex_attention(
     block_size: int,
 ) -> tuple[fx.Node, fx.Node]:
     """Register the site's ``mods`` and insert ``cpcompile::flex_cp_attention``; returns the (out, lse) nodes
-    (``lse`` in natural log). Records the site's attention form for the balanced layout as a causal
-    document form (the layout's estimate of the work; the mask itself is the site's ``mask_mod``)."""
-    record_attention_form(spec.group_name, spec.layer or spec.site, True, None, block_size)
+    (``lse`` in natural log)."""
     _kernels.attention.register_flex_mods(spec.site, mods)
     q_pos, kv_pos, seq_len = positions
     att = graph.call_function(

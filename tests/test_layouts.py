@@ -15,10 +15,11 @@ import torch
 
 import cpcompile
 from benchmarks._common import packed_doc_lens
-from cpcompile import _compat, runtime
+from cpcompile import _compat
 from cpcompile.kernels import cp_attention, dense_cp_attention
 from cpcompile.layouts import balance, token_work
 from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
+from cpcompile.runtime import workload as runtime  # the compiled-workload registry
 from cpcompile.testing import packed_batch
 
 T = 8192
@@ -204,7 +205,7 @@ def test_inspect_columns_and_picture_follow_the_layout(tmp_path):
     """inspect's computed-pairs column is balanced and its picture colours every query row by its owner."""
     from PIL import Image
 
-    from cpcompile.pattern import _PALETTE, GUTTER_PX, TITLE_PX, pattern_geometry
+    from cpcompile.inspect.picture import _PALETTE, GUTTER_PX, TITLE_PX, pattern_geometry
     from cpcompile.testing import tiny_config
 
     config = tiny_config("llama")

@@ -42,6 +42,7 @@ from cpcompile.kernels.attention import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.sdpa_cp import SiteReport
+from cpcompile.runtime.workload import record_attention_form
 
 __all__ = ["FlexSite", "find_flex_sites", "check_site", "rewrite_site", "flex_cp_pass"]
 
@@ -445,6 +446,8 @@ def flex_cp_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             rewrite_site(gm, site, spec, buffers, ctx)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile flex_cp pass failed while rewriting {site.where}: {e}") from e
+        # the balanced layout's estimate of the site's work: a causal document form (the mask is its mask_mod)
+        record_attention_form(spec.group_name, spec.layer or spec.site, True, None, ctx.options.block_size)
         counters["flex_rewritten"] += 1
     if sites:
         finish(gm)

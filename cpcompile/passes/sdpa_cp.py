@@ -30,6 +30,7 @@ from cpcompile.passes.aliasing import last_write, op_name
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
+from cpcompile.runtime.workload import record_attention_form
 
 __all__ = [
     "SDPASite",
@@ -722,6 +723,9 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             rewrite_site(gm, site, spec, ctx)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
+        # what cpcompile.shard's balanced layout evens out: the attention forms compiled for this CP group
+        layer = spec.layer or spec.site
+        record_attention_form(spec.group_name, layer, spec.documents, spec.window, ctx.options.block_size)
         counters["sdpa_rewritten"] += 1
     finish(gm)
     return reports
