@@ -45,7 +45,7 @@ import torch.fx as fx
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
-from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.common import arg as _arg
 
 __all__ = [
@@ -112,21 +112,6 @@ REASON_FIXES = (
         "that the training call only slices it (cache[:T]), which cpcompile rewrites",
     ),
 )
-
-
-def source_line(node: fx.Node) -> str:
-    """``file:line (code)`` of the model code that made ``node`` (the innermost frame of its recorded stack
-    trace), or ``""`` when the graph has no stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = trace.rstrip("\n").splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        if line.startswith('File "'):
-            path, _, rest = line[len('File "') :].partition('", line ')
-            number = rest.split(",", 1)[0]
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{path}:{number}" + (f" ({code})" if code else "")
-    return ""
 
 
 def _fix_for(reason: str) -> str:

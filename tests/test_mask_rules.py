@@ -1,0 +1,164 @@
+"""Masks the model builds from token positions: proved against cpcompile's rule at compile time, or refused.
+
+A mask the model builds on its local inputs is compared with the plan's local rule on every step, but that
+check only sees this rank's ``c x c`` block. A sliding window of at least ``c`` tokens written as a difference
+``(q - k) < W`` and chunked attention ``k // 8 == q // 8`` at ``c <= 8`` both look causal there and used to run
+silently wrong. The attention pass now reads the whole mask-building subgraph (:mod:`cpcompile.passes.mask_rules`):
+causal order, same document and sliding windows in any of their spellings are proved (the window joins the site),
+and any other use of token positions is refused with the model's source line.
+
+One process: the pass on Dynamo graphs of ``tests._models.TinyAttentionLM`` and of small mask functions. One
+spawned CP=2 group: parity of the difference-spelled window against the single-process eager model (plus a
+control showing the window matters on that batch), and chunked attention refused on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpcompile.errors import UnsupportedAttentionError
+from cpcompile.passes.sdpa_cp import find_sdpa_sites, graph_windows
+from cpcompile.testing import packed_batch
+from tests._dist import run_distributed
+from tests._graphs import dynamo_graph, run_pass
+from tests._models import LONG_WINDOW, attention_lm
+from tests.parity import ParityCase, check_case, reference_step
+
+# T = 37 (c = 19 at CP=2 < LONG_WINDOW = 24 < T); a 30-token document, so the window cuts keys off globally.
+DOCS = ((7, 30), (37,))
+
+
+def _graph(form: str, T: int = 16):
+    batch = packed_batch([[T]])
+    return dynamo_graph(attention_lm(form, layers=1), input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+
+
+# -- one process: the attention pass on traced graphs -------------------------------------------------------
+def test_window_written_as_a_difference_is_the_sites_window():
+    gm = _graph("window_diff")
+    assert [graph_windows(s) for s in find_sdpa_sites(gm)] == [{LONG_WINDOW}]
+    reports = run_pass(gm)
+    assert [r.window for r in reports] == [LONG_WINDOW]
+
+
+def test_chunked_attention_is_refused_at_its_source_line():
+    gm = _graph("chunked")
+    with pytest.raises(UnsupportedAttentionError) as e:
+        run_pass(gm)
+    msg = str(e.value)
+    assert "floordiv" in msg and "_models.py:" in msg and "token positions" in msg, msg
+
+
+class _MaskModel(nn.Module):
+    """One SDPA call under the mask ``rule(q, k, doc_q, doc_k)`` of broadcast ``[T, 1]`` / ``[1, T]`` indices."""
+
+    def __init__(self, rule) -> None:
+        super().__init__()
+        self.rule = rule
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, position_ids):
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        q, k = idx[:, None], idx[None, :]
+        mask = self.rule(q, k)[None, None]
+        h = self.proj(x)[:, None]
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+def _rule_graph(rule, T: int = 16):
+    x = torch.randn(1, T, 8)
+    pos = torch.arange(T)[None]
+    return dynamo_graph(_MaskModel(rule), x=x, position_ids=pos)
+
+
+PROVED = {  # spelling -> window the site gets (None: causal only)
+    "k <= q": (lambda q, k: k <= q, None),
+    "q >= k": (lambda q, k: q >= k, None),
+    "k < q + 1": (lambda q, k: k < q + 1, None),
+    "q - k >= 0": (lambda q, k: (q - k) >= 0, None),
+    "tril": (lambda q, k: torch.ones(q.shape[0], k.shape[1], dtype=torch.bool).tril(), None),
+    "k > q - 5": (lambda q, k: (k <= q) & (k > q - 5), 5),
+    "q - k < 20": (lambda q, k: (k <= q) & ((q - k) < 20), 20),
+    "k - q > -20": (lambda q, k: (k <= q) & ((k - q) > -20), 20),
+    "q - k <= 19": (lambda q, k: (k <= q) & ((q - k) <= 19), 20),
+    "20 > q - k": (lambda q, k: (k <= q) & (20 > (q - k)), 20),
+    "k >= q - 19": (lambda q, k: (k <= q) & (k >= q - 19), 20),
+}
+REFUSED = {  # spelling -> words of the refusal
+    "k // 8 == q // 8": (lambda q, k: (k <= q) & (k // 8 == q // 8), "floordiv"),
+    "k % 8": (lambda q, k: (k <= q) & (k % 8 == q % 8), "remainder"),
+    "k < 4 (a prefix)": (lambda q, k: (k <= q) | (k < 4), "or_"),
+    "k >= 4 (a fixed key range)": (lambda q, k: (k <= q) & (k >= 4), "with a constant"),
+    "q - k > 2 (a gap)": (lambda q, k: (q - k) > 2, "not causal order"),
+    "~(k > q)": (lambda q, k: ~(k > q), "invert"),
+    "k * 2 <= q": (lambda q, k: k * 2 <= q, "mul"),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(PROVED))
+def test_mask_spellings_proved(spelling):
+    rule, window = PROVED[spelling]
+    reports = run_pass(_rule_graph(rule))
+    assert [(r.action, r.window) for r in reports] == [("rewritten", window)], reports
+
+
+@pytest.mark.parametrize("spelling", sorted(REFUSED))
+def test_mask_spellings_refused(spelling):
+    rule, words = REFUSED[spelling]
+    with pytest.raises(UnsupportedAttentionError) as e:
+        run_pass(_rule_graph(rule))
+    assert words in str(e.value) and "test_mask_rules.py:" in str(e.value), str(e.value)
+
+
+def test_transformers_masks_are_proved():
+    from cpcompile.testing import tiny_model
+
+    batch = packed_batch([[10, 22]])
+    for family, window in (("llama", None), ("mistral", 6)):
+        gm = dynamo_graph(
+            tiny_model(family), input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        )
+        assert [(r.action, r.window) for r in run_pass(gm)] == [("rewritten", window)] * 2, family
+
+
+# -- CP = 2: parity of the difference-spelled window, chunked attention refused on every rank ------------------
+def _worker(rank, world_size):
+    import torch.distributed as dist
+
+    import cpcompile
+
+    group = dist.group.WORLD
+    case = ParityCase(model="attn:window_diff", doc_lens=DOCS, expected_form=("bool-mask", False))
+    summary = check_case(case, group)
+    model = attention_lm("chunked")
+    batch = packed_batch([[16]])  # c = 8: each rank's block is one chunk, which looks causal from inside
+    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
+    try:
+        with cpcompile.shard(batch, group) as local:
+            compiled(**local)
+        chunked = ("none", "")
+    except Exception as e:  # noqa: BLE001 - the test asserts which error
+        chunked = (type(e).__name__, str(e))
+    return summary, chunked
+
+
+@pytest.mark.timeout(400)
+def test_cp2_window_difference_exact_and_chunked_refused():
+    results = run_distributed(_worker, 2, timeout_s=360)
+    for rank, (summary, chunked) in enumerate(results):
+        assert summary["cp"] == 2, summary
+        kind, msg = chunked
+        assert kind == "UnsupportedAttentionError" and "floordiv" in msg, f"rank {rank}: {kind}: {msg}"
+
+
+def test_window_matters_on_the_parity_batch():
+    """Negative control: on the parity batch the window changes the logits, so a site run without it (what the
+    pass did before it read the difference spelling) fails the parity check."""
+    batch = ParityCase(model="attn:window_diff", doc_lens=DOCS).batch()
+    windowed = reference_step(attention_lm("window_diff"), batch)
+    unwindowed = reference_step(attention_lm("packed_docs"), batch)
+    assert (windowed.logits - unwindowed.logits).abs().max() > 1e-3
