@@ -162,3 +162,66 @@ def test_window_matters_on_the_parity_batch():
     windowed = reference_step(attention_lm("window_diff"), batch)
     unwindowed = reference_step(attention_lm("packed_docs"), batch)
     assert (windowed.logits - unwindowed.logits).abs().max() > 1e-3
+
+
+# -- the per-step mask check on the compact form ---------------------------------------------------------------
+def _dense_verdict(plan, spec, mask) -> bool:
+    """The check's definition: the model's mask equals the local rule, or (several runs) the whole-sequence rule."""
+    kwargs = {"documents": spec.documents, "window": spec.window}
+    if torch.equal(mask.expand(plan.batch_size, 1, -1, -1), plan.local_rule_mask(**kwargs)):
+        return True
+    return plan.runs() > 1 and torch.equal(mask.expand(plan.batch_size, 1, -1, -1), plan.local_global_mask(**kwargs))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mask_check_on_intervals_agrees_with_the_dense_comparison(seed):
+    """Every model mask the dense comparison accepts is accepted, and every change of one entry, of a row's
+    first or last key, or of a whole row is caught, naming the first differing entry of the dense comparison."""
+    from cpcompile import ops
+    from cpcompile.plan import build_plan
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [[int(x) for x in torch.randint(1, 12, (5,), generator=g)] for _ in range(2)]
+    docs[1][-1] += sum(docs[0]) - sum(docs[1])
+    if docs[1][-1] < 1:
+        docs[1] = [sum(docs[0])]
+    cp, layout = (2, 3, 4)[seed % 3], ("contiguous", "head_tail", "balanced")[seed % 3]
+    plan = build_plan(packed_batch(docs), cp, seed % cp, layout=layout)
+    for documents, window in ((True, None), (False, None), (True, 3), (True, 40)):
+        spec = ops.SiteSpec(
+            site="t", layer="t", group_name="", cp_size=cp, cp_rank=plan.cp_rank, documents=documents,
+            window=window, kernel="dense", needs_grad=False,
+        )  # fmt: skip
+        rules = [plan.local_rule_mask(documents=documents, window=window)]
+        if plan.runs() > 1:
+            rules.append(plan.local_global_mask(documents=documents, window=window))
+        for rule in rules:
+            assert ops._mask_mismatch(spec, plan, rule) is None
+            one_row = rule[:1]  # a mask broadcast over the batch
+            assert (ops._mask_mismatch(spec, plan, one_row) is None) == _dense_verdict(plan, spec, one_row)
+            c = rule.shape[-1]
+            for _ in range(12):
+                broken = rule.clone()
+                b, i = (
+                    int(torch.randint(0, plan.batch_size, (1,), generator=g)),
+                    int(torch.randint(0, c, (1,), generator=g)),
+                )
+                how = int(torch.randint(0, 4, (1,), generator=g))
+                if how == 0:
+                    j = int(torch.randint(0, c, (1,), generator=g))
+                    broken[b, 0, i, j] = ~broken[b, 0, i, j]
+                elif how == 1:
+                    broken[b, 0, i] = False
+                elif how == 2:  # a row shifted by one key (same count)
+                    broken[b, 0, i] = broken[b, 0, i].roll(1)
+                else:  # a hole inside the row with one more key after it (same count and first key)
+                    keys = broken[b, 0, i].nonzero().flatten()
+                    if len(keys) >= 3 and int(keys[-1]) + 1 < c:
+                        broken[b, 0, i, keys[1]] = False
+                        broken[b, 0, i, keys[-1] + 1] = True
+                error = ops._mask_mismatch(spec, plan, broken)
+                assert (error is None) == _dense_verdict(plan, spec, broken), (documents, window, how)
+                if error is not None:
+                    ours = plan.local_rule_mask(documents=documents, window=window)
+                    bb, _, ii, jj = (broken != ours).nonzero()[0].tolist()
+                    assert f"row {bb}, local query {ii}, key {jj}:" in str(error), str(error)
