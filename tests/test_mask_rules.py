@@ -114,6 +114,33 @@ def test_mask_spellings_refused(spelling):
     assert words in str(e.value) and "test_mask_rules.py:" in str(e.value), str(e.value)
 
 
+class _CheckpointedMaskModel(_MaskModel):
+    """:class:`_MaskModel` with the attention in a checkpointed function: the mask is built outside the nested
+    graph that holds the SDPA call and reaches it as that graph's input."""
+
+    def forward(self, x, position_ids):
+        from torch.utils.checkpoint import checkpoint
+
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        mask = self.rule(idx[:, None], idx[None, :])[None, None]
+        h = self.proj(x)[:, None]
+        return checkpoint(
+            lambda h, m: F.scaled_dot_product_attention(h, h, h, attn_mask=m), h, mask, use_reentrant=False
+        )
+
+
+@pytest.mark.parametrize("spelling", ["q - k < 20", "k // 8 == q // 8"])
+def test_mask_built_outside_a_checkpointed_layer_is_read_where_it_is_built(spelling):
+    rule = {**PROVED, **REFUSED}[spelling][0]
+    gm = dynamo_graph(_CheckpointedMaskModel(rule), x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
+    if spelling in PROVED:
+        assert [(r.action, r.window) for r in run_pass(gm)] == [("rewritten", 20)]
+    else:
+        with pytest.raises(UnsupportedAttentionError, match="floordiv"):
+            run_pass(gm)
+
+
 def test_transformers_masks_are_proved():
     from cpcompile.testing import tiny_model
 

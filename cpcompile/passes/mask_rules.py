@@ -32,9 +32,9 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes.aliasing import mutated, op_name, viewed_bases
-from cpcompile.passes.common import node_value, node_where, source_line
+from cpcompile.passes.common import graph_modules, node_value, node_where, source_line
 
-__all__ = ["MaskProof", "prove_mask"]
+__all__ = ["MaskProof", "outer_arguments", "prove_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +126,31 @@ def _int(x: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def outer_arguments(gm: fx.GraphModule) -> dict[fx.Node, object]:
+    """Every placeholder of a graph nested in ``gm`` (the body of a higher-order op such as activation
+    checkpointing's ``tag_activation_checkpoint(body, *operands)``) mapped to the operand the calling graph passes
+    it: a mask built outside a checkpointed layer is read where it is built."""
+    out: dict[fx.Node, object] = {}
+    for g in graph_modules(gm):
+        for n in g.graph.nodes:
+            if n.op != "call_function" or not _compat.is_higher_order_op(n.target) or not n.args:
+                continue
+            body = n.args[0]
+            if not (isinstance(body, fx.Node) and body.op == "get_attr"):
+                continue
+            module = getattr(g, str(body.target), None)
+            if not isinstance(module, fx.GraphModule):
+                continue
+            holders = [p for p in module.graph.nodes if p.op == "placeholder"]
+            if len(holders) == len(n.args) - 1:
+                out.update(zip(holders, n.args[1:]))
+    return out
+
+
 class _Prover:
-    def __init__(self, length: object) -> None:
+    def __init__(self, length: object, outer: dict | None) -> None:
         self.length = length
+        self.outer = outer or {}
         self.values: dict[fx.Node, object] = {}
         self.windows: set[int] = set()
 
@@ -172,6 +194,8 @@ class _Prover:
         return self._other(n, name, inputs)
 
     def _input(self, n: fx.Node) -> object:
+        if n in self.outer:  # a nested graph's input: read where the calling graph makes it
+            return self.value(self.outer[n])
         shape = _shape(n)
         if shape is None or _compat.is_module_state(n):
             return _PLAIN
@@ -423,14 +447,15 @@ def _pairwise(n: object, length: object) -> bool:
     return shape is not None and len(shape) >= 2 and _same(shape[-1], length) and _same(shape[-2], length)
 
 
-def prove_mask(mask: fx.Node, length: object) -> MaskProof:
+def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> MaskProof:
     """Read the subgraph that builds ``mask`` (a bool ``[.., T, T]`` attention mask) for local length ``length``.
 
     Returns the windows it applies, or the first condition that is not causal order, a sliding window or a
     document condition (see the module docstring), with the model's source line. A mask that is a graph input
     (made in another graph) is proved here as far as this graph sees it; the runtime checks it on every step.
+    ``outer`` (:func:`outer_arguments`) follows the inputs of nested graphs to the graph that calls them.
     """
-    prover = _Prover(length)
+    prover = _Prover(length, outer)
     try:
         value = prover.value(mask)
     except _Unproven as e:

@@ -29,7 +29,7 @@ from cpcompile.passes.aliasing import last_write, op_name
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
-from cpcompile.passes.mask_rules import MaskProof, prove_mask
+from cpcompile.passes.mask_rules import MaskProof, outer_arguments, prove_mask
 
 __all__ = [
     "SDPASite",
@@ -287,13 +287,15 @@ def check_site(site: SDPASite) -> str | None:
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
-def mask_proof(site: SDPASite) -> MaskProof:
+def mask_proof(site: SDPASite, outer: dict | None = None) -> MaskProof:
     """What the subgraph that builds the site's mask applies (:func:`cpcompile.passes.mask_rules.prove_mask`):
-    its sliding windows, or why it cannot be proved. Nothing to prove without a mask built in this graph."""
+    its sliding windows, or why it cannot be proved. Nothing to prove without a mask built in the graph.
+    ``outer`` (:func:`cpcompile.passes.mask_rules.outer_arguments`) follows a nested graph's mask input to where
+    the calling graph builds it (a checkpointed layer)."""
     q = site.meta(site.query)
     if not isinstance(site.attn_mask, fx.Node) or q is None or q.dim() < 3:
         return MaskProof()
-    return prove_mask(site.attn_mask, q.shape[-2])
+    return prove_mask(site.attn_mask, q.shape[-2], outer)
 
 
 def graph_windows(site: SDPASite) -> set[int]:
@@ -329,7 +331,7 @@ def config_window(config: object, layer: str) -> tuple[int | None, str | None]:
     return None, f"layer type {kind!r} is not supported (only 'full_attention' and 'sliding_attention')"
 
 
-def site_window(site: SDPASite, config: object | None) -> tuple[int | None, str | None]:
+def site_window(site: SDPASite, config: object | None, outer: dict | None = None) -> tuple[int | None, str | None]:
     """The sliding window of ``site`` (``None``: none) and ``None``, or ``(None, reason)`` to refuse.
 
     A mask built in the graph that :func:`mask_proof` cannot prove to be causal order, same document and a
@@ -338,7 +340,7 @@ def site_window(site: SDPASite, config: object | None) -> tuple[int | None, str 
     is the only source when the mask is a graph input. Whatever the source, the runtime compares the model's
     local mask with the plan's on every step.
     """
-    proof = mask_proof(site)
+    proof = mask_proof(site, outer)
     if proof.reason:
         return None, proof.reason
     in_graph = set(proof.windows)
@@ -680,6 +682,7 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports
+    outer = outer_arguments(gm)
     for site in sites:
         if ctx.cp_size == 1 and ctx.options.attention != "block":
             # nothing is rewritten, so the model runs exactly as it is, whatever form its attention takes
@@ -688,7 +691,7 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         reason = check_site(site)
         window, kernel = None, _kernel_for(site, ctx.options.attention)
         if reason is None:
-            window, reason = site_window(site, config)
+            window, reason = site_window(site, config, outer)
         if reason is None:
             reason = _kernel_reason(site, kernel)
         if reason is not None:
