@@ -141,6 +141,41 @@ def test_mask_built_outside_a_checkpointed_layer_is_read_where_it_is_built(spell
             run_pass(gm)
 
 
+class _BrokenMaskModel(_MaskModel):
+    """:class:`_MaskModel` with a graph break between the mask and the attention: the first graph hands the mask on
+    as its output, and the graph of the attention sees it as an input."""
+
+    def forward(self, x, position_ids):
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        mask = self.rule(idx[:, None], idx[None, :])[None, None]
+        torch._dynamo.graph_break()
+        h = self.proj(x)[:, None]
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+@pytest.mark.parametrize("spelling", ["k <= q", "k // 8 == q // 8"])
+def test_mask_handed_to_another_graph_is_proved_where_it_is_built(spelling):
+    from cpcompile.passes.positions import positions_pass
+    from tests._graphs import context
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    rule = {**PROVED, **REFUSED}[spelling][0]
+    torch.compile(_BrokenMaskModel(rule), backend=capture)(x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
+    reports = positions_pass(graphs[0], context(refuse="report"), 16)
+    actions = {r.action for r in reports}
+    if spelling in PROVED:
+        assert actions == {"mask"}, reports
+    else:
+        assert "refused" in actions and any("floordiv" in r.reason for r in reports), reports
+
+
 def test_transformers_masks_are_proved():
     from cpcompile.testing import tiny_model
 

@@ -199,7 +199,7 @@ class _Prover:
         shape = _shape(n)
         if shape is None or _compat.is_module_state(n):
             return _PLAIN
-        dims = [d for d, s in enumerate(shape) if _same(s, self.length)]
+        dims = [d for d, s in enumerate(shape) if _same(s, self.length) or self._hinted(s)]
         v = node_value(n)
         if v.dtype == torch.bool and len(shape) >= 3 and dims[-2:] == [len(shape) - 2, len(shape) - 1]:
             return _Rule()  # a [.., T, T] mask made elsewhere: the runtime compares it with the plan's rule
@@ -207,6 +207,11 @@ class _Prover:
             return _PLAIN
         d = 1 if len(shape) >= 2 and 1 in dims else dims[-1]  # [B, T, ...]: the sequence is dim 1
         return _Tokens(len(shape) - d, "data")
+
+    def _hinted(self, size: object) -> bool:
+        """A symbolic input size traced at the mask's constant length (FSDP2's root graph builds transformers'
+        mask with the chunk length as a constant while its inputs have a symbolic length)."""
+        return isinstance(size, torch.SymInt) and type(self.length) is int and _compat.sym_hint(size) == self.length
 
     def _plain(self, n: fx.Node, name: str) -> object:
         """A value computed from plain values only: an arange of the local length is the token index."""
