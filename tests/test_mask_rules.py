@@ -87,6 +87,8 @@ PROVED = {  # spelling -> window the site gets (None: causal only)
     "q - k <= 19": (lambda q, k: (k <= q) & ((q - k) <= 19), 20),
     "20 > q - k": (lambda q, k: (k <= q) & (20 > (q - k)), 20),
     "k >= q - 19": (lambda q, k: (k <= q) & (k >= q - 19), 20),
+    "~(k > q)": (lambda q, k: ~(k > q), None),
+    "~triu(ones, 1)": (lambda q, k: ~torch.ones(q.shape[0], k.shape[1], dtype=torch.bool).triu(1), None),
 }
 REFUSED = {  # spelling -> words of the refusal
     "k // 8 == q // 8": (lambda q, k: (k <= q) & (k // 8 == q // 8), "floordiv"),
@@ -94,7 +96,8 @@ REFUSED = {  # spelling -> words of the refusal
     "k < 4 (a prefix)": (lambda q, k: (k <= q) | (k < 4), "or_"),
     "k >= 4 (a fixed key range)": (lambda q, k: (k <= q) & (k >= 4), "with a constant"),
     "q - k > 2 (a gap)": (lambda q, k: (q - k) > 2, "not causal order"),
-    "~(k > q)": (lambda q, k: ~(k > q), "invert"),
+    "~((k <= q) & (k > q - 4))": (lambda q, k: ~((k <= q) & (k > q - 4)), "invert"),
+    "~(k <= q) (anti-causal)": (lambda q, k: ~(k <= q), "which no key satisfies"),
     "k * 2 <= q": (lambda q, k: k * 2 <= q, "mul"),
 }
 

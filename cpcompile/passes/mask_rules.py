@@ -9,7 +9,8 @@ runs wrong: a sliding window of ``W >= c`` tokens written as ``(q - k) < W`` loo
 chunked attention ``k // 8 == q // 8`` looks causal when ``c <= 8``. So the subgraph that builds the mask is read
 as a formula over query and key positions, and every condition must be one the rule has:
 
-* **causal order**: ``k <= q`` in any spelling (``q >= k``, ``k < q + 1``, ``q - k >= 0``, ``ones(T, T).tril()``);
+* **causal order**: ``k <= q`` in any spelling (``q >= k``, ``k < q + 1``, ``q - k >= 0``, ``~(k > q)``,
+  ``ones(T, T).tril()``, ``~ones(T, T).triu(1)``);
 * **a sliding window**: ``k > q - W`` in any spelling (``(q - k) < W``, ``q - k <= W - 1``, ``k >= q - W + 1``),
   which becomes the site's window;
 * **same document**: equality of per-token values the model got as inputs or computed from them
@@ -95,6 +96,8 @@ _LAYOUT = {
 _RESHAPE = {"view", "reshape", "view_as", "reshape_as"}
 _COMPARE = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne"}
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
+_NOT = {"invert", "logical_not", "bitwise_not"}
 _AND = {"and_", "logical_and", "bitwise_and", "__and__", "mul"}
 #: Ops that keep per-token input values per-token labels (document ids, padding): equality stays meaningful.
 _DATA_OPS = {
@@ -174,6 +177,8 @@ class _Prover:
         name = op_name(n)
         if name in _SHAPE_ONLY:
             return self._plain(n, name)
+        if name in _NOT and n.args and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in {*_COMPARE, "triu"}:
+            return self._not(n, n.args[0])  # the condition itself is not evaluated: its negation is
         inputs = [self.value(a) for a in n.all_input_nodes]
         if all(v is _PLAIN or v == _ONES for v in inputs):
             return self._plain(n, name)
@@ -192,6 +197,20 @@ class _Prover:
         if name in ("tril", "triu"):
             return self._tril(n, name)
         return self._other(n, name, inputs)
+
+    def _not(self, n: fx.Node, inner: fx.Node) -> object:
+        """``~cond`` of one condition: the comparison with the negated operator (``~(k > q)`` is ``k <= q``), or
+        ``~triu(ones, d)``, which is ``tril(ones, d - 1)``. A negated conjunction is refused."""
+        name = op_name(inner)
+        if all(self.value(a) is _PLAIN for a in inner.all_input_nodes):
+            return _PLAIN
+        if name in _COMPARE:
+            return self._compare(inner, _NEGATE[_COMPARE[name]])
+        if name == "triu" and self.value(inner.args[0]) == _ONES:
+            diagonal = inner.args[1] if len(inner.args) > 1 else inner.kwargs.get("diagonal", 0)
+            if _int(diagonal) == 1:
+                return _Rule()
+        raise _Unproven(n, f"{op_name(n)} of a mask built from token positions (only of one comparison or triu)")
 
     def _input(self, n: fx.Node) -> object:
         if n in self.outer:  # a nested graph's input: read where the calling graph makes it
