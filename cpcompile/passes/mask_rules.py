@@ -20,8 +20,8 @@ as a formula over query and key positions, and every condition must be one the r
 Positions are the local ``arange`` of the sequence length and per-token inputs (``position_ids``), moved by
 layout ops, offsets by int constants and lookups at other positions (``position_ids[b, q_idx]``, the batch dim
 told apart from the sequence dim). Anything else a position goes through before it reaches the mask (``//``,
-``%``, ``*``, a comparison with a constant, a table lookup), and a mask combined with ``|`` or ``~``, read from a
-buffer or written in place, is refused with the model's source line.
+``%``, ``*``, a comparison with a constant, a table lookup), and a mask combined with ``|`` or negated as a whole,
+read from a buffer or written in place, is refused with the model's source line.
 """
 
 from __future__ import annotations
