@@ -64,8 +64,9 @@ class _Tokens:
     #: ``"index"``: the local ``arange`` of the length (ordered, compared as positions); ``"data"``: per-token
     #: inputs and values computed from them (positions, document ids, padding).
     kind: str
-    #: An int constant added to the value (``q + 1``).
-    offset: int = 0
+    #: An int constant added to the value (``q + 1``); ``None`` when a value known only at run time was added
+    #: (the value is still a label, but its order is not known).
+    offset: int | None = 0
     #: The arange itself, unmoved (it may index the batch dim of a table when the batch size equals the length).
     bare: bool = False
 
@@ -326,17 +327,20 @@ class _Prover:
             q_first = va.rdim == 2 and vb.rdim == 1
             if not (q_first or (va.rdim == 1 and vb.rdim == 2)):
                 raise _Unproven(n, "a difference of token positions along unexpected dims")
+            if va.offset is None or vb.offset is None:
+                raise _Unproven(n, f"{name} of positions moved by a value known only at run time")
             return _Difference(1 if q_first else -1, va.offset - vb.offset)
         tokens, other = (va, b) if isinstance(va, _Tokens) else (vb, a)
         if isinstance(tokens, _Tokens) and self.value(other) is _PLAIN:
             k = _int(other)
             if k is None:
-                if tokens.kind == "data":
-                    return dataclasses.replace(tokens, bare=False)
+                if tokens.kind == "data":  # still a label; its order is no longer known
+                    return dataclasses.replace(tokens, offset=None, bare=False)
                 raise _Unproven(n, f"{name} of token positions and a value known only at run time")
             if sign == -1 and tokens is vb:
                 raise _Unproven(n, "a constant minus token positions (positions reversed)")
-            return dataclasses.replace(tokens, offset=tokens.offset + sign * k, bare=False)
+            offset = None if tokens.offset is None else tokens.offset + sign * k
+            return dataclasses.replace(tokens, offset=offset, bare=False)
         if isinstance(va, _Difference) and self.value(b) is _PLAIN and _int(b) is not None:
             return _Difference(va.sign, va.offset + sign * _int(b))
         raise _Unproven(n, f"{name} of values built from token positions")
@@ -377,6 +381,8 @@ class _Prover:
             raise _Unproven(n, "ne of query and key positions")
         if (va.kind == "index") != (vb.kind == "index"):
             raise _Unproven(n, f"{op} of a token index with a per-token input")
+        if va.offset is None or vb.offset is None:
+            raise _Unproven(n, f"{op} of positions moved by a value known only at run time")
         # k + a op q + b  <=>  (q - k) flip(op) (a - b)
         return self._bound(n, _FLIP[op], 1, va.offset - vb.offset)
 
