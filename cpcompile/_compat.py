@@ -15,6 +15,7 @@ from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback
 
 __all__ = [
     "autograd_inside_custom_op",
+    "vmap_inside_custom_op",
     "free_symbols",
     "is_higher_order_op",
     "is_module_state",
@@ -25,6 +26,7 @@ __all__ = [
     "sym_hint",
     "flex_attention_with_lse",
     "flex_block_mask",
+    "trace_flex_attention_on_cpu",
     "SDPA_TARGETS",
     "FLEX_ATTENTION_TARGETS",
     "PassThroughCompileError",
@@ -349,6 +351,27 @@ def autograd_inside_custom_op():
     return stack
 
 
+def vmap_inside_custom_op():
+    """A context manager that re-enables ``torch.vmap`` inside a ``torch.library.custom_op`` implementation.
+
+    Called from a compiled graph (aot_eager, inductor), a custom op's implementation runs with functorch's
+    dispatch keys excluded (torch 2.13), and ``vmap`` then fails with "NYI: querying is_contiguous inside of
+    vmap". The flex kernel vmaps the model's mask_mod/score_mod over blocks, as flex itself does. Checked on
+    torch 2.13 (CPU).
+    """
+    keys = torch._C.DispatchKey
+    stack = contextlib.ExitStack()
+    for name in (
+        "FuncTorchDynamicLayerFrontMode",
+        "FuncTorchDynamicLayerBackMode",
+        "FuncTorchBatched",
+        "FuncTorchVmapMode",
+        "PythonTLSSnapshot",
+    ):
+        stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(getattr(keys, name), False))
+    return stack
+
+
 def flex_attention_with_lse(q, k, v, block_mask, scale, enable_gqa):
     """``flex_attention(..., return_lse=True)`` -> ``(out, lse)``, compiled once per process.
 
@@ -366,6 +389,30 @@ def flex_attention_with_lse(q, k, v, block_mask, scale, enable_gqa):
 
 
 _compiled_flex = None
+
+
+def trace_flex_attention_on_cpu() -> None:
+    """Let Dynamo trace ``flex_attention`` on CPU when its inputs require grad (idempotent, process-wide).
+
+    torch 2.11-2.13: ``flex_attention``'s private ``_validate_device`` raises "FlexAttention does not support
+    backward on CPU" for such inputs; under Dynamo that makes the whole frame fall back to eager (a graph
+    break Dynamo cannot resume from), so a training step on CPU never reaches a backend. The replacement skips
+    that refusal only while Dynamo traces (``torch.compiler.is_compiling()``): cpcompile's flex pass replaces
+    every flex call of the graphs it compiles by its own kernel. Eager calls keep the check.
+    """
+    from torch.nn.attention import flex_attention as module
+
+    original = module._validate_device
+    if getattr(original, "_cpcompile", False):
+        return
+
+    def _validate_device(query, key, value):
+        if torch.compiler.is_compiling() and query.device.type == "cpu":
+            return None
+        return original(query, key, value)
+
+    _validate_device._cpcompile = True
+    module._validate_device = _validate_device
 
 
 def flex_block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device):

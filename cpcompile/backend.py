@@ -15,6 +15,7 @@ import torch.fx as fx
 from cpcompile import _compat, _logging, dump
 from cpcompile.options import BackendOptions
 from cpcompile.passes.common import PassContext
+from cpcompile.passes.flex_cp import flex_cp_pass
 from cpcompile.passes.mixing import MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
@@ -74,6 +75,8 @@ class CPBackend:
         self.cp_group = cp_group
         if self.cp_size > 1 and not trace_only:
             _compat.forbid_eager_fallback_on_recompile_limit()
+        if self.cp_size > 1 or options.attention == "block":  # flex sites reach the flex pass on CPU too
+            _compat.trace_flex_attention_on_cpu()
         self.options = options
         self.trace_only = trace_only
         self.reports: list[SiteReport] = []
@@ -123,7 +126,8 @@ class CPBackend:
         positions: list[PositionReport] = []
         mixing: list[MixingReport] = []
         try:
-            reports = cp_attention_pass(target, ctx)
+            reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
+            reports += cp_attention_pass(target, ctx)
             self.reports += reports
             plan = current_plan()
             chunk_len = plan.chunk_len if plan is not None else None

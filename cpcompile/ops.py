@@ -63,6 +63,10 @@ from cpcompile.runtime import Active, active_context, record_attention_form
 __all__ = [
     "SiteSpec",
     "emit_attention",
+    "emit_buffer_gather",
+    "emit_flex_attention",
+    "emit_flex_site_plan",
+    "flex_site_plan",
     "emit_gather_start",
     "emit_halo_exchange",
     "emit_sequence_gather",
@@ -491,6 +495,72 @@ def emit_attention(
         (q, k, v),
         {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": scale, "enable_gqa": enable_gqa},
     )
+
+
+# -- flex_attention sites (cpcompile.passes.flex_cp) --------------------------------------------------------
+@torch.library.custom_op("cpcompile::flex_site_plan", mutates_args=())
+def flex_site_plan(k: torch.Tensor, v: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_pos [c], kv_pos [N*c], seq_len [])`` of the active plan for the flex site ``site``: the positions of
+    :func:`site_plan` (same checks, counts and control rounds; no model mask to compare) and the batch's
+    unpadded length, past which the kernel masks every index (padding)."""
+    spec = site_spec(site)
+    context = _site_context(spec, k)
+    context.ran.sites += 1
+    _count_collectives(context, spec, k, v)
+    _check_site(spec, context, None)
+    q_pos, kv_pos, _ = _site_positions(context.plan, spec)
+    return q_pos, kv_pos, torch.tensor(context.plan.seq_len, dtype=torch.long, device=q_pos.device)
+
+
+@flex_site_plan.register_fake
+def _(k, v, site):
+    spec = site_spec(site)
+    c = k.shape[2]
+    long = dict(dtype=torch.long)
+    return k.new_empty((c,), **long), k.new_empty((c * spec.cp_size,), **long), k.new_empty((), **long)
+
+
+def emit_flex_site_plan(graph: fx.Graph, k: fx.Node, v: fx.Node, spec: SiteSpec) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Insert ``cpcompile::flex_site_plan`` at the current insertion point; returns (q_pos, kv_pos, seq_len)."""
+    refs = [graph.call_method("detach", (n,)) for n in (k, v)]
+    out = graph.call_function(torch.ops.cpcompile.flex_site_plan.default, (*refs, spec.site))
+    return tuple(graph.call_function(operator.getitem, (out, i)) for i in range(3))
+
+
+def emit_buffer_gather(graph: fx.Graph, t: fx.Node, dim: int, spec: SiteSpec) -> fx.Node:
+    """Insert the all-gather of a per-token tensor ``t`` (this rank's tokens along ``dim``) into global token
+    order (:func:`emit_sequence_gather`; bools travel as uint8); returns the whole-sequence tensor."""
+    value = t.meta.get("example_value", t.meta.get("val"))
+    is_bool = isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    src = graph.call_method("to", (t, torch.uint8)) if is_bool else t
+    whole, _ = emit_sequence_gather(graph, src, dim, spec.cp_size, spec.group_name, spec.site)
+    return graph.call_method("to", (whole, torch.bool)) if is_bool else whole
+
+
+def emit_flex_attention(
+    graph: fx.Graph,
+    spec: SiteSpec,
+    q: fx.Node,
+    k: fx.Node,
+    v: fx.Node,
+    positions: tuple[fx.Node, fx.Node, fx.Node],
+    *,
+    tensors: list[fx.Node],
+    mods: _kernels.attention.FlexMods,
+    scale: float,
+    block_size: int,
+) -> tuple[fx.Node, fx.Node]:
+    """Register the site's ``mods`` and insert ``cpcompile::flex_cp_attention``; returns the (out, lse) nodes
+    (``lse`` in natural log). Records the site's attention form for the balanced layout as a causal
+    document form (the layout's estimate of the work; the mask itself is the site's ``mask_mod``)."""
+    record_attention_form(spec.group_name, spec.layer or spec.site, True, None, block_size)
+    _kernels.attention.register_flex_mods(spec.site, mods)
+    q_pos, kv_pos, seq_len = positions
+    att = graph.call_function(
+        torch.ops.cpcompile.flex_cp_attention.default,
+        (q, k, v, q_pos, kv_pos, seq_len, list(tensors), spec.site, scale, block_size, block_size),
+    )
+    return graph.call_function(operator.getitem, (att, 0)), graph.call_function(operator.getitem, (att, 1))
 
 
 def _after_placeholders(graph: fx.Graph, node: fx.Node) -> fx.Node:

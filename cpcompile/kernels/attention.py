@@ -27,6 +27,12 @@ Implementations (``impl``, chosen by :attr:`cpcompile.options.BackendOptions.att
 
 Fully masked query rows (not produced by plan masks, where every token sees itself) give 0 output and zero
 gradients, like CPU SDPA.
+
+``cpcompile::flex_cp_attention`` (:func:`flex_cp_attention`) is the same loop for a rewritten flex_attention
+site: its visibility is the site's ``mask_mod`` (:class:`FlexMods`, evaluated per block at global indices by
+:class:`BoundMods`) instead of :func:`cpcompile.mask.visible`, every key block is visited (blocks with no visible
+pair are skipped before the matmul), its ``score_mod`` rewrites the scores, and the backward also takes the
+gradient of the returned logsumexp. It runs on every device.
 """
 
 from __future__ import annotations
@@ -50,8 +56,13 @@ __all__ = [
     "VarlenLayout",
     "block_schedule",
     "computed_pairs",
+    "BoundMods",
+    "FlexMods",
+    "bind_mods",
     "cp_attention",
     "dense_cp_attention",
+    "flex_cp_attention",
+    "register_flex_mods",
     "varlen_layout",
 ]
 
@@ -194,8 +205,135 @@ def _block_mask(doc_row, q_pos, kv_pos, window) -> torch.Tensor:
     return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], kv_doc[None, :], window)
 
 
+# -- flex_attention's mask_mod and score_mod (flex sites) -------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FlexMods:
+    """The ``mask_mod`` and ``score_mod`` of one rewritten flex_attention site, as flex calls them.
+
+    ``mask_mod(b, h, q_idx, kv_idx, *mask_buffers) -> bool`` and ``score_mod(score, b, h, q_idx, kv_idx,
+    *score_buffers) -> score`` are functions of scalars (flex vmaps them; so does :meth:`BoundMods.mask`).
+    ``mask_slots``/``score_slots`` say, for every extra argument, ``("tensor", i)`` (the op's ``i``-th buffer
+    tensor) or ``("const", value)`` (a number fixed at compile time, or ``None`` for a size the mod does not
+    read). ``None``: no mask (every key visible) or no score_mod.
+    """
+
+    mask_mod: object | None
+    score_mod: object | None
+    mask_slots: tuple[tuple[str, int], ...] = ()
+    score_slots: tuple[tuple[str, int], ...] = ()
+
+
+_FLEX_MODS: dict[str, FlexMods] = {}
+
+
+def register_flex_mods(key: str, mods: FlexMods) -> str:
+    """Make ``mods`` known to ``cpcompile::flex_cp_attention`` under ``key`` (the pass's site id)."""
+    _FLEX_MODS[key] = mods
+    return key
+
+
+def _vmap_scalar_fn(fn, first: tuple, n_extra: int):
+    """``fn`` mapped over ``[H, rows, L]``: ``first`` holds, per leading argument, its in_dims at the (head, query,
+    key) levels or ``None`` (not mapped), like flex's own ``_vmap_for_bhqkv``; extra arguments are not mapped."""
+    for level in (3, 2, 1):  # innermost (keys) first
+        dims = tuple(d[level - 1] if d is not None else None for d in first) + (None,) * n_extra
+        fn = torch.vmap(fn, in_dims=dims)
+    return fn
+
+
+@dataclasses.dataclass
+class BoundMods:
+    """:class:`FlexMods` with one call's buffers, evaluated per block at global indices.
+
+    Indices at or past ``seq_len`` (padding the plan appends) are clamped into the sequence for the mods, and
+    the mask_mod decides only pairs of real tokens: a real token never sees padding, whatever the mask_mod says,
+    and a padding query sees the padding keys up to itself (finite values that no real token reads).
+    """
+
+    mods: FlexMods
+    mask_args: tuple
+    score_args: tuple
+    seq_len: int
+    heads: int
+
+    @property
+    def score_mod(self):
+        return self.mods.score_mod
+
+    def _indices(self, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor):
+        dev = q_pos.device
+        last = self.seq_len - 1
+        return (
+            torch.tensor(b, dtype=torch.int32, device=dev),
+            torch.arange(self.heads, dtype=torch.int32, device=dev),
+            q_pos.clamp(max=last).to(torch.int32),
+            kv_pos.clamp(min=0, max=last).to(torch.int32),
+        )
+
+    def mask(self, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+        """``[H, rows, L]`` bool: the visible pairs of queries at ``q_pos`` and keys at ``kv_pos`` in row ``b``."""
+        bi, h, qi, ki = self._indices(b, q_pos, kv_pos)
+        q_pad, kv_pad = q_pos >= self.seq_len, (kv_pos >= self.seq_len) | (kv_pos < 0)
+        real = ~q_pad[:, None] & ~kv_pad[None, :]
+        # padding queries see the padding keys up to themselves: finite outputs that no real token reads
+        pad = q_pad[:, None] & (kv_pos >= self.seq_len)[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if self.mods.mask_mod is None:
+            return (real | pad).expand(self.heads, -1, -1)
+        dims = (None, (0, None, None), (None, 0, None), (None, None, 0))
+        fn = _vmap_scalar_fn(self.mods.mask_mod, dims, len(self.mask_args))
+        with _compat.vmap_inside_custom_op():
+            return (fn(bi, h, qi, ki, *self.mask_args).to(torch.bool) & real) | pad
+
+    def score(self, s: torch.Tensor, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+        """``score_mod`` applied to the ``[H, rows, L]`` scaled scores ``s``."""
+        bi, h, qi, ki = self._indices(b, q_pos, kv_pos)
+        dims = ((0, 0, 0), None, (0, None, None), (None, 0, None), (None, None, 0))
+        fn = _vmap_scalar_fn(self.mods.score_mod, dims, len(self.score_args))
+        with _compat.vmap_inside_custom_op():
+            return fn(s, bi, h, qi, ki, *self.score_args)
+
+
+def bind_mods(key: str, tensors: list, seq_len: int, heads: int) -> BoundMods:
+    """The :class:`FlexMods` registered under ``key`` with this call's buffer ``tensors``."""
+    mods = _FLEX_MODS.get(key)
+    if mods is None:
+        raise RuntimeError(
+            f"cpcompile::flex_cp_attention: no mask_mod/score_mod registered under {key!r}; compile the model with "
+            "cpcompile.backend in the process that runs it"
+        )
+
+    def args(slots):
+        return tuple(tensors[i].contiguous() if kind == "tensor" else i for kind, i in slots)
+
+    return BoundMods(mods, args(mods.mask_slots), args(mods.score_slots), seq_len, heads)
+
+
+def _schedule(doc_ids, q_pos, ks, block_q, block_k, window, mods, B):
+    """The loop's ``(q_bounds, schedule)``: the plan's visible blocks, or with ``mods`` (a flex site, whose
+    mask only its ``mask_mod`` knows) every key block, masked; blocks without a visible pair are skipped."""
+    if mods is None:
+        return block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
+    K = int(ks.shape[0])
+    bounds = [*range(0, int(q_pos.shape[0]), block_q), int(q_pos.shape[0])]
+    pieces = [BlockPiece(s, min(s + block_k, K), True) for s in range(0, K, block_k)]
+    return bounds, [[pieces] * (len(bounds) - 1) for _ in range(B)]
+
+
+def _piece_mask(p, b, q_pos, kv_pos, doc_ids, window, mods, Hkv, R):
+    """The mask of one piece, shaped to mask ``[Hkv, R, rows, L]`` scores; ``None``: the piece is unmasked;
+    ``False``: no pair of the piece is visible (flex sites)."""
+    if not p.masked:
+        return None
+    if mods is None:
+        return _block_mask(doc_ids[b], q_pos, kv_pos, window)
+    mask = mods.mask(b, q_pos, kv_pos)
+    if not bool(mask.any()):
+        return False
+    return mask.view(Hkv, R, *mask.shape[1:])
+
+
 # -- the loop (every device) -----------------------------------------------------------------------------
-def _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_k):
+def _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block_k, mods=None):
     B, H, c, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     R = H // Hkv
@@ -204,7 +342,7 @@ def _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     kf, vf = _sorted(order, k.float(), v.float())
-    bounds, schedule = block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
+    bounds, schedule = _schedule(doc_ids, q_pos, ks, block_q, block_k, window, mods, B)
     for b in range(B):
         qb = q[b].view(Hkv, R, c, D)
         ob, lb = out[b].view(Hkv, R, c, Dv), lse[b].view(Hkv, R, c)
@@ -216,9 +354,13 @@ def _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block
             denom = torch.zeros((Hkv, R * rows), device=q.device)
             acc = torch.zeros((Hkv, R * rows, Dv), device=q.device)
             for p in pieces:
+                mask = _piece_mask(p, b, q_pos[qs:qe], ks[p.start : p.end], doc_ids, window, mods, Hkv, R)
+                if mask is False:
+                    continue  # a flex site's block without a visible pair
                 s = qblk @ kf[b, :, p.start : p.end].transpose(-1, -2)  # [Hkv, R*rows, L]
-                if p.masked:
-                    mask = _block_mask(doc_ids[b], q_pos[qs:qe], ks[p.start : p.end], window)
+                if mods is not None and mods.score_mod is not None:
+                    s = mods.score(s.view(Hkv * R, rows, -1), b, q_pos[qs:qe], ks[p.start : p.end]).view(s.shape)
+                if mask is not None:
                     s.view(Hkv, R, rows, -1).masked_fill_(~mask, -math.inf)
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
@@ -234,7 +376,9 @@ def _loop_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, block_q, block
     return out, lse
 
 
-def _loop_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, block_q, block_k):
+def _loop_backward(
+    dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scale, block_q, block_k, mods=None, dlse=None
+):
     B, H, c, D = q.shape
     Hkv, K, Dv = k.shape[1], k.shape[2], v.shape[3]
     R = H // Hkv
@@ -242,10 +386,12 @@ def _loop_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scal
     dk = torch.zeros((B, Hkv, K, D), dtype=torch.float32, device=q.device)
     dv = torch.zeros((B, Hkv, K, Dv), dtype=torch.float32, device=q.device)
     delta = (dout.float() * out.float()).sum(-1)  # [B, H, c]
+    if dlse is not None:  # d lse / d score is the softmax probability: it joins the row's delta
+        delta = delta - dlse.float()
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
     kf, vf = _sorted(order, k.float(), v.float())
-    bounds, schedule = block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
+    bounds, schedule = _schedule(doc_ids, q_pos, ks, block_q, block_k, window, mods, B)
     for b in range(B):
         qb, dob = q[b].view(Hkv, R, c, D), dout[b].view(Hkv, R, c, Dv)
         lb, db = lse[b].view(Hkv, R, c), delta[b].view(Hkv, R, c)
@@ -259,14 +405,26 @@ def _loop_backward(dout, q, k, v, q_pos, kv_pos, doc_ids, out, lse, window, scal
             dblk = db[:, :, qs:qe].reshape(Hkv, R * rows, 1)
             dq_acc = torch.zeros((Hkv, R * rows, D), device=q.device)
             for p in pieces:
+                mask = _piece_mask(p, b, q_pos[qs:qe], ks[p.start : p.end], doc_ids, window, mods, Hkv, R)
+                if mask is False:
+                    continue
                 kp, vp = kf[b, :, p.start : p.end], vf[b, :, p.start : p.end]
                 s = qblk @ kp.transpose(-1, -2)
-                if p.masked:
-                    mask = _block_mask(doc_ids[b], q_pos[qs:qe], ks[p.start : p.end], window)
+                raw = None
+                if mods is not None and mods.score_mod is not None:  # keep d score_mod / d score for below
+                    with _compat.autograd_inside_custom_op():
+                        raw = s.view(Hkv * R, rows, -1).detach().requires_grad_()
+                        modded = mods.score(raw, b, q_pos[qs:qe], ks[p.start : p.end])
+                    s = modded.detach().view(s.shape)
+                if mask is not None:
                     s.view(Hkv, R, rows, -1).masked_fill_(~mask, -math.inf)
                 prob = s.sub_(lblk).exp_()  # softmax probabilities, recomputed from the saved logsumexp
                 dv[b, :, p.start : p.end] += prob.transpose(-1, -2) @ doblk
                 ds = prob.mul_((doblk @ vp.transpose(-1, -2)).sub_(dblk))  # dL/dscore
+                if raw is not None:  # through score_mod: dL/d(q k^T * scale)
+                    with _compat.autograd_inside_custom_op():
+                        (ds,) = torch.autograd.grad(modded, raw, ds.view(modded.shape))
+                    ds = ds.view(s.shape)
                 dq_acc += ds @ kp
                 dk[b, :, p.start : p.end] += ds.transpose(-1, -2) @ qblk
             dqb[:, :, qs:qe] = (dq_acc * scale).view(Hkv, R, rows, D)
@@ -473,6 +631,128 @@ def _backward(ctx, dout, _dlse):
 
 
 _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- flex_attention sites: the loop with the site's mask_mod and score_mod ----------------------------------
+def _check_flex(q, k, v, q_pos, kv_pos, block_q, block_k) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"flex_cp_attention expects [B, H, T, D] q/k/v, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D")
+    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"flex_cp_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not match; expected "
+            "k [B, Hkv, T, D], v [B, Hkv, T, Dv] with Hkv dividing the query heads"
+        )
+    if tuple(q_pos.shape) != (q.shape[2],) or tuple(kv_pos.shape) != (k.shape[2],):
+        raise ValueError(
+            f"flex_cp_attention: q_pos {tuple(q_pos.shape)} and kv_pos {tuple(kv_pos.shape)} must hold one global "
+            f"index per query ({q.shape[2]}) and per key ({k.shape[2]})"
+        )
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"flex_cp_attention: block sizes must be positive, got {block_q}, {block_k}")
+
+
+@torch.library.custom_op("cpcompile::flex_cp_attention", mutates_args=())
+def _flex_cp_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    seq_len: torch.Tensor,
+    tensors: list[torch.Tensor],
+    mods: str,
+    scale: float,
+    block_q: int,
+    block_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H, c, Dv], logsumexp [B, H, c] fp32, natural log)``; see :func:`flex_cp_attention`."""
+    _check_flex(q, k, v, q_pos, kv_pos, block_q, block_k)
+    bound = bind_mods(mods, tensors, int(seq_len), q.shape[1])
+    return _loop_forward(q, k, v, q_pos, kv_pos, None, None, scale, block_q, block_k, mods=bound)
+
+
+@_flex_cp_attention_op.register_fake
+def _(q, k, v, q_pos, kv_pos, seq_len, tensors, mods, scale, block_q, block_k):
+    B, H, c, _ = q.shape
+    return q.new_empty((B, H, c, v.shape[3])), q.new_empty((B, H, c), dtype=torch.float32)
+
+
+@torch.library.custom_op("cpcompile::flex_cp_attention_backward", mutates_args=())
+def _flex_cp_attention_backward_op(
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    seq_len: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    tensors: list[torch.Tensor],
+    mods: str,
+    scale: float,
+    block_q: int,
+    block_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flex_cp_attention` (``dlse``: the gradient of its logsumexp)."""
+    bound = bind_mods(mods, tensors, int(seq_len), q.shape[1])
+    return _loop_backward(
+        dout.contiguous(), q, k, v, q_pos, kv_pos, None, out, lse, None, scale, block_q, block_k, bound, dlse
+    )
+
+
+@_flex_cp_attention_backward_op.register_fake
+def _(dout, dlse, q, k, v, q_pos, kv_pos, seq_len, out, lse, tensors, mods, scale, block_q, block_k):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flex_setup_context(ctx, inputs, output):
+    q, k, v, q_pos, kv_pos, seq_len, tensors, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, q_pos, kv_pos, seq_len, out, lse, *tensors)
+    ctx.args = args
+
+
+def _flex_backward(ctx, dout, dlse):
+    q, k, v, q_pos, kv_pos, seq_len, out, lse, *tensors = ctx.saved_tensors
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dq, dk, dv = torch.ops.cpcompile.flex_cp_attention_backward(
+        dout, dlse, q, k, v, q_pos, kv_pos, seq_len, out, lse, tensors, *ctx.args
+    )
+    return dq, dk, dv, None, None, None, [None] * len(tensors), None, None, None, None
+
+
+_flex_cp_attention_op.register_autograd(_flex_backward, setup_context=_flex_setup_context)
+
+
+def flex_cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    seq_len: torch.Tensor,
+    mods: str,
+    *,
+    tensors: list[torch.Tensor] = (),
+    scale: float | None = None,
+    block_q: int = DEFAULT_BLOCK_SIZE,
+    block_k: int = DEFAULT_BLOCK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention of local queries at global indices ``q_pos`` against keys at ``kv_pos``; differentiable.
+
+    The block loop of :func:`cp_attention` with the :class:`FlexMods` registered under ``mods``
+    (:func:`register_flex_mods`): every (query block, key block) pair's ``mask_mod`` is evaluated at the global
+    indices (the block is skipped when nothing in it is visible), ``score_mod`` rewrites the scaled scores of
+    the blocks computed, and the backward differentiates through ``score_mod`` block by block. ``seq_len``
+    (0-d int64) is the batch's unpadded length: indices at or past it are padding (:class:`BoundMods`); ``tensors``
+    are the mods' tensor arguments. Returns ``(out, lse)``, ``lse`` in natural log (``+inf`` for a
+    query that sees no key, whose output is 0). Memory: one block of scores and masks per head at a time.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    op = torch.ops.cpcompile.flex_cp_attention
+    return op(q, k, v, q_pos, kv_pos, seq_len, list(tensors), mods, scale, block_q, block_k)
 
 
 def cp_attention(

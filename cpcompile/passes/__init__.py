@@ -11,13 +11,25 @@ refused) and its building blocks :func:`sequence_length`, :func:`find_position_s
 :func:`rewrite_source`; :func:`mixing_pass` (every other op that mixes tokens along the sequence: run on the
 whole sequence, accounted for, or refused) and its building blocks :func:`find_mixing_ops`, :func:`check_op`,
 :func:`rewrite_region`, with the op tables of :mod:`cpcompile.passes.vocabulary` and the sequence dims of
-:mod:`cpcompile.passes.sequence_dims`.
+:mod:`cpcompile.passes.sequence_dims`; :func:`flex_cp_pass` (every flex_attention call: its mods at global
+indices, or refused) with :func:`find_flex_sites` (its ``check_site``/``rewrite_site`` stay in
+:mod:`cpcompile.passes.flex_cp`, apart from the SDPA pass's).
 """
 
 from cpcompile.passes import mixing, positions, sdpa_cp
 from cpcompile.passes.common import PassContext, counters
+from cpcompile.passes.flex_cp import FlexSite, find_flex_sites, flex_cp_pass
 from cpcompile.passes.mixing import *  # noqa: F403
 from cpcompile.passes.positions import *  # noqa: F403 - the package exports what its modules declare
 from cpcompile.passes.sdpa_cp import *  # noqa: F403
 
-__all__ = ["PassContext", "counters", *mixing.__all__, *positions.__all__, *sdpa_cp.__all__]
+__all__ = [
+    "PassContext",
+    "counters",
+    "FlexSite",
+    "find_flex_sites",
+    "flex_cp_pass",
+    *mixing.__all__,
+    *positions.__all__,
+    *sdpa_cp.__all__,
+]

@@ -22,7 +22,8 @@ __all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_va
 
 #: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process. Attention pass:
 #: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
-#: ``non_sdpa_attention`` (attention computed some other way, refused when CP > 1). Positions pass:
+#: ``non_sdpa_attention`` (attention computed some other way, refused when CP > 1). flex_attention pass:
+#: ``flex_found``, ``flex_rewritten``, ``flex_refused``. Positions pass:
 #: ``position_sources_*``. Mixing pass: ``mixing_*``.
 counters: Counter[str] = Counter()
 

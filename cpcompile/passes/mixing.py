@@ -672,7 +672,17 @@ def check_op(op: MixingOp, data: frozenset) -> tuple[Action, str]:
     return "refused", reason
 
 
+#: Where transformers builds a flex_attention BlockMask from packed sequences it detects in ``position_ids``.
+_TRANSFORMERS_MASKS = "transformers/masking_utils.py"
+
+
 def _fix(op: MixingOp) -> str:
+    if op.source and _TRANSFORMERS_MASKS in op.source.replace("\\", "/"):
+        return (
+            "this is transformers' mask code for attn_implementation='flex_attention', which reads the packed "
+            "documents from this rank's position_ids only: load the model with attn_implementation='sdpa' (the "
+            "same causal same-document masks, which cpcompile makes exact across ranks)"
+        )
     if op.kind == "custom":
         return (
             f"if {op.op} computes every token's output from that token's inputs, list it: "

@@ -371,7 +371,8 @@ _SOFTMAX = (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
 
 def find_non_sdpa_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
     """Attention computed without SDPA: ``(node, layer, what)`` for every softmax over a 4-D score tensor
-    ``[B, H, T_q, T_k]`` (eager attention: matmul, softmax, matmul) and every ``flex_attention`` call.
+    ``[B, H, T_q, T_k]`` (eager attention: matmul, softmax, matmul). ``flex_attention`` calls are
+    :mod:`cpcompile.passes.flex_cp`'s: rewritten, or refused there.
 
     Such attention would only see this rank's chunk of the sequence; the pass refuses it when CP > 1. Softmax
     over fewer dimensions (routers, the loss) is not attention and is ignored.
@@ -379,9 +380,6 @@ def find_non_sdpa_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]
     found = []
     for g in graph_modules(gm):
         for n in g.graph.nodes:
-            if n.op == "call_function" and n.target in _compat.FLEX_ATTENTION_TARGETS:
-                found.append((n, _compat.node_module_path(n), "a flex_attention call"))
-                continue
             is_softmax = (n.op == "call_function" and n.target in _SOFTMAX) or (
                 n.op == "call_method" and n.target == "softmax"
             )
@@ -587,12 +585,14 @@ def _config_reason(config: object | None) -> str | None:
     if config is None:
         return None
     impl = _attn_implementation(config)
-    if impl is not None and impl != "sdpa":
-        return f"the model config uses attn_implementation={impl!r}; set attn_implementation='sdpa'"
-    if getattr(config, "attn_logit_softcapping", None):
+    if impl is not None and impl not in ("sdpa", "flex_attention"):
+        return (
+            f"the model config uses attn_implementation={impl!r}; set attn_implementation='sdpa' (or 'flex_attention')"
+        )
+    if impl != "flex_attention" and getattr(config, "attn_logit_softcapping", None):  # flex: a score_mod
         return (
             f"the model soft-caps attention logits (attn_logit_softcapping={config.attn_logit_softcapping}), "
-            "which SDPA cannot express; set attn_logit_softcapping=None"
+            "which SDPA cannot express; set attn_logit_softcapping=None, or attn_implementation='flex_attention'"
         )
     return None
 

@@ -1,0 +1,219 @@
+"""Small causal LMs whose attention is ``flex_attention``, written the way torchtitan writes it.
+
+Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.parity` and
+:func:`cpcompile.shard` treat it like one). Attention builds its mask from a ``mask_mod`` over per-token
+tensors of the batch it is given, as torchtitan's document BlockMask does (document ids are
+``(position_ids == 0).cumsum(-1)``: packed documents restart their positions at 0):
+
+* ``document``: causal and same document (torchtitan's ``and_masks(causal_mask, document_mask)``);
+* ``sliding``: ``document`` within a sliding window of :data:`WINDOW` tokens;
+* ``softcap``: ``document`` with a soft-capping ``score_mod`` (``cap * tanh(score / cap)``, Gemma 2's form) and
+  an ALiBi-style per-head bias, and ``return_lse=True``: the logsumexp feeds the residual stream, so its
+  gradient matters.
+
+Refused forms (:data:`REFUSED_FORMS`): ``dense_mask`` (its mask_mod reads a ``[B, T, T]`` mask precomputed over the
+tokens the model is given) and ``learned_bias`` (its score_mod reads a learned per-head bias, a parameter).
+
+``impl`` chooses the attention: ``"flex"`` calls ``flex_attention`` with ``create_block_mask``; ``"reference"``
+computes the same attention densely (SDPA under ``create_mask``'s bool mask, or the explicit softmax when a
+score_mod or the logsumexp is needed), which runs forward and backward on CPU, where flex has no backward;
+``"auto"`` (default) is flex inside ``torch.compile`` (the CP side) and the reference in eager mode (the
+one-process side of a parity test). K/V have fewer heads than Q (``enable_gqa=True``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
+
+from tests._models import lm_output, seeded
+
+FORMS = ("document", "sliding", "softcap")
+REFUSED_FORMS = ("dense_mask", "learned_bias")
+#: Sliding window of the ``sliding`` form, in tokens.
+WINDOW = 7
+#: Soft-cap of the ``softcap`` form's scores.
+CAP = 2.0
+
+
+def mods(form: str, docs: torch.Tensor, heads: int, bias: torch.Tensor | None = None):
+    """``(mask_mod, score_mod)`` of ``form`` over the ``[B, T]`` document ids ``docs``."""
+
+    def document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    def sliding(b, h, q_idx, kv_idx):
+        return document(b, h, q_idx, kv_idx) & (q_idx - kv_idx < WINDOW)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        slope = 2.0 ** (-(h + 1).float() / heads)
+        return CAP * torch.tanh(score / CAP) - slope * (q_idx - kv_idx).float() * 0.1
+
+    if form == "dense_mask":
+        same = docs[:, :, None] == docs[:, None, :]  # [B, T, T] over the tokens given
+
+        def dense(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & same[b, q_idx, kv_idx]
+
+        return dense, None
+    if form == "learned_bias":
+
+        def learned(score, b, h, q_idx, kv_idx):
+            return score + bias[h]
+
+        return document, learned
+    return (sliding if form == "sliding" else document), (softcap if form == "softcap" else None)
+
+
+class FlexAttention(nn.Module):
+    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, impl: str) -> None:
+        super().__init__()
+        self.form, self.heads, self.kv_heads, self.impl = form, heads, kv_heads, impl
+        self.head_dim = hidden // heads
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        if form == "softcap":
+            self.lse_proj = nn.Linear(heads, hidden, bias=False)
+        self.bias = nn.Parameter(torch.zeros(heads)) if form == "learned_bias" else None
+
+    def forward(self, x: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        mask_mod, score_mod = mods(self.form, docs, self.heads, self.bias)
+        want_lse = self.form == "softcap"
+        flex = self.impl == "flex" or (self.impl == "auto" and torch.compiler.is_compiling())
+        if flex:
+            block_mask = create_block_mask(mask_mod, B, None, T, T, device=x.device)
+            # the lse through return_aux: the deprecated return_lse=True warns once, and the warning's state is a
+            # Dynamo guard (one recompile on the second call)
+            aux = AuxRequest(lse=True) if want_lse else None
+            res = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_aux=aux)
+            out, lse = (res[0], res[1].lse) if want_lse else (res, None)
+        else:
+            out, lse = reference_attention(q, k, v, mask_mod, score_mod, want_lse)
+        y = self.o(out.transpose(1, 2).reshape(B, T, -1))
+        if lse is not None:
+            y = y + self.lse_proj(lse.transpose(1, 2))
+        return y
+
+
+def reference_attention(q, k, v, mask_mod, score_mod, want_lse: bool):
+    """The attention flex computes, densely: ``create_mask``'s bool mask, SDPA when nothing else is needed."""
+    B, H, T, D = q.shape
+    mask = create_mask(mask_mod, B, 1, T, T, device=q.device)
+    if score_mod is None and not want_lse:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), None
+    rep = H // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    if score_mod is not None:
+        idx = torch.arange(T, device=q.device)
+        b, h = torch.arange(B)[:, None, None, None], torch.arange(H)[None, :, None, None]
+        s = score_mod(s, b, h, idx[:, None], idx[None, :])
+    s = s.masked_fill(~mask, -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+class Block(nn.Module):
+    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, impl: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = FlexAttention(form, hidden, heads, kv_heads, impl)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def forward(self, x, docs):
+        x = x + self.attn(self.norm1(x), docs)
+        return x + self.mlp(self.norm2(x))
+
+
+class FlexLM(nn.Module):
+    """Embedding, learned positions indexed by ``position_ids``, ``layers`` flex blocks and an LM head.
+
+    The attention modules are ``layers.<i>.attn``.
+    """
+
+    def __init__(
+        self,
+        form: str,
+        *,
+        vocab: int = 128,
+        hidden: int = 32,
+        heads: int = 4,
+        kv_heads: int = 2,
+        layers: int = 2,
+        max_len: int = 128,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if form not in (*FORMS, *REFUSED_FORMS) or impl not in ("auto", "flex", "reference"):
+            raise ValueError(f"unknown form {form!r} or impl {impl!r}; forms {FORMS}, impls auto/flex/reference")
+        self.embed = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(max_len, hidden)
+        self.layers = nn.ModuleList(Block(form, hidden, heads, kv_heads, impl) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        docs = (position_ids == 0).cumsum(-1)  # torchtitan: document ids from the document starts
+        x = self.embed(input_ids) + self.wpe(position_ids)
+        for layer in self.layers:
+            x = layer(x, docs)
+        return lm_output(self.head(x), labels, shift_labels, num_items_in_batch)
+
+
+def flex_lm(form: str, *, seed: int = 0, **kwargs) -> FlexLM:
+    """A :class:`FlexLM` with weights drawn from ``seed``, in train mode."""
+    return seeded(FlexLM, form, seed=seed, **kwargs)
+
+
+def document(*, seed: int = 0, **kwargs) -> FlexLM:
+    return flex_lm("document", seed=seed, **kwargs)
+
+
+def sliding(*, seed: int = 0, **kwargs) -> FlexLM:
+    return flex_lm("sliding", seed=seed, **kwargs)
+
+
+def softcap(*, seed: int = 0, **kwargs) -> FlexLM:
+    return flex_lm("softcap", seed=seed, **kwargs)
+
+
+class EagerReferenceSDPA(nn.Module):
+    """A transformers model with ``attn_implementation="flex_attention"`` that runs its SDPA path in eager mode.
+
+    Compiled (the CP side), the model runs transformers' flex path: ``flex_attention`` with the BlockMask its
+    masking utilities build. In eager mode (the one-process reference) it runs ``"sdpa"`` with the same weights
+    and the equivalent mask, because CPU flex has no backward. ``config`` is the model's.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.model(**kwargs)
+        self.config._attn_implementation = "sdpa"
+        try:
+            return self.model(**kwargs)
+        finally:
+            self.config._attn_implementation = "flex_attention"
+
+
+def hf_flex(*, seed: int = 0, family: str = "llama", **overrides) -> EagerReferenceSDPA:
+    """A tiny transformers ``family`` model (``cpcompile.testing.tiny_model``) on transformers' flex path."""
+    from cpcompile.testing import tiny_model
+
+    return EagerReferenceSDPA(tiny_model(family, seed=seed, attn_implementation="flex_attention", **overrides))

@@ -1,0 +1,225 @@
+"""flex_attention sites under CP: the kernel with mask_mod/score_mod, the reference models, parity, refusals.
+
+* In one process: the CPU kernel (``cpcompile::flex_cp_attention``) against fp64 dense attention with the same
+  mods (forward, backward, the logsumexp's gradient, GQA, keys in any order, padding); flex_attention itself
+  (forward only: CPU flex has no backward) against the dense reference every parity test compares with; the
+  refusals, with a fake CP group of 2 (nothing is communicated before a compile-time refusal).
+* ONE spawned group of 4 gloo processes runs every parity case (``tests._flex_models``: a torchtitan-style
+  document BlockMask, a sliding window, soft-capping plus an ALiBi-style bias with the logsumexp; K/V with
+  fewer heads). T = 37 is not a multiple of 2 or 4; documents cross chunk edges. CP=2 on ranks {0, 1}
+  (contiguous layout, with the negative control) and on {2, 3} (sliding window, balanced layout, aot_eager),
+  then CP=4 on all four (soft-capping, balanced layout: every rank holds several runs of tokens). The
+  one-process reference is the same weights with an equivalent SDPA mask (explicit softmax where a score_mod
+  or the logsumexp is needed), since CPU flex cannot train.
+* Negative control: the mask_mod evaluated at this rank's local query indices (as the model would see them
+  without the rewrite) must fail the parity check.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile.kernels.attention import FlexMods, flex_cp_attention, register_flex_mods
+from cpcompile.testing import packed_batch
+from tests import _flex_models
+from tests._dist import run_distributed
+from tests.parity import KERNEL_TOL, LOGITS_TOL, ParityCase
+
+DOCS = ((10, 20, 7), (5, 30, 2))
+
+
+# -- the kernel ------------------------------------------------------------------------------------------------
+def test_kernel_matches_dense_attention_with_mods():
+    torch.manual_seed(0)
+    B, H, Hkv, T, D, valid = 2, 4, 2, 40, 8, 38  # tokens 38, 39 are padding
+    doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 25 + [1] * 15])
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (doc[b, q] == doc[b, kv]) & (kv > q - 9)
+
+    def score_mod(s, b, h, q, kv):
+        return 2 * torch.tanh(s / 2) + 0.1 * h
+
+    register_flex_mods("test_flex:kernel", FlexMods(mask_mod, score_mod))
+    q, k, v = (torch.randn(B, h, T, D, dtype=torch.float64, requires_grad=True) for h in (H, Hkv, Hkv))
+    q_pos, perm = torch.arange(10, 30), torch.randperm(T)  # local queries; keys in any order
+    out, lse = flex_cp_attention(
+        *(t.float() for t in (q[:, :, q_pos], k[:, :, perm], v[:, :, perm])),
+        q_pos,
+        perm,
+        torch.tensor(valid),
+        "test_flex:kernel",
+        block_q=8,
+        block_k=8,
+    )
+    i = torch.arange(T)
+    mask = torch.stack([mask_mod(b, 0, i[:, None], i[None, :]) for b in range(B)])[:, None] & (i < valid)
+    s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(D)
+    s = score_mod(s, None, torch.arange(H)[:, None, None], None, None).masked_fill(~mask, -math.inf)
+    ref, ref_lse = (torch.softmax(s, -1) @ v.repeat_interleave(2, 1))[:, :, q_pos], torch.logsumexp(s, -1)[:, :, q_pos]
+    torch.testing.assert_close(out.double(), ref, **KERNEL_TOL)
+    torch.testing.assert_close(lse.double(), ref_lse, **KERNEL_TOL)
+    g, gl = torch.randn_like(ref), torch.randn_like(ref_lse)
+    got = torch.autograd.grad((out * g).sum() + (lse * gl).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum() + (ref_lse * gl).sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **KERNEL_TOL)
+
+
+# -- the reference models --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", _flex_models.FORMS)
+def test_flex_equals_the_dense_reference_forward(form):
+    """flex_attention itself (no grad: CPU flex has no backward) gives the logits of the SDPA-mask reference."""
+    flex = _flex_models.flex_lm(form, impl="flex")
+    ref = copy.deepcopy(flex)
+    for layer in ref.layers:
+        layer.attn.impl = "reference"
+    batch = packed_batch([list(r) for r in DOCS], seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(flex(**batch).logits, ref(**batch).logits, **LOGITS_TOL)
+
+
+# -- refusals (fake CP group of 2) -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "form, words",
+    [
+        ("dense_mask", "local sequence length on several dims"),
+        ("learned_bias", "reads a tensor that requires grad"),
+    ],
+)
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_unmappable_mods_are_refused_at_compile_time(world, form, words):
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_flex_models.flex_lm(form, layers=1), backend=backend)
+    before = dict(cpcompile.passes.counters)
+    with cpcompile.shard(packed_batch([list(r) for r in DOCS]), world) as local:
+        with pytest.raises(cpcompile.UnsupportedAttentionError) as info:
+            compiled(**local)
+    message = str(info.value)
+    assert "layers.0.attn" in message and "_flex_models.py:" in message and words in message, message
+    assert cpcompile.passes.counters["flex_refused"] - before.get("flex_refused", 0) == 1
+
+
+# -- parity (one spawned group of 4) ---------------------------------------------------------------------------
+def _case(form: str, layout: str = "contiguous", inner: str = "eager") -> ParityCase:
+    # one attention layer: the cost of these cases is compiling flex's BlockMask construction in every rank
+    return ParityCase(
+        model=f"tests._flex_models:{form}", doc_lens=DOCS, inner=inner, layout=layout, overrides=(("layers", 1),)
+    )
+
+
+PAIR0 = [_case("document"), _case("softcap")]
+PAIR1 = [_case("sliding", "balanced", "aot_eager")]
+CP4 = [_case("softcap", "balanced")]
+#: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
+TIMEOUT_S = 600.0
+
+
+def _local_query_indices(rank: int, chunk: int):
+    """The negative control: the mods see this rank's queries at local indices (``q_pos - rank * chunk`` in the
+    contiguous layout), as the model's own mask would without the rewrite."""
+    from cpcompile.kernels import attention
+
+    original = attention.BoundMods._indices
+
+    def local(self, b, q_pos, kv_pos):
+        bi, h, qi, ki = original(self, b, q_pos, kv_pos)
+        return bi, h, qi - rank * chunk, ki
+
+    return original, local
+
+
+def _run(cases, group, control: bool = False) -> list[dict]:
+    import torch.distributed as dist
+
+    from cpcompile.kernels import attention
+    from tests.parity import ParityRunner, assert_parity, failing_quantities
+
+    out = []
+    for case in cases:
+        torch.compiler.reset()
+        runner = ParityRunner(case, group)
+        outcome = runner.run()
+        assert_parity(outcome)
+        summary = {
+            "case": outcome.name,
+            **outcome.errors(),
+            "seconds": outcome.seconds,
+            "actions": outcome.actions,
+            "rewritten": outcome.counter_delta.get("flex_rewritten", 0),
+            "all_gathers": outcome.comm.all_gathers,
+            "reduce_scatters": outcome.comm.reduce_scatters,
+        }
+        if control:
+            chunk = -(-sum(DOCS[0]) // dist.get_world_size(group))
+            original, local = _local_query_indices(dist.get_rank(group), chunk)
+            attention.BoundMods._indices = local
+            try:
+                summary["control_failing"] = failing_quantities(runner.run())
+            finally:
+                attention.BoundMods._indices = original
+        out.append(summary)
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank takes part in creating every group
+    out = {}
+    if rank < 2:
+        out["pair0"] = _run(PAIR0, pairs[0], control=True)
+    else:
+        out["pair1"] = _run(PAIR1, pairs[1])
+    out["cp4"] = _run(CP4, dist.group.WORLD)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    per_rank = run_distributed(_worker, 4, timeout_s=TIMEOUT_S)
+    return {**per_rank[2], **per_rank[0]}  # pair0 from rank 0, pair1 from rank 2, CP=4 from rank 0
+
+
+def _check(summaries: list[dict], layers: int = 1) -> None:
+    for s in summaries:
+        errors = f"logits {s['logits']:.1e}, loss {s['loss']:.1e}, grad {s['grad']:.1e}"
+        print(f"{s['case']}: {errors} in {s['seconds']:.1f}s")
+        assert s["actions"] == ["rewritten"] * layers and s["rewritten"] == layers, s
+        assert s["all_gathers"] == s["reduce_scatters"] == 2 * layers, s  # K and V per site, each with its backward
+
+
+def test_parity_cp2_contiguous(results):
+    _check(results["pair0"])
+
+
+def test_local_indices_control_fails_parity(results):
+    for s in results["pair0"]:
+        assert s["control_failing"], f"{s['case']}: the mask_mod at local query indices passed the parity check"
+
+
+def test_parity_cp2_balanced(results):
+    _check(results["pair1"])
+
+
+def test_parity_cp4(results):
+    _check(results["cp4"])
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_transformers_flex_path_is_refused_with_the_fix(world):
+    """transformers' flex mask reads packed-sequence ids it detects from this rank's position_ids with the first
+    token's position (``position_ids[:, :1] - 1``): refused at compile time, naming transformers' line and a fix."""
+    model = _flex_models.hf_flex(num_hidden_layers=1)
+    compiled = torch.compile(model, backend=cpcompile.backend(world, inner="aot_eager"))
+    with cpcompile.shard(packed_batch([list(r) for r in DOCS]), world) as local:
+        with pytest.raises(cpcompile.UnsupportedMixingError) as info:
+            compiled(**local)
+    assert "masking_utils.py" in str(info.value) and "position_ids[:, :1]" in str(info.value), str(info.value)
+    assert "attn_implementation='sdpa'" in str(info.value), str(info.value)
