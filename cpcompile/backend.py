@@ -211,7 +211,8 @@ def backend(cp_group: dist.ProcessGroup, **options: object) -> CPBackend:
 
     ``cp_group`` is the context-parallel process group (the ranks that share one sequence). ``options`` are the
     fields of :class:`cpcompile.options.BackendOptions`, each documented there: ``inner`` (``"inductor"``,
-    ``"aot_eager"`` or ``"eager"``), ``attention``, ``block_size``, ``halo``, ``positions``, ``mixing``,
+    ``"aot_eager"`` or ``"eager"``), ``attention``, ``block_size``, ``halo``, ``exchange`` and ``exchange_slots``
+    (``"selective"``: full-attention layers receive only the keys their queries see), ``positions``, ``mixing``,
     ``per_token_ops``, ``config`` (the
     model's transformers config: pass it in training), ``regather_kv_in_backward``, ``dump_dir`` (``None``: the
     ``CPCOMPILE_DUMP_DIR`` environment variable, else no dump). An unknown option raises ``TypeError`` naming the

@@ -39,9 +39,17 @@ window) and for their layer-weighted sum. The objective is the work every layer 
 of ``layers x`` the slowest rank's work. Among the candidates within 0.5% of the best, the one with the fewest
 runs wins (one document: ``head_tail``; no imbalance to fix: ``contiguous``).
 
-Cost: O(T log T) on the batch's device (sorts of ``T`` keys), plus one device-to-host copy of the pieces'
-work (``N * K`` numbers per form) for the greedy assignment, which runs on the host. Integer arithmetic, so
-every rank computes the same layout from the same batch.
+**Keeping documents whole.** With ``Workload(split_keys=True)`` (what a selective K/V exchange wants, which
+moves only the keys a rank's queries see on other ranks), the candidates within 5% of the best objective are
+compared by the keys they split across ranks (:func:`split_keys`: summed over ranks, the keys of other ranks
+some local query sees), and the one splitting the fewest wins (then fewest runs). A document that lies whole on
+one rank costs no exchange at all. One more candidate is built for it: ``pairs`` (:func:`_pairs`), a head and a
+tail piece per rank like ``head_tail`` but with free cut points, each chosen among those that keep the rank's
+work within 1% of the mean as the one splitting the fewest keys.
+
+Cost: O(T log T) on the batch's device (sorts of ``T`` keys; with ``split_keys``, O(T) more per candidate), plus
+one device-to-host copy of the pieces' work (``N * K`` numbers per form) for the greedy assignment, which runs on
+the host. Integer arithmetic, so every rank computes the same layout from the same batch.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpcompile.mask import document_starts
+from cpcompile.mask import document_starts, needed_key_counts
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -63,6 +71,7 @@ __all__ = [
     "Workload",
     "balance",
     "count_runs",
+    "split_keys",
     "token_work",
 ]
 
@@ -110,8 +119,15 @@ class Workload:
     forms: tuple[AttentionForm, ...] = (AttentionForm(),)
     #: Query and key block size of the block kernel (``cpcompile.backend(..., block_size=...)``).
     block_size: int = DEFAULT_BLOCK_SIZE
+    #: Keep documents whole: among the candidates within :data:`SPLIT_TOLERANCE` (5%) of the best objective,
+    #: choose the one whose ranks need the fewest keys of other ranks (:func:`split_keys`, the keys a selective
+    #: exchange moves for full-attention layers). ``False`` (default): fewest runs within :data:`TOLERANCE`,
+    #: which is what an all-gather, moving every key anyway, wants.
+    split_keys: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.split_keys, bool):
+            raise TypeError(f"Workload split_keys={self.split_keys!r} must be a bool")
         if not self.forms or not all(isinstance(f, AttentionForm) for f in self.forms):
             raise ValueError(f"Workload forms must be a non-empty tuple of AttentionForm, got {self.forms!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
@@ -152,6 +168,20 @@ def count_runs(indices: torch.Tensor) -> torch.Tensor:
 
 #: A candidate with fewer runs is preferred when its objective is within this factor of the best (0.5%).
 TOLERANCE = (1000, 1005)
+#: With ``Workload(split_keys=True)``: a candidate that splits fewer keys across ranks is preferred when its
+#: objective is within this factor of the best (5%).
+SPLIT_TOLERANCE = (100, 105)
+
+
+def split_keys(indices: torch.Tensor, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
+    """``[M]`` int64: for each of ``[M, N, c]`` layouts, the keys summed over ranks that a rank's queries see and
+    another rank holds, in some row (:func:`cpcompile.mask.needed_key_counts`), for the workload's full-attention
+    layers (packed documents kept apart unless none of its full-attention forms does; all forms windowed: the
+    first form's window)."""
+    full = [f for f in workload.forms if f.window is None] or [workload.forms[0]]
+    form = max(full, key=lambda f: (not f.documents, f.layers))  # the form that needs the most keys
+    docs = doc_ids if form.documents else torch.zeros_like(doc_ids)
+    return needed_key_counts(indices, docs, form.window).sum(-1)
 
 
 def token_work(doc_ids: torch.Tensor, block_q: int, block_k: int, window: int | None = None) -> torch.Tensor:
@@ -187,6 +217,8 @@ class Balance:
     objective: torch.Tensor
     #: ``[M]``: the most runs one rank holds in each candidate.
     runs: torch.Tensor
+    #: ``[M]`` int64: :func:`split_keys` of every candidate, with ``Workload(split_keys=True)``; else ``None``.
+    split: torch.Tensor | None
     #: Index of the chosen candidate (0-dim tensor).
     choice: torch.Tensor
 
@@ -219,12 +251,17 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
         atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
         names += atoms_names
         candidates += atoms
+        if workload.split_keys:
+            cut_cost = _cut_cost(doc_ids)
+            names += [f"pairs[{vname}]" for vname, _ in vectors]
+            candidates += [_pairs(work, N, cut_cost) for _, work in vectors]
     stack = torch.stack(candidates)  # [M, N, c]
     loads = works[:, stack].sum(-1)  # [F, M, N]
     objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
     runs = count_runs(stack).amax(-1)
-    choice = _choose(objective, runs)
-    return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, choice)
+    split = split_keys(stack, doc_ids, workload) if workload.split_keys else None
+    choice = _choose(objective, runs, split)
+    return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, split, choice)
 
 
 def _form_name(form: AttentionForm) -> str:
@@ -236,15 +273,21 @@ def _form_work(doc_ids: torch.Tensor, block: int, form: AttentionForm) -> torch.
     return token_work(docs, block, block, form.window)
 
 
-def _choose(objective: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
-    """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties."""
+def _choose(objective: torch.Tensor, runs: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
+    """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties. With
+    ``split`` (keys split across ranks per candidate): fewest split keys within :data:`SPLIT_TOLERANCE`, then
+    fewest runs, then first."""
     big = torch.iinfo(torch.int64).max
     valid = runs <= MAX_RUNS
     best = torch.where(valid, objective, big).min()
-    num, den = TOLERANCE
+    num, den = TOLERANCE if split is None else SPLIT_TOLERANCE
     near = valid & (objective * num <= best * den)
-    order = torch.arange(objective.numel(), device=objective.device)
-    return torch.where(near, runs * objective.numel() + order, big).argmin()
+    M = objective.numel()
+    order = torch.arange(M, device=objective.device)
+    rank = runs * M + order
+    if split is not None:
+        rank = rank + split * (MAX_RUNS + 1) * M
+    return torch.where(near, rank, big).argmin()
 
 
 def _excess(work: torch.Tensor) -> torch.Tensor:
@@ -331,6 +374,50 @@ def _atoms(T: int, N: int, block: int, vectors: list[tuple[str, torch.Tensor]]):
         token_owner = piece_owner.repeat_interleave(lens, output_size=T)
         layouts.append(torch.argsort(token_owner, stable=True).view(N, -1))
     return names, layouts
+
+
+def _cut_cost(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[T + 1]`` int64: the keys a cut before global index ``p`` splits off (``p`` less the start of its
+    document, earliest over the rows; 0 at a document start and at both ends)."""
+    T = doc_ids.shape[1]
+    starts = document_starts(doc_ids).amin(0)
+    pos = torch.arange(T, device=doc_ids.device)
+    return torch.cat([pos - starts, pos.new_zeros(1)])
+
+
+def _pairs(work: torch.Tensor, N: int, cut_cost: torch.Tensor) -> torch.Tensor:
+    """``[N, c]``: every rank a head piece and a tail piece (head_tail with free cuts) whose cuts avoid documents.
+
+    Rank ``r`` holds ``[x_r, x_(r+1))`` and ``[x_(r+1) + T - (r+1) c, x_r + T - r c)``: ``c`` tokens for any
+    ``x_0 = 0 <= x_1 <= ... `` with ``x_(r+1) - x_r <= c`` (the last rank one run ``[x_(N-1), x_(N-1) + c)``).
+    Rank by rank, ``x_(r+1)`` is chosen among the positions where the rank's work is within 1% of the remaining
+    work's mean as the one whose two cuts split the fewest keys (:func:`_cut_cost`), else as the one whose work
+    is nearest that mean. At most 2 runs per rank; one device-to-host copy per rank.
+    """
+    T = work.shape[0]
+    c = T // N
+    device = work.device
+    prefix = torch.nn.functional.pad(torch.cumsum(work, 0), (1, 0))  # [T + 1]
+    owner = torch.full((T,), -1, dtype=torch.long, device=device)
+    x, remaining = 0, int(prefix[-1])
+    for r in range(N - 1):
+        xs = torch.arange(x, x + c + 1, device=device)  # the next cut x_(r+1)
+        ys = xs + T - (r + 1) * c  # the tail's start
+        end = x + T - r * c  # the tail's end
+        load = prefix[xs] - prefix[x] + prefix[end] - prefix[ys]
+        target = remaining / (N - r)
+        near = (load - target).abs() * 100 <= target
+        cost = cut_cost[xs] + cut_cost[ys]
+        miss = (load - target).abs().double()
+        key = torch.where(near, cost.double(), float("inf"))
+        pick = int(key.argmin()) if bool(near.any()) else int(miss.argmin())
+        nxt = x + pick
+        owner[x:nxt] = r
+        owner[nxt + T - (r + 1) * c : end] = r
+        remaining -= int(load[pick])
+        x = nxt
+    owner[x : x + c] = N - 1
+    return torch.argsort(owner, stable=True).view(N, -1)
 
 
 def _largest_first(costs: list[int], grid: _Grid, N: int) -> list[int]:

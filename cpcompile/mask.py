@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["document_ids", "document_starts", "first_visible", "visible", "visible_mask"]
+__all__ = [
+    "document_ids",
+    "document_starts",
+    "first_visible",
+    "needed_key_counts",
+    "needed_keys",
+    "visible",
+    "visible_mask",
+]
 
 
 def visible(
@@ -79,3 +87,50 @@ def first_visible(doc_ids: torch.Tensor, q_pos: torch.Tensor, window: int | None
     if window is not None:
         lo = lo.clamp(min=q_pos - window + 1)
     return lo
+
+
+def needed_keys(indices: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool ``[N, T_pad]``: key ``j`` is seen by some query of rank ``r`` in some row and another rank holds it.
+
+    ``indices`` ``[N, c]``: the global indices every rank holds (a layout); ``doc_ids`` ``[B, T_pad]``
+    non-decreasing per row (all zeros: plain causal). This is :func:`first_visible` applied to a layout: the keys
+    query ``q`` sees are ``[lo(q), q]`` with ``lo`` non-decreasing in ``q`` (in every row, so also its minimum
+    over the rows), so rank ``r`` needs key ``j`` iff its first query at or after ``j`` sees it. O(N * T_pad)
+    time and memory, no mask.
+    """
+    N, c = indices.shape
+    T = N * c
+    device = indices.device
+    pos = torch.arange(T, device=device)
+    owner = torch.empty(T, dtype=torch.long, device=device)
+    owner[indices.reshape(-1)] = torch.arange(N, device=device).repeat_interleave(c)
+    held = owner[None, :] == torch.arange(N, device=device)[:, None]  # [N, T]
+    nxt = torch.where(held, pos, T).flip(-1).cummin(-1).values.flip(-1)  # first own index >= j, T if none
+    lo = first_visible(doc_ids, pos, window).amin(0)  # [T] earliest key any row's query t sees
+    lo = torch.cat([lo, lo.new_full((1,), T)])
+    return ~held & (lo[nxt] <= pos)
+
+
+def needed_key_counts(indices: torch.Tensor, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[..., N]`` int64: the number of keys of :func:`needed_keys` per rank, for ``[..., N, c]`` layouts at once.
+
+    The same sets counted from the runs of every rank, in O(N * c) per layout: with runs ``[a_k, b_k)`` in order
+    and ``lo_k = lo(a_k)`` (the earliest key any row's query ``a_k`` sees), the keys rank ``r`` sees are the union
+    of ``[lo_k, b_k)``; both ends of ``[lo_k, a_k)`` grow with ``k``, so the part before the runs adds up to
+    ``sum_k max(0, a_k - max(lo_k, a_(k-1)))``, less the own tokens it covers, ``max(0, b_k - max(a_k,
+    lo_(k+1)))`` of every run but the last.
+    """
+    T = indices.shape[-1] * indices.shape[-2]
+    lo = first_visible(doc_ids, torch.arange(T, device=indices.device), window).amin(0)  # [T]
+    idx = indices
+    ones = torch.ones_like(idx[..., :1], dtype=torch.bool)
+    step = torch.diff(idx, dim=-1) != 1
+    starts = torch.cat([ones, step], dim=-1)
+    ends = torch.cat([step, ones], dim=-1)
+    a_cur = torch.where(starts, idx, -1).cummax(-1).values  # start of every token's run
+    prev_a = torch.cat([torch.full_like(idx[..., :1], -1), a_cur[..., :-1]], dim=-1)  # previous run's start
+    lo_here = lo[idx]
+    before = torch.where(starts, (idx - torch.maximum(lo_here, prev_a)).clamp(min=0), 0).sum(-1)
+    next_lo = torch.cat([lo_here[..., 1:], torch.full_like(idx[..., :1], T)], dim=-1)  # lo of the next run's start
+    own = torch.where(ends, (idx + 1 - torch.maximum(a_cur, next_lo)).clamp(min=0), 0).sum(-1)
+    return before - own

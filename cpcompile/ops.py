@@ -13,7 +13,8 @@ Ops and graph calls of a site whose keys are all-gathered (``spec.exchange == "a
     mask = visible_mask(q_pos, kv_pos, docs, window)  out = cpcompile::cp_attention(q, k_all, v_all, q_pos,
     out = sdpa(q, k_all, v_all, attn_mask=mask)                               kv_pos, docs, window, ...)[0]
 
-and of a sliding-window site that exchanges only its halo (``spec.exchange == "halo"``)::
+and of a sliding-window site that exchanges only its halo (``spec.exchange == "halo"``), or a full-attention site
+that exchanges only the keys its queries see (``spec.exchange == "selective"``, the same ops)::
 
     q_pos, kv_pos, docs = cpcompile::site_plan(...)          # kv_pos: local indices, then the halo slots'
     send_slots, counts = cpcompile::halo_routing(k_src.detach(), site)
@@ -33,6 +34,19 @@ exactly the keys the receiving rank's queries can see, and the graph keeps a sta
 (window - 1)`` key slots per rank (empty slots carry index ``-1`` and are never attended). The exchange runs when
 attention needs it (it is not overlapped with the work before it, unlike the all-gathers); its backward sends
 the gradients of the received keys back to their owners.
+
+The selective exchange (``backend(..., exchange="selective")``) is the same exchange for full-attention sites: ``S =
+exchange_slots`` key slots, by default ``(N - 1) * c``, the all-gather's size, which holds every batch's needs, so
+the graph's shapes never depend on the documents and a new batch never recompiles. What moves on the wire is only
+the needed keys (the all-to-all's counts come from the plan); the unused slots cost memory (zeros, never attended):
+the block kernel skips them (their index is ``-1``, sorted before every real key, outside every query block's
+interval), the dense path masks them. A smaller ``exchange_slots`` bounds the buffer kept for backward at ``S`` keys
+instead of ``(N - 1) * c``; a batch that needs more raises ``ValueError`` on every rank (the plan is the same on
+every rank) before anything is sent. The alternative, a receive buffer sized per batch, would make the attention's
+key length data-dependent: a recompile per distinct size, or unbacked sizes through the whole attention. The
+all-gather stays the default: it starts as soon as K/V exist and overlaps the work before attention; the exchange
+runs when attention needs it, and never moves more than the all-gather (a rank's needs are a subset of the other
+ranks' keys; one long document under the contiguous layout needs them all on the last rank).
 
 ``cpcompile::sequence_order`` serves :mod:`cpcompile.passes.mixing`: the permutation that puts a tensor
 all-gathered along the sequence into global token order, and this rank's token indices to take its tokens back
@@ -100,10 +114,22 @@ class SiteSpec:
     kernel: str
     #: Whether the gathered K/V require grad (each is then reduce-scattered in backward).
     needs_grad: bool
-    #: How the site gets the keys of other ranks: ``"all_gather"`` (every rank's K/V) or ``"halo"`` (a
-    #: sliding-window site: only the keys its queries see, into ``halo_slots`` key slots).
+    #: How the site gets the keys of other ranks: ``"all_gather"`` (every rank's K/V), ``"halo"`` (a
+    #: sliding-window site: only the keys its queries see, into ``halo_slots`` key slots) or ``"selective"`` (a
+    #: full-attention site: the same, into ``halo_slots`` slots, ``0`` meaning ``(N - 1) * c``).
     exchange: str = "all_gather"
     halo_slots: int = 0
+
+
+#: The exchanges that move only the keys a rank's queries see (:func:`halo_exchange`).
+EXCHANGES_OF_NEEDED_KEYS = ("halo", "selective")
+
+
+def exchange_slots(spec: SiteSpec, chunk_len):
+    """Key slots of the site's exchange of needed keys for a local length ``chunk_len`` (an int, or a SymInt
+    in fake tensors): ``spec.halo_slots``, or for a selective site without a bound the all-gather's ``(N - 1) * c``.
+    """
+    return spec.halo_slots or (spec.cp_size - 1) * chunk_len
 
 
 #: Query rows of the model's mask compared at a time (bounds the memory of the mask check).
@@ -161,7 +187,7 @@ def site_plan(
 def _(k, v, model_mask, site):
     spec = site_spec(site)
     c = k.shape[2]
-    keys = c + spec.halo_slots if spec.exchange == "halo" else c * spec.cp_size
+    keys = c + exchange_slots(spec, c) if spec.exchange in EXCHANGES_OF_NEEDED_KEYS else c * spec.cp_size
     return (
         k.new_empty((c,), dtype=torch.long),
         k.new_empty((keys,), dtype=torch.long),
@@ -335,8 +361,8 @@ def _site_positions(plan: CPPlan, spec: SiteSpec) -> tuple[torch.Tensor, torch.T
     """Fresh copies of the query indices, the key slots' indices (all-gathered slots, or the local tokens then
     the halo slots) and the site's document ids."""
     q_pos = plan.token_indices()
-    if spec.exchange == "halo":
-        kv_pos = torch.cat([q_pos, plan.halo_routing(spec.window, spec.halo_slots).recv_pos])
+    if spec.exchange in EXCHANGES_OF_NEEDED_KEYS:
+        kv_pos = torch.cat([q_pos, _routing(plan, spec).recv_pos])
     else:
         kv_pos = plan.gathered_indices().clone()
     return q_pos.clone(), kv_pos, plan.attention_docs(spec.documents).clone()
@@ -348,16 +374,20 @@ def halo_routing(k: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor
     """``(send_slots [N * S], counts [2, N])`` of this rank for the halo site ``site``
     (:class:`cpcompile.plan.HaloRouting`; ``k`` only carries the local length for the checks)."""
     spec = site_spec(site)
-    routing = _site_context(spec, k).plan.halo_routing(spec.window, spec.halo_slots)
+    routing = _routing(_site_context(spec, k).plan, spec)
     return routing.send_slots.clone(), routing.counts.clone()
 
 
 @halo_routing.register_fake
 def _(k, site):
     spec = site_spec(site)
-    return k.new_empty((spec.cp_size * spec.halo_slots,), dtype=torch.long), k.new_empty(
-        (2, spec.cp_size), dtype=torch.long
-    )
+    slots = exchange_slots(spec, k.shape[2])
+    return k.new_empty((spec.cp_size * slots,), dtype=torch.long), k.new_empty((2, spec.cp_size), dtype=torch.long)
+
+
+def _routing(plan: CPPlan, spec: SiteSpec):
+    """The plan's :class:`~cpcompile.plan.HaloRouting` of the site (window ``None``: the selective exchange)."""
+    return plan.halo_routing(spec.window, exchange_slots(spec, plan.chunk_len), documents=spec.documents)
 
 
 def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], spec: SiteSpec) -> torch.Tensor:
@@ -379,7 +409,7 @@ def halo_exchange(t: torch.Tensor, send_slots: torch.Tensor, counts: torch.Tenso
     seq_first = t.permute(2, 0, 1, 3)  # [c, B, H, D]
     send = seq_first.index_select(0, send_slots[: sum(send_counts)]).contiguous()
     recv = _all_to_all(send, send_counts, recv_counts, spec)
-    out = t.new_zeros((spec.halo_slots, *seq_first.shape[1:]))
+    out = t.new_zeros((exchange_slots(spec, t.shape[2]), *seq_first.shape[1:]))
     out[: recv.shape[0]] = recv
     nbytes = recv.numel() * recv.element_size()
     _count_halo(spec, nbytes)
@@ -388,8 +418,8 @@ def halo_exchange(t: torch.Tensor, send_slots: torch.Tensor, counts: torch.Tenso
 
 @halo_exchange.register_fake
 def _(t, send_slots, counts, site):
-    B, H, _, D = t.shape
-    return t.new_empty((B, H, site_spec(site).halo_slots, D))
+    B, H, c, D = t.shape
+    return t.new_empty((B, H, exchange_slots(site_spec(site), c), D))
 
 
 def _count_halo(spec: SiteSpec, nbytes: int) -> None:

@@ -8,12 +8,21 @@ from typing import Literal
 
 from cpcompile.layouts import DEFAULT_BLOCK_SIZE
 
-__all__ = ["ATTENTION_PATHS", "DUMP_DIR_ENV", "INNER_COMPILERS", "MIXING_MODES", "POSITION_MODES", "BackendOptions"]
+__all__ = [
+    "ATTENTION_PATHS",
+    "DUMP_DIR_ENV",
+    "EXCHANGES",
+    "INNER_COMPILERS",
+    "MIXING_MODES",
+    "POSITION_MODES",
+    "BackendOptions",
+]
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 ATTENTION_PATHS = ("auto", "block", "dense", "flex", "flash_varlen")
 POSITION_MODES = ("rewrite", "off")
 MIXING_MODES = ("exact", "off")
+EXCHANGES = ("all_gather", "selective")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
 DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
 
@@ -31,7 +40,8 @@ class BackendOptions:
     #: Keep only the local K/V between forward and backward and all-gather them again in backward:
     #: per attention call, (N-1)/N of the gathered K/V memory saved for one more all-gather of K and V.
     #: Off by default (communication is usually the scarcer resource). Honoured by inner compilers that
-    #: partition with AOTAutograd (``inductor``, ``aot_eager``).
+    #: partition with AOTAutograd (``inductor``, ``aot_eager``), at all-gathered sites (a halo or selective
+    #: exchange keeps its receive buffer).
     regather_kv_in_backward: bool = False
     #: Folder where every rank writes ``rank{r}/graph{n}_before.py``, ``graph{n}_after.py`` and ``summary.json``
     #: as graphs compile (``r``: global rank; see :mod:`cpcompile.dump`). Default: ``$CPCOMPILE_DUMP_DIR``, else off.
@@ -49,6 +59,18 @@ class BackendOptions:
     #: ``window - 1`` keys before each run of local tokens, :mod:`cpcompile.ops`) instead of all-gathering the
     #: whole sequence, when the halo is smaller than the all-gather. ``False``: all-gather at every site.
     halo: bool = True
+    #: How full-attention sites get the keys of other ranks. ``"all_gather"`` (default): every rank's K/V, started
+    #: as soon as K/V exist so the transfer overlaps the work before attention. ``"selective"``: only the keys
+    #: its queries see on other ranks (:meth:`cpcompile.plan.CPPlan.keys_needed`: other documents and later
+    #: tokens never travel), exchanged in one all-to-all when attention needs them, with only their gradients
+    #: sent back in backward (:mod:`cpcompile.ops`). Pair it with ``cpcompile.shard(...,
+    #: workload=cpcompile.Workload(split_keys=True))`` so that the balanced layout keeps documents whole.
+    exchange: Literal["all_gather", "selective"] = "all_gather"
+    #: Key slots per rank of a selective exchange: the static size of the receive buffer (K and V each
+    #: ``[B, H_kv, slots, D]``, kept for backward). ``None`` (default): ``(N - 1) * c``, the all-gather's, which
+    #: every batch fits. A smaller bound keeps less memory; a batch where a rank needs more keys raises
+    #: ``ValueError`` (every rank, before anything is sent).
+    exchange_slots: int | None = None
     #: Positions the model computes from the local sequence length (``arange(T)``, ``table[:T]``; see
     #: :mod:`cpcompile.passes.positions`). ``"rewrite"`` (default): made global, or refused at compile time.
     #: ``"off"``: left as the model computes them, so every rank but the first gets the positions of tokens
@@ -82,6 +104,15 @@ class BackendOptions:
             )
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions={self.positions!r} is not a known mode; choose one of {POSITION_MODES}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} is not a known exchange; choose one of {EXCHANGES}")
+        if self.exchange_slots is not None and (
+            not isinstance(self.exchange_slots, int) or isinstance(self.exchange_slots, bool) or self.exchange_slots < 1
+        ):
+            raise ValueError(
+                f"exchange_slots={self.exchange_slots!r} must be a positive int (key slots per rank) or None (the "
+                "all-gather's (N - 1) * c)"
+            )
         if self.mixing not in MIXING_MODES:
             raise ValueError(f"mixing={self.mixing!r} is not a known mode; choose one of {MIXING_MODES}")
         if isinstance(self.per_token_ops, str) or not isinstance(self.per_token_ops, (tuple, list)):

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from cpcompile.layouts import DEFAULT_LAYOUT, LAYOUTS, MAX_RUNS, AttentionForm, Workload, count_runs
-from cpcompile.mask import document_ids, document_starts, first_visible, visible, visible_mask
+from cpcompile.mask import document_ids, document_starts, first_visible, needed_keys, visible, visible_mask
 
 __all__ = [
     "IGNORE_INDEX",
@@ -321,6 +321,19 @@ class CPPlan:
             for f in workload.forms
         )
 
+    def needs(self, window: int | None, *, documents: bool = True, row: int | None = None) -> torch.Tensor:
+        """Bool ``[N, T_pad]``: rank ``r``'s queries see key ``j`` and another rank holds it (in batch row ``row``,
+        or in any row: one layout serves every row, so an exchange covers the union of the rows' needs).
+
+        :func:`cpcompile.mask.needed_keys` on this plan's layout, cached per ``(window, documents, row)``."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be a positive number of tokens or None, got {window}")
+        key = ("needs", window, documents, row)
+        if key not in self._cache:
+            docs = self.attention_docs(documents)
+            self._cache[key] = needed_keys(self.indices, docs if row is None else docs[row : row + 1], window)
+        return self._cache[key]
+
     def keys_needed(
         self, window: int | None, rank: int | None = None, row: int | None = None, *, documents: bool = True
     ) -> torch.Tensor:
@@ -329,50 +342,80 @@ class CPPlan:
         ``row``, or in any row.
 
         For a run of tokens ``[a, b)`` of the rank these are ``[max(start of a's document, a - window + 1), a)``
-        less the rank's own tokens: at most ``window - 1`` per run.
+        less the rank's own tokens: at most ``window - 1`` per run (:meth:`needs`).
         """
-        if window is not None and window < 1:
-            raise ValueError(f"window must be a positive number of tokens or None, got {window}")
-        own = self.token_indices(rank)
-        firsts = torch.tensor([a for a, _ in runs(own)], dtype=torch.long, device=own.device)
-        lo = first_visible(self.attention_docs(documents), firsts, window)  # [B, runs]
-        lo = lo.min(dim=0).values if row is None else lo[row]  # the earliest over the rows
-        needed = [torch.arange(int(s), int(a), device=own.device) for s, a in zip(lo, firsts)]
-        keys = torch.unique(torch.cat(needed)) if needed else own.new_empty(0)
-        return keys[~torch.isin(keys, own)]
+        r = self.cp_rank if rank is None else rank
+        return torch.nonzero(self.needs(window, documents=documents, row=row)[r]).flatten()
 
-    def halo_needs(self, window: int, rank: int | None = None) -> torch.Tensor:
+    def key_sources(
+        self, window: int | None = None, rank: int | None = None, *, documents: bool = True
+    ) -> list[tuple[int, int, int]]:
+        """``(source rank, start, end)`` for every run ``[start, end)`` of consecutive keys that some query of
+        ``rank`` sees in some row and rank ``source`` holds: :meth:`keys_needed` grouped by owner, in token order."""
+        keys = self.keys_needed(window, rank, documents=documents)
+        if keys.numel() == 0:
+            return []
+        owner = self._owner()[keys]
+        cut = (torch.diff(keys) != 1) | (torch.diff(owner) != 0)
+        starts = [0, *(torch.nonzero(cut).flatten() + 1).tolist()]
+        ends = [*starts[1:], keys.numel()]
+        k, o = keys.tolist(), owner.tolist()
+        return [(o[a], k[a], k[b - 1] + 1) for a, b in zip(starts, ends)]
+
+    def _owner(self) -> torch.Tensor:
+        """``[T_pad]``: the rank that holds every global index."""
+        owner = torch.empty(self.padded_len, dtype=torch.long, device=self.indices.device)
+        owner[self.gathered_indices()] = torch.arange(self.cp_size, device=owner.device).repeat_interleave(
+            self.chunk_len
+        )
+        return owner
+
+    def halo_needs(self, window: int, rank: int | None = None, *, documents: bool = True) -> torch.Tensor:
         """The keys the halo of ``rank`` receives under a sliding ``window``: :meth:`keys_needed` in any row (one
         layout serves every row of the batch, so the halo covers the union of the rows' needs)."""
         if window is None or window < 1:
             raise ValueError(f"window must be a positive number of tokens, got {window}")
-        return self.keys_needed(window, rank)
+        return self.keys_needed(window, rank, documents=documents)
 
-    def halo_routing(self, window: int, slots: int) -> HaloRouting:
-        """This rank's :class:`HaloRouting` for a sliding ``window`` with ``slots`` halo key slots per rank.
+    def exchange_needs(self, window: int | None, rank: int | None = None, *, documents: bool = True) -> torch.Tensor:
+        """The keys an exchange of ``rank`` receives: the halo under a sliding ``window``, else (full attention,
+        the selective exchange) every key its queries see on other ranks; :meth:`keys_needed` in any row."""
+        if window is not None:
+            return self.halo_needs(window, rank, documents=documents)
+        return self.keys_needed(None, rank, documents=documents)
+
+    def halo_routing(self, window: int | None, slots: int, *, documents: bool = True) -> HaloRouting:
+        """This rank's :class:`HaloRouting` for a sliding ``window`` (``None``: full attention, the selective
+        exchange) with ``slots`` key slots per rank; ``documents``: the site's same-document condition.
 
         Every rank computes every rank's needs from the plan alone (the same on every rank), so the exchange
         needs no prior communication. Cached on the plan. ``ValueError`` when a rank needs more than ``slots`` keys.
         """
-        key = ("halo", window, slots)
+        key = ("halo", window, slots, documents)
         if key not in self._cache:
-            self._cache[key] = self._halo_routing(window, slots)
+            self._cache[key] = self._halo_routing(window, slots, documents)
         return self._cache[key]
 
-    def _halo_routing(self, window: int, slots: int) -> HaloRouting:
+    def _halo_routing(self, window: int | None, slots: int, documents: bool) -> HaloRouting:
         N, r = self.cp_size, self.cp_rank
         device = self.indices.device
-        owner = torch.empty(self.padded_len, dtype=torch.long, device=device)
-        owner[self.gathered_indices()] = torch.arange(N, device=device).repeat_interleave(self.chunk_len)
+        owner = self._owner()
         slot = torch.empty(self.padded_len, dtype=torch.long, device=device)
         slot[self.gathered_indices()] = torch.arange(self.chunk_len, device=device).repeat(N)
         counts = torch.zeros(2, N, dtype=torch.long, device=device)
         send = []
         for dst in range(N):
-            needs = self.halo_needs(window, dst)
+            needs = self.exchange_needs(window, dst, documents=documents)
             if needs.numel() > slots:
+                what = "halo keys for a window of {window} tokens" if window is not None else "keys of other ranks"
                 raise ValueError(
-                    f"rank {dst} needs {needs.numel()} halo keys for a window of {window} tokens but has {slots} slots"
+                    f"rank {dst} needs {needs.numel()} {what.format(window=window)} but the exchange has {slots} "
+                    "key slots"
+                    + (
+                        "; raise cpcompile.backend(..., exchange_slots=...) or use exchange='all_gather'"
+                        if window is None
+                        else ""
+                    )
                 )
             if dst == r:
                 recv = needs[torch.argsort(owner[needs], stable=True)]  # grouped by sending rank

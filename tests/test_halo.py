@@ -137,8 +137,8 @@ def _worker(rank, world_size, case, others):
     # negative control: every rank's halo one token short (its first needed key not sent)
     original = CPPlan.halo_needs
 
-    def one_short(plan, window, rank=None):
-        return original(plan, window, rank)[1:]
+    def one_short(plan, window, rank=None, **kwargs):
+        return original(plan, window, rank, **kwargs)[1:]
 
     with mock.patch.object(CPPlan, "halo_needs", one_short):
         bad = runner.run()

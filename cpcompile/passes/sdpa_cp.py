@@ -119,9 +119,11 @@ class SiteReport:
     kernel: str = ""
     #: Sliding window of the site in tokens (``None``: none).
     window: int | None = None
-    #: How the keys of other ranks arrive: ``"all_gather"``, or ``"halo"`` (sliding window: only the keys the
+    #: How the keys of other ranks arrive: ``"all_gather"``, ``"halo"`` (sliding window: only the keys the
     #: local queries see, into ``halo_slots`` key slots per K and V; bytes depend on the batch, see
-    #: :meth:`cpcompile.plan.CPPlan.halo_needs`); ``""`` when not rewritten or nothing is exchanged.
+    #: :meth:`cpcompile.plan.CPPlan.halo_needs`) or ``"selective"`` (full attention, ``backend(...,
+    #: exchange="selective")``: the same for every key the queries see, ``halo_slots`` 0 meaning ``(N - 1) * c``);
+    #: ``""`` when not rewritten or nothing is exchanged.
     exchange: str = ""
     halo_slots: int = 0
     #: Shapes of the local tensors all-gathered over the CP group per call (K then V); empty unless gathered.
@@ -418,8 +420,9 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
                    enable_gqa=True)            # spec.kernel == "dense"
         out = cpcompile::cp_attention(q, k_all, v_all, q_pos, kv_pos, docs, window, s, True, ...)[0]  # "block"
 
-    A sliding-window site with ``spec.exchange == "halo"`` receives only its halo instead (see
-    :mod:`cpcompile.ops`): ``k_all = cat([k_src, halo_exchange(k_src, ...)], dim=2)``, likewise for V.
+    A sliding-window site with ``spec.exchange == "halo"`` receives only its halo instead, a full-attention
+    site with ``spec.exchange == "selective"`` only the keys its queries see (see :mod:`cpcompile.ops`):
+    ``k_all = cat([k_src, halo_exchange(k_src, ...)], dim=2)``, likewise for V.
 
     K/V are gathered with their KV heads (``enable_gqa=True`` replaces ``repeat_kv``) when both come from
     ``repeat_kv``; otherwise the tensors SDPA received are gathered. The collectives are issued before
@@ -438,7 +441,7 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
         positions = ops.emit_site_plan(graph, k_src, v_src, site.attn_mask, spec)
         if gather:
             k_all, v_all = (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
-        elif spec.exchange == "halo":
+        elif spec.exchange in ops.EXCHANGES_OF_NEEDED_KEYS:
             k_all, v_all = ops.emit_halo_exchange(graph, k_src, v_src, spec)
         else:
             k_all, v_all = k_src, v_src
@@ -610,8 +613,16 @@ def _non_sdpa_reason(node: fx.Node, what: str, config: object | None) -> str:
 def _exchange(site: SDPASite, ctx: PassContext, window: int | None) -> dict:
     """``exchange``/``halo_slots`` of a site: a halo of ``MAX_RUNS * (window - 1)`` key slots for a sliding-window
     site when that is fewer keys than the all-gather's ``(N - 1) * c`` (at this compilation's length; with a
-    dynamic length the choice stays correct for every length, only less economical), else the all-gather."""
-    if window is None or ctx.cp_size == 1 or not ctx.options.halo:
+    dynamic length the choice stays correct for every length, only less economical), else the all-gather. A
+    full-attention site with ``exchange="selective"``: the selective exchange into ``exchange_slots`` key slots
+    (``0``: ``(N - 1) * c``, whatever the length)."""
+    if ctx.cp_size == 1:
+        return {}
+    if window is None:
+        if ctx.options.exchange != "selective":
+            return {}
+        return {"exchange": "selective", "halo_slots": ctx.options.exchange_slots or 0}
+    if not ctx.options.halo:
         return {}
     slots = MAX_RUNS * (window - 1)
     k = site.meta(site.key)

@@ -1,0 +1,111 @@
+"""Parity of the selective K/V exchange (``cpcompile.backend(..., exchange="selective")``) and its bytes.
+
+Against the unsharded eager model (tests.parity): Llama at CP = 2, 3 and 4, packed documents that cross ranks and
+documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous and
+balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole),
+aot_eager, one inductor case, one case with a receive buffer bounded by ``exchange_slots``. Every full-attention
+site must report ``exchange == "selective"``; the bytes each rank received equal the brute-force count of the
+keys its queries see on other ranks (tests/test_exchange.py), K and V, every site. A second batch with other
+documents (one row a single document) runs exact without a recompile, and the profiler sees all-to-alls and no
+all-gather. Negative control: every
+rank's first needed key left out of the exchange must fail the parity check.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from cpcompile.plan import CPPlan, Workload, build_plan
+from cpcompile.testing import packed_batch
+from tests._dist import run_distributed
+from tests.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
+from tests.test_exchange import brute_force_needs
+
+SELECTIVE = (("exchange", "selective"),)
+#: Rows of 63 tokens (T not a multiple of 2 or 4; 64 at CP = 3): documents crossing chunk edges and short ones
+#: inside one chunk, a one-token document.
+DOCS_63 = ((24, 29, 10), (5, 50, 1, 7))
+DOCS_64 = ((24, 30, 10), (5, 6, 44, 1, 8))
+KEEP_WHOLE = (("workload", Workload(block_size=4, split_keys=True)),)
+
+#: Per CP size: (the case whose bytes and negative control are checked, further cases).
+CASES = {
+    2: (
+        ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE),
+        (ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, inner="inductor"),),
+    ),
+    3: (
+        ParityCase(
+            model="llama", doc_lens=DOCS_64, backend_kwargs=SELECTIVE, layout="balanced", shard_kwargs=KEEP_WHOLE
+        ),
+        (
+            # contiguous, a receive buffer of 36 key slots (the all-gather's: 44); this batch needs at most 33
+            ParityCase(model="llama", doc_lens=DOCS_64, backend_kwargs=(*SELECTIVE, ("exchange_slots", 36))),
+        ),
+    ),
+    4: (ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, layout="balanced"), ()),
+}
+
+
+def _worker(rank, world_size, case, others):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    runner = ParityRunner(case, group)
+    outcome = runner.run()
+    sites = [r.exchange for r in runner.backend.reports]
+    assert sites == ["selective"] * len(sites) and sites, sites
+    assert_rewrites(outcome, len(sites))
+    assert_parity(outcome)
+    # bytes: every exchange received exactly the brute-force needs of this rank (K and V, every site)
+    plan = build_plan(runner.batch, world_size, rank, layout=case.layout, **case.plan_kwargs())
+    config = runner.model.config
+    heads_dim = config.num_key_value_heads * (config.head_dim or config.hidden_size // config.num_attention_heads)
+    needed = len(brute_force_needs(plan, None, rank))
+    per_exchange = needed * len(case.doc_lens) * heads_dim * 4
+    bytes_check = (outcome.comm.halo_bytes, 2 * len(sites) * per_exchange, needed)
+    # another batch, other documents, same length: exact, no recompile, and the profiler sees all-to-alls and no
+    # all-gather of K/V
+    T = sum(case.doc_lens[0])
+    other = packed_batch([[T // 3, T - T // 3 - 2, 2], [T]], seed=7)
+    second = runner.run(batch=other, profile=True)
+    assert_parity(second)
+    assert second.counter_delta.get("graphs", 0) == 0, second.counter_delta
+    seen = sorted(second.collectives)
+    assert any("all_to_all" in n for n in seen) and not any("all_gather" in n for n in seen), seen
+    # negative control: every rank's first needed key left out of the exchange
+    original = CPPlan.exchange_needs
+
+    def one_short(plan, window, rank=None, **kwargs):
+        return original(plan, window, rank, **kwargs)[1:]
+
+    with mock.patch.object(CPPlan, "exchange_needs", one_short):
+        bad = runner.run()
+    try:
+        assert_parity(bad)
+        control = None
+    except AssertionError as e:
+        control = str(e).splitlines()[0]
+    summaries = [{"case": case.name, "cp": world_size, **outcome.errors()}]
+    summaries += [check_case(other, group) for other in others]
+    return {"summaries": summaries, "bytes": bytes_check, "control": control}
+
+
+# Generous limits: they only cut a hang (the machine may be shared).
+TIMEOUT_S = 420
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_selective_exchange_parity(cp):
+    results = run_distributed(_worker, cp, *CASES[cp], timeout_s=TIMEOUT_S)
+    assert any(res["bytes"][2] for res in results), "no rank needed keys of another rank: the case tests nothing"
+    for rank, res in enumerate(results):
+        got, expected, _ = res["bytes"]
+        assert got == expected, (rank, got, expected)
+    assert all(res["control"] is not None for res in results if res["bytes"][2]), [r["control"] for r in results]
+    for s in results[0]["summaries"]:
+        print(f"{s['case']} CP={s['cp']}: logits {s['logits']:.1e} loss {s['loss']:.1e} grad {s['grad']:.1e}")
+    print("first needed key left out:", results[0]["control"])
