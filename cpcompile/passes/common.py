@@ -3,7 +3,8 @@
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
 (the fake value Dynamo recorded for a node), :func:`arg` (an argument by position or keyword),
-:func:`node_where` (a node's layer and name, for messages), :func:`finish` (the lint-and-recompile ending).
+:func:`node_where` (a node's layer and name, for messages), :func:`source_line` (the model code that made a
+node), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.options import BackendOptions
 
-__all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_value", "node_where"]
+__all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_value", "node_where", "source_line"]
 
 #: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process. Attention pass:
 #: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
@@ -64,6 +65,21 @@ def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
 def node_where(n: fx.Node) -> str:
     """A human-readable location of ``n``: the layer that made it and the graph node (``layers.0.conv (node x)``)."""
     return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line (code)`` of the model code that made ``node`` (the innermost frame of its recorded stack
+    trace), or ``""`` when the graph has no stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.rstrip("\n").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            number = rest.split(",", 1)[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{path}:{number}" + (f" ({code})" if code else "")
+    return ""
 
 
 def finish(gm: fx.GraphModule) -> None:
