@@ -143,6 +143,19 @@ def test_sites_compiled_for_a_group_become_its_workload():
     assert runtime.compiled_workload("another-group") == Workload()
 
 
+def test_a_selective_exchange_keeps_documents_whole():
+    """Once a site compiled for a group exchanges only the keys its queries see, shard's balanced layout prefers
+    layouts that split the fewest keys across ranks (``Workload.split_keys``); other groups are not affected."""
+    with mock.patch.dict(runtime._FORMS, clear=True):
+        runtime.record_attention_form("g", "layers.0", True, None, 128)
+        assert runtime.compiled_workload("g").split_keys is False
+        runtime.record_attention_form("g", "layers.1", True, None, 128, selective=True)
+        assert runtime.compiled_workload("g") == Workload(
+            forms=(AttentionForm(True, None, 2),), block_size=128, split_keys=True
+        )
+        assert runtime.compiled_workload("other").split_keys is False
+
+
 def test_shard_balances_the_compiled_forms():
     batch = packed_batch(CASES["packed 256..4096"])
     # fake groups share one name: forget what other tests compiled in this process

@@ -34,8 +34,8 @@ class RankSite:
     #: How many times the site's graph ran in one forward.
     calls_per_forward: int
     report: SiteReport
-    #: Bytes of K and V this rank receives per call in a halo exchange (``report.exchange == "halo"``), from the
-    #: plan of the inspected batch.
+    #: Bytes of K and V this rank receives per call in a halo or selective exchange (``report.exchange`` ``"halo"``
+    #: or ``"selective"``: one all-to-all of the keys the plan routes), from the plan of the inspected batch.
     halo_bytes_per_call: int = 0
     #: Bytes of the K and V this rank's queries see that other ranks hold, summed over the batch rows: the least
     #: any exchange must deliver (an all-gather delivers all of the other ranks' keys by design).

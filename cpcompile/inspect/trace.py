@@ -180,11 +180,13 @@ def _workload(rows: list[SiteReport], block_size: int) -> Workload:
     for r in rows:
         if r.action == "rewritten":
             layers.setdefault((r.mask_form == "bool-mask", r.window), set()).add(r.layer)
-    return workload_of(layers, block_size)
+    selective = any(r.action == "rewritten" and r.exchange == "selective" for r in rows)
+    return workload_of(layers, block_size, split_keys=selective)
 
 
 def _rank_site(graph: TracedGraph, report: SiteReport, plan: CPPlan) -> RankSite:
-    """The row of ``report`` on ``graph``'s rank, with the halo and needed bytes of the plan's batch."""
+    """The row of ``report`` on ``graph``'s rank, with the exchanged (halo or selective) and needed bytes of the
+    plan's batch."""
     if report.action != "rewritten" or plan.cp_size == 1 or len(report.k_shape) != 4:
         return RankSite(graph.rank, graph.calls, report)
     itemsize = getattr(torch, report.dtype).itemsize
@@ -192,8 +194,10 @@ def _rank_site(graph: TracedGraph, report: SiteReport, plan: CPPlan) -> RankSite
     documents = report.mask_form == "bool-mask"
     rows = range(plan.batch_size)
     needed = sum(len(plan.keys_needed(report.window, row=b, documents=documents)) for b in rows) * per_token
-    halo = len(plan.halo_needs(report.window)) * plan.batch_size * per_token if report.exchange == "halo" else 0
-    return RankSite(graph.rank, graph.calls, report, halo_bytes_per_call=halo, needed_bytes_per_call=needed)
+    exchanged = 0
+    if report.exchange in ("halo", "selective"):  # one all-to-all of the keys the plan routes, every row
+        exchanged = len(plan.exchange_needs(report.window, documents=documents)) * plan.batch_size * per_token
+    return RankSite(graph.rank, graph.calls, report, halo_bytes_per_call=exchanged, needed_bytes_per_call=needed)
 
 
 def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workload) -> RankTotals:
@@ -208,7 +212,7 @@ def _totals(rank: int, rows: tuple[RankSite, ...], plan: CPPlan, workload: Workl
         all_gather_bytes=sum(r.all_gather_bytes_per_step for r in done),
         reduce_scatters=sum(r.reduce_scatters_per_step for r in done),
         reduce_scatter_bytes=sum(r.reduce_scatter_bytes_per_step for r in done),
-        halo_exchanges=sum(2 * r.calls_per_forward for r in done if r.exchange == "halo"),
+        halo_exchanges=sum(2 * r.calls_per_forward for r in done if r.exchange in ("halo", "selective")),
         halo_bytes=sum(r.halo_bytes_per_call * r.calls_per_forward for r in done),
         needed_bytes=sum(r.needed_bytes_per_call * r.calls_per_forward for r in done),
         visible_pairs=sum(n * plan.visible_pairs(documents=f.documents, window=f.window, rank=rank) for f, n in forms),

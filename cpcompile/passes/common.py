@@ -10,9 +10,11 @@ node), :func:`finish` (the lint-and-recompile ending).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from typing import Literal
 
+import torch
 import torch.fx as fx
 
 from cpcompile import _compat
@@ -67,19 +69,25 @@ def node_where(n: fx.Node) -> str:
     return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
 def source_line(node: fx.Node) -> str:
-    """``file:line (code)`` of the model code that made ``node`` (the innermost frame of its recorded stack
-    trace), or ``""`` when the graph has no stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = trace.rstrip("\n").splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        if line.startswith('File "'):
+    """``file:line (code)`` of the model code that made ``node``: the innermost frame of its recorded stack trace
+    outside torch itself (``F.pad`` or ``flex_attention`` report the model's call, not torch's), or ``""`` when the
+    graph has no stack trace."""
+    lines = [x.strip() for x in (node.meta.get("stack_trace") or "").splitlines() if x.strip()]
+    frames = []
+    for i, line in enumerate(lines):
+        if line.startswith('File "') and line.count('"') >= 2:
             path, _, rest = line[len('File "') :].partition('", line ')
-            number = rest.split(",", 1)[0]
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{path}:{number}" + (f" ({code})" if code else "")
-    return ""
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            frames.append((path, rest.split(",", 1)[0], code))
+    outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not outside:
+        return ""
+    path, number, code = outside[-1]
+    return f"{path}:{number}" + (f" ({code})" if code else "")
 
 
 def finish(gm: fx.GraphModule) -> None:

@@ -40,7 +40,7 @@ from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.kernels.attention import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
-from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.sdpa_cp import SiteReport
 from cpcompile.runtime.workload import record_attention_form
 
@@ -75,7 +75,7 @@ class FlexSite:
     @property
     def where(self) -> str:
         """A human-readable location: the layer, the graph node and the model's line that called flex."""
-        line = _source_line(self.node)
+        line = source_line(self.node)
         return f"{self.layer or '<top level>'} (node {self.node.name}{', ' + line if line else ''})"
 
     @property
@@ -86,19 +86,6 @@ class FlexSite:
             index = user.args[1] if user.target is operator.getitem else None
             found.setdefault(index, []).append(user)
         return found
-
-
-def _source_line(node: fx.Node) -> str:
-    """``file:line`` of the model code that made ``node`` (the innermost frame of its stack trace), or ``""``."""
-    frames = [
-        line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip().startswith("File ")
-    ]
-    model_frames = [f for f in frames if "torch/nn/attention" not in f and "torch/_" not in f]
-    if not model_frames:
-        return ""
-    # 'File "/path/x.py", line 12, in forward' -> /path/x.py:12
-    head = model_frames[-1].split(",")
-    return head[0].removeprefix('File "').rstrip('"') + ":" + head[1].strip().removeprefix("line ")
 
 
 def _submodule(owner: fx.GraphModule, n: object) -> fx.GraphModule | None:

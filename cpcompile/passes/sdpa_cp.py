@@ -719,7 +719,14 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
         # what cpcompile.shard's balanced layout evens out: the attention forms compiled for this CP group
         layer = spec.layer or spec.site
-        record_attention_form(spec.group_name, layer, spec.documents, spec.window, ctx.options.block_size)
+        record_attention_form(
+            spec.group_name,
+            layer,
+            spec.documents,
+            spec.window,
+            ctx.options.block_size,
+            selective=spec.exchange == "selective",
+        )
         counters["sdpa_rewritten"] += 1
     finish(gm)
     return reports
