@@ -36,11 +36,11 @@ from cpcompile.errors import (
 from cpcompile.failsafe import FailsafeOptions, fail_together
 from cpcompile.failsafe import configure as configure_failsafe
 from cpcompile.fsdp import fully_shard_dp_cp, init_dp_cp_mesh
-from cpcompile.grad import clip_grad_norm_
+from cpcompile.grad import clip_grad_norm_, sync_grads
 from cpcompile.inspect import inspect_model
 from cpcompile.layouts import AttentionForm, Workload
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
-from cpcompile.runtime import comm_stats, gather, real_tokens, shard, sync_grads
+from cpcompile.runtime import comm_stats, gather, real_tokens, shard
 
 #: What a user calls; everything else stays importable from its module (``cpcompile.plan.build_plan``,
 #: ``cpcompile.passes.counters``, ``cpcompile.options.BackendOptions``, ...).

@@ -19,9 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from tabulate import tabulate
-
 from cpcompile import _compat
+from cpcompile.tables import MIXING_HEADERS, SITE_HEADERS, mixing_cells, site_cells, table
 
 __all__ = ["GraphTrace", "format_mixing", "format_sites"]
 
@@ -32,51 +31,21 @@ mixing_log = logging.getLogger("cpcompile.mixing")
 #: The graph before and after the pass (DEBUG).
 graphs_log = logging.getLogger("cpcompile.graphs")
 
-_COLUMNS = (
-    ("layer", "layer"),
-    ("node", "node"),
-    ("q", "q_shape"),
-    ("k", "k_shape"),
-    ("dtype", "dtype"),
-    ("mask found", "mask_form"),
-    ("action", "action"),
-    ("kernel / reason", None),
-    ("AG bytes/call", "all_gather_bytes_per_call"),
-)
-
-
-def _shape(value) -> str:
-    return "[" + ",".join(str(s) for s in value) + "]" if isinstance(value, (list, tuple)) else str(value)
-
 
 def format_sites(reports: list) -> str:
-    """A text table of site reports (:class:`cpcompile.passes.SiteReport`), one row per site.
+    """A text table of site reports (:class:`cpcompile.passes.sdpa_cp.SiteReport`), one row per site: the columns
+    ``cpcompile inspect`` shows (:mod:`cpcompile.tables`), the node, and the bytes all-gathered per call.
 
-    Fields are read from the report's JSON record (``SiteReport.to_json``); a field a report does not have
-    shows as empty. Shapes show symbolic sizes by name (``s27``); the bytes use their values at this compilation.
+    Shapes show symbolic sizes by name (``s27``); the bytes use their values at this compilation.
     """
-    rows = []
-    for report in reports:
-        record = report.to_json()
-        row = []
-        for _title, key in _COLUMNS:
-            if key is None:
-                value = record.get("reason") or record.get("kernel") or ""
-            else:
-                value = record.get(key, "")
-            row.append(_shape(value) if key and key.endswith("shape") else ("" if value is None else value))
-        rows.append(row)
-    return tabulate(rows, headers=[title for title, _ in _COLUMNS], disable_numparse=True)
+    rows = [[*site_cells(r), r.node, r.all_gather_bytes_per_call] for r in reports]
+    return table([*SITE_HEADERS, "node", "AG bytes/call"], rows)
 
 
 def format_mixing(reports: list) -> str:
-    """A text table of mixing reports (:class:`cpcompile.MixingReport`), one row per op."""
-    rows = [
-        [r.layer or "<top level>", r.node, r.op, r.kind, r.action, r.all_gather_bytes_per_call or "", r.source]
-        for r in reports
-    ]
-    headers = ["layer", "node", "op", "kind", "action", "AG bytes/call", "model code"]
-    return tabulate(rows, headers=headers, disable_numparse=True)
+    """A text table of mixing reports (:class:`cpcompile.passes.mixing.MixingReport`), one row per op, with the
+    model's line that made it."""
+    return table([*MIXING_HEADERS, "model code"], [[*mixing_cells(r), r.source] for r in reports])
 
 
 @dataclasses.dataclass

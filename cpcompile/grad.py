@@ -1,7 +1,9 @@
-"""``clip_grad_norm_``: the global gradient norm of FSDP2 (DTensor) and plain gradients, in one reduction.
+"""Gradients under CP: ``sync_grads`` sums plain gradients over the CP group, ``clip_grad_norm_`` takes the global
+norm of FSDP2 (DTensor) and plain gradients in one reduction.
 
 Main API::
 
+    cpcompile.sync_grads(model.parameters(), cp_group)                   # models not wrapped in FSDP/DDP
     norm = cpcompile.clip_grad_norm_(model.parameters(), max_norm=1.0)   # true pre-clip global norm
 """
 
@@ -14,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from cpcompile import _compat
+from cpcompile import _compat, failsafe
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "sync_grads"]
 
 
 def clip_grad_norm_(
@@ -147,3 +149,52 @@ def _reduce(part: torch.Tensor, group: dist.ProcessGroup, inf: bool) -> torch.Te
     gathered = part.new_empty(dist.get_world_size(group))
     _compat.all_gather_into(gathered, part.reshape(1), group)
     return gathered.amax()
+
+
+def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
+    """Sum the gradients of ``parameters`` over ``cp_group`` (for models not wrapped in FSDP/DDP).
+
+    Each CP rank's gradient is the partial sum over its own tokens; after this call every rank holds the
+    gradient of the whole sequence. A parameter whose gradient is ``None`` on some ranks only (an MoE expert
+    that only some ranks' tokens were routed to) contributes zeros there and gets the sum everywhere; one that
+    has no gradient on any rank stays ``None``. Every rank must pass the same parameters in the same order
+    (``ValueError`` on every rank otherwise). Two small all-reduces (the number of parameters, which gradients
+    exist), then one flat all-reduce per dtype.
+    """
+    with failsafe.scope(cp_group, "cpcompile.sync_grads"):
+        _sum_grads(list(parameters), cp_group)
+
+
+def _sum_grads(params: list[torch.Tensor], cp_group: dist.ProcessGroup) -> None:
+    if not params:
+        return
+    device = params[0].device
+    n = len(params)
+    # every rank passes as many parameters (a fixed-size all-reduce first), then which gradients exist anywhere
+    count = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=cp_group)
+    if int(count[0]) != n or int(count[1]) != -n:
+        raise ValueError(
+            f"cpcompile.sync_grads: the CP ranks passed different numbers of parameters (between "
+            f"{-int(count[1])} and {int(count[0])}); pass the same model's parameters, in the same order, on "
+            "every rank"
+        )
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp_group)
+    grads = []
+    for p, anywhere in zip(params, present.tolist()):
+        if not anywhere:
+            continue
+        if p.grad is None:  # another rank's tokens reached this parameter: this rank's part is zero
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat, group=cp_group)
+        offset = 0
+        for g in group:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -2,7 +2,7 @@
 
 The pass (:mod:`cpcompile.passes.sdpa_cp`) describes every site it rewrites with a frozen :class:`SiteSpec`,
 registers it (:func:`register_site`) and inserts the calls below with the ``emit_*`` helpers; at run time the
-ops read the active :func:`cpcompile.shard` context through :func:`cpcompile.runtime.active_context`.
+ops read the active :func:`cpcompile.shard` context through :func:`cpcompile.runtime.context.active_context`.
 
 Ops and graph calls of a site whose keys are all-gathered (``spec.exchange == "all_gather"``)::
 
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import sys
 import threading
 
 import torch
@@ -71,7 +72,7 @@ from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cp
 from cpcompile.errors import MaskMismatchError
 from cpcompile.mask import visible_mask
 from cpcompile.plan import CPPlan
-from cpcompile.runtime import Active, active_context, record_attention_form
+from cpcompile.runtime.context import Active, active_context
 
 __all__ = [
     "SiteSpec",
@@ -268,26 +269,63 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
 def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> MaskMismatchError | None:
     """The error describing where ``model_mask`` differs from :meth:`CPPlan.local_rule_mask`, or ``None``.
 
-    Compared a block of :data:`MASK_CHECK_ROWS` query rows at a time: memory O(rows * c) besides the model's mask.
+    Both rules give every query ``i`` an interval of local keys ``[first_i, i]`` (:meth:`CPPlan.local_first_visible`),
+    so no mask of the rule is built: the model's mask is read eight keys at a time (:func:`_rows_differ`) and
+    compared with the words the intervals give. The dense rows are made only for the error's first difference.
     """
     # With several runs per rank, a mask built from document ids or per-document positions keeps a document
     # whole across the runs: the whole-sequence mask among this rank's tokens (no new document at a run
     # boundary). The model's mask must be one of the two rules on every row.
     several_runs = plan.runs() > 1
-    first: MaskMismatchError | None = None
-    whole_sequence = several_runs
-    for start in range(0, plan.chunk_len, MASK_CHECK_ROWS):
-        rows = slice(start, start + MASK_CHECK_ROWS)
-        ours = plan.local_rule_mask(documents=spec.documents, window=spec.window, rows=rows)
-        theirs = model_mask[..., rows, :].to(torch.bool).expand_as(ours)
-        if first is None and not torch.equal(theirs, ours):
-            first = _mismatch_error(spec, theirs, ours, start, plan.layout if several_runs else None)
-        if whole_sequence:
-            rule = plan.local_global_mask(documents=spec.documents, window=spec.window, rows=rows)
-            whole_sequence = torch.equal(theirs, rule)
-        if first is not None and not whole_sequence:
-            return first
-    return None
+    kwargs = {"documents": spec.documents, "window": spec.window}
+    bad = _rows_differ(model_mask, plan.local_first_visible(**kwargs))
+    if not bad.any():
+        return None
+    if several_runs and not _rows_differ(model_mask, plan.local_first_visible(**kwargs, whole_sequence=True)).any():
+        return None
+    i = int(bad.nonzero()[0, -1])
+    ours = plan.local_rule_mask(**kwargs, rows=slice(i, i + 1))
+    theirs = model_mask[..., i : i + 1, :].to(torch.bool).expand_as(ours)
+    return _mismatch_error(spec, theirs, ours, i, plan.layout if several_runs else None)
+
+
+#: ``_BYTES_UP_TO[n]``: an int64 word whose first ``n`` bytes (in memory order) are 1, the others 0.
+_BYTES_UP_TO = [sum(1 << (8 * (k if sys.byteorder == "little" else 7 - k)) for k in range(n)) for n in range(9)]
+
+
+def _rows_differ(mask: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``[..., c]`` bool: the rows of a bool ``[..., c, c]`` mask (``[B or 1, 1, c, c]``) that differ from the
+    intervals ``[first_i, i]`` (``first`` ``[B, c]``).
+
+    The mask's bytes are read as int64 words of eight keys and compared with the words the intervals give: whole
+    words of ones inside an interval, zeros outside, two partial words at its ends. One pass over ``c^2 / 8``
+    words per comparison instead of several passes over ``c^2`` bools; :data:`MASK_CHECK_ROWS` query rows at a
+    time bound the memory. A mask whose rows cannot be viewed as words (a length not a multiple of 8, an odd
+    offset) is copied into zero-padded rows first.
+    """
+    c = mask.shape[-1]
+    words = -(-c // 8)
+    j = torch.arange(words, device=mask.device)
+    table = torch.tensor(_BYTES_UP_TO, dtype=torch.int64, device=mask.device)
+    first = first.to(mask.device)[:, None, :]  # [B, 1, c]
+    out = []
+    for start in range(0, mask.shape[-2], MASK_CHECK_ROWS):
+        block = mask[..., start : start + MASK_CHECK_ROWS, :].to(torch.bool)
+        try:
+            w = block.view(torch.int64)
+        except RuntimeError:  # not viewable as words: zero-padded contiguous rows
+            w = torch.nn.functional.pad(block, (0, words * 8 - c)).contiguous().view(torch.int64)
+        lo = first[..., start : start + block.shape[-2]]
+        hi = torch.arange(start + 1, start + 1 + block.shape[-2], device=mask.device)  # one past the query
+        lo, hi = torch.broadcast_tensors(lo, hi)
+        full = (j >= (lo[..., None] + 7) // 8) & (j < hi[..., None] // 8)
+        expected = -full.to(torch.int64) & _BYTES_UP_TO[8]  # whole words of ones inside the interval
+        for edge in (lo // 8, (hi - 1) // 8):  # the words holding the interval's ends (may be the same word)
+            a = torch.maximum(lo, edge * 8) - edge * 8
+            b = torch.minimum(hi, edge * 8 + 8) - edge * 8
+            expected.scatter_(-1, edge[..., None], (table[b] - table[a])[..., None])
+        out.append((w != expected).any(-1))
+    return torch.cat(out, -1)
 
 
 def _mismatch_error(
@@ -467,12 +505,7 @@ def emit_attention(
     enable_gqa: bool,
     block_size: int,
 ) -> fx.Node:
-    """Insert the attention of ``spec.kernel`` over keys at ``positions`` (from :func:`emit_site_plan`).
-
-    Also records the site's attention form for ``cpcompile.shard``'s balanced layout
-    (:func:`cpcompile.runtime.record_attention_form`).
-    """
-    record_attention_form(spec.group_name, spec.layer or spec.site, spec.documents, spec.window, block_size)
+    """Insert the attention of ``spec.kernel`` over keys at ``positions`` (from :func:`emit_site_plan`)."""
     q_pos, kv_pos, docs = positions
     if spec.kernel != "dense":
         impl = "loop" if spec.kernel == "block" else spec.kernel
@@ -543,9 +576,7 @@ def emit_flex_attention(
     block_size: int,
 ) -> tuple[fx.Node, fx.Node]:
     """Register the site's ``mods`` and insert ``cpcompile::flex_cp_attention``; returns the (out, lse) nodes
-    (``lse`` in natural log). Records the site's attention form for the balanced layout as a causal
-    document form (the layout's estimate of the work; the mask itself is the site's ``mask_mod``)."""
-    record_attention_form(spec.group_name, spec.layer or spec.site, True, None, block_size)
+    (``lse`` in natural log)."""
     _kernels.attention.register_flex_mods(spec.site, mods)
     q_pos, kv_pos, seq_len = positions
     att = graph.call_function(

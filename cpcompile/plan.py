@@ -276,6 +276,22 @@ class CPPlan:
         idx = self.token_indices()
         return visible_mask(idx[rows], idx, self.attention_docs(documents), window)
 
+    def local_first_visible(self, *, documents: bool, window: int | None = None, whole_sequence: bool = False):
+        """``[B, c]``: the local index of the first key visible to every local query, under
+        :meth:`local_rule_mask` (or, with ``whole_sequence``, :meth:`local_global_mask`).
+
+        Both masks are intervals in local order: query ``i`` sees exactly the local keys ``[first, i]`` (documents
+        are contiguous, and the rank's tokens are in ascending global order). The interval form of those masks
+        (:func:`cpcompile.mask.first_visible`), O(B * c) memory: what the per-step mask check compares with.
+        """
+        if not whole_sequence:
+            idx = torch.arange(self.chunk_len, device=self.doc_ids.device)
+            docs = document_ids(self.local(self.position_ids)) if documents else torch.zeros_like(self.doc_ids[:, idx])
+            return first_visible(docs, idx, window)
+        g = self.token_indices()
+        lo = first_visible(self.attention_docs(documents), g, window)  # global index of the first visible key
+        return torch.searchsorted(g, lo.contiguous())
+
     def runs(self) -> int:
         """Number of runs of consecutive tokens this rank holds (1 with the contiguous layout)."""
         return int((torch.diff(self.token_indices()) != 1).sum()) + 1

@@ -15,10 +15,11 @@ import torch
 
 import cpcompile
 from benchmarks._common import packed_doc_lens
-from cpcompile import _compat, runtime
+from cpcompile import _compat
 from cpcompile.kernels import cp_attention, dense_cp_attention
 from cpcompile.layouts import balance, token_work
 from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
+from cpcompile.runtime import workload as runtime  # the compiled-workload registry
 from cpcompile.testing import packed_batch
 
 T = 8192
@@ -142,6 +143,19 @@ def test_sites_compiled_for_a_group_become_its_workload():
     assert runtime.compiled_workload("another-group") == Workload()
 
 
+def test_a_selective_exchange_keeps_documents_whole():
+    """Once a site compiled for a group exchanges only the keys its queries see, shard's balanced layout prefers
+    layouts that split the fewest keys across ranks (``Workload.split_keys``); other groups are not affected."""
+    with mock.patch.dict(runtime._FORMS, clear=True):
+        runtime.record_attention_form("g", "layers.0", True, None, 128)
+        assert runtime.compiled_workload("g").split_keys is False
+        runtime.record_attention_form("g", "layers.1", True, None, 128, selective=True)
+        assert runtime.compiled_workload("g") == Workload(
+            forms=(AttentionForm(True, None, 2),), block_size=128, split_keys=True
+        )
+        assert runtime.compiled_workload("other").split_keys is False
+
+
 def test_shard_balances_the_compiled_forms():
     batch = packed_batch(CASES["packed 256..4096"])
     # fake groups share one name: forget what other tests compiled in this process
@@ -204,7 +218,7 @@ def test_inspect_columns_and_picture_follow_the_layout(tmp_path):
     """inspect's computed-pairs column is balanced and its picture colours every query row by its owner."""
     from PIL import Image
 
-    from cpcompile.pattern import _PALETTE, GUTTER_PX, TITLE_PX, pattern_geometry
+    from cpcompile.inspect.picture import _PALETTE, GUTTER_PX, TITLE_PX, pattern_geometry
     from cpcompile.testing import tiny_config
 
     config = tiny_config("llama")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompile.pattern import attention_pattern_image, cell_counts, pattern_geometry
+from cpcompile.inspect.picture import attention_pattern_image, cell_counts, pattern_geometry
 from cpcompile.plan import LAYOUTS, build_plan
 from cpcompile.testing import packed_batch
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cpcompile.plan import IGNORE_INDEX, build_plan, document_ids
-from cpcompile.runtime import _local_batch
+from cpcompile.runtime.sharding import _local_batch
 from cpcompile.testing import packed_batch
 from tests.harness.tolerances import EXACT
 

@@ -3,21 +3,24 @@
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
 (the fake value Dynamo recorded for a node), :func:`arg` (an argument by position or keyword),
-:func:`node_where` (a node's layer and name, for messages), :func:`finish` (the lint-and-recompile ending).
+:func:`node_where` (a node's layer and name, for messages), :func:`source_line` (the model code that made a
+node), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from typing import Literal
 
+import torch
 import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.options import BackendOptions
 
-__all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_value", "node_where"]
+__all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_value", "node_where", "source_line"]
 
 #: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process. Attention pass:
 #: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
@@ -64,6 +67,27 @@ def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
 def node_where(n: fx.Node) -> str:
     """A human-readable location of ``n``: the layer that made it and the graph node (``layers.0.conv (node x)``)."""
     return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line (code)`` of the model code that made ``node``: the innermost frame of its recorded stack trace
+    outside torch itself (``F.pad`` or ``flex_attention`` report the model's call, not torch's), or ``""`` when the
+    graph has no stack trace."""
+    lines = [x.strip() for x in (node.meta.get("stack_trace") or "").splitlines() if x.strip()]
+    frames = []
+    for i, line in enumerate(lines):
+        if line.startswith('File "') and line.count('"') >= 2:
+            path, _, rest = line[len('File "') :].partition('", line ')
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            frames.append((path, rest.split(",", 1)[0], code))
+    outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not outside:
+        return ""
+    path, number, code = outside[-1]
+    return f"{path}:{number}" + (f" ({code})" if code else "")
 
 
 def finish(gm: fx.GraphModule) -> None:

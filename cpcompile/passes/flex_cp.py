@@ -40,8 +40,9 @@ from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.kernels.attention import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
-from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.sdpa_cp import SiteReport
+from cpcompile.runtime.workload import record_attention_form
 
 __all__ = ["FlexSite", "find_flex_sites", "check_site", "rewrite_site", "flex_cp_pass"]
 
@@ -74,7 +75,7 @@ class FlexSite:
     @property
     def where(self) -> str:
         """A human-readable location: the layer, the graph node and the model's line that called flex."""
-        line = _source_line(self.node)
+        line = source_line(self.node)
         return f"{self.layer or '<top level>'} (node {self.node.name}{', ' + line if line else ''})"
 
     @property
@@ -85,19 +86,6 @@ class FlexSite:
             index = user.args[1] if user.target is operator.getitem else None
             found.setdefault(index, []).append(user)
         return found
-
-
-def _source_line(node: fx.Node) -> str:
-    """``file:line`` of the model code that made ``node`` (the innermost frame of its stack trace), or ``""``."""
-    frames = [
-        line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip().startswith("File ")
-    ]
-    model_frames = [f for f in frames if "torch/nn/attention" not in f and "torch/_" not in f]
-    if not model_frames:
-        return ""
-    # 'File "/path/x.py", line 12, in forward' -> /path/x.py:12
-    head = model_frames[-1].split(",")
-    return head[0].removeprefix('File "').rstrip('"') + ":" + head[1].strip().removeprefix("line ")
 
 
 def _submodule(owner: fx.GraphModule, n: object) -> fx.GraphModule | None:
@@ -445,6 +433,8 @@ def flex_cp_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             rewrite_site(gm, site, spec, buffers, ctx)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile flex_cp pass failed while rewriting {site.where}: {e}") from e
+        # the balanced layout's estimate of the site's work: a causal document form (the mask is its mask_mod)
+        record_attention_form(spec.group_name, spec.layer or spec.site, True, None, ctx.options.block_size)
         counters["flex_rewritten"] += 1
     if sites:
         finish(gm)

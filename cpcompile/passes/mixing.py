@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Literal
 
 import torch
@@ -53,7 +52,7 @@ import torch.fx as fx
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedMixingError
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import PassContext, arg, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import PassContext, arg, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.positions import SequenceLength, graph_facts, sequence_length
 from cpcompile.passes.sequence_dims import Tags, is_nested, sequence_dims, shape_of, size_hint
 
@@ -141,24 +140,6 @@ def _val(n: object) -> object:
 
 
 # -- find ------------------------------------------------------------------------------------------------------
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-def source_line(n: fx.Node) -> str:
-    """``file:line: code`` of the model's line that made ``n``: the last frame of Dynamo's stack trace outside
-    torch itself (``F.pad`` reports the model's call, not torch's), or ``""``."""
-    lines = [x.strip() for x in (n.meta.get("stack_trace") or "").strip().splitlines() if x.strip()]
-    frames = []
-    for i, line in enumerate(lines):
-        if line.startswith("File ") and line.count('"') >= 2:
-            file = line.split('"')[1]
-            number = line.split("line ")[-1].split(",")[0]
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            frames.append((file, number, code))
-    outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
-    return f"{outside[-1][0]}:{outside[-1][1]}: {outside[-1][2]}" if outside else ""
-
-
 @dataclasses.dataclass(frozen=True)
 class _Graph:
     """What the finder knows about one graph module."""

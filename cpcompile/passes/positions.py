@@ -45,8 +45,9 @@ import torch.fx as fx
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
-from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.common import arg as _arg
+from cpcompile.passes.mask_rules import prove_mask
 
 __all__ = [
     "PositionCheck",
@@ -112,21 +113,6 @@ REASON_FIXES = (
         "that the training call only slices it (cache[:T]), which cpcompile rewrites",
     ),
 )
-
-
-def source_line(node: fx.Node) -> str:
-    """``file:line (code)`` of the model code that made ``node`` (the innermost frame of its recorded stack
-    trace), or ``""`` when the graph has no stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = trace.rstrip("\n").splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        if line.startswith('File "'):
-            path, _, rest = line[len('File "') :].partition('", line ')
-            number = rest.split(",", 1)[0]
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{path}:{number}" + (f" ({code})" if code else "")
-    return ""
 
 
 def _fix_for(reason: str) -> str:
@@ -988,6 +974,26 @@ def _numbers_local_rows(src: PositionSource) -> bool:
     return True
 
 
+def _handed_mask_reason(src: PositionSource) -> str:
+    """Why a mask built from ``src`` and handed to another graph (the graph's output: a graph break, one graph
+    per layer) cannot be proved (:func:`cpcompile.passes.mask_rules.prove_mask`), or ``""``. A mask used by an
+    SDPA call of this graph or of a nested one is proved by the attention pass."""
+    facts, seen, stack = src.facts, set(), [src.node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "output" and _pairwise(n, facts.seq):
+                proof = prove_mask(n, _shape(n)[-1])
+                if proof.reason:
+                    return f"it builds a mask handed to another graph: {proof.reason}"
+            elif u in facts.mask_only and u in facts.live:
+                stack.append(u)
+    return ""
+
+
 def check_source(src: PositionSource) -> PositionCheck:
     """What to do with ``src``: leave it to the mask, leave it unchanged, rewrite it, or refuse it (with why).
 
@@ -999,7 +1005,8 @@ def check_source(src: PositionSource) -> PositionCheck:
     """
     facts = src.facts
     if src.node in facts.mask_only:
-        return PositionCheck("mask")
+        reason = _handed_mask_reason(src)
+        return PositionCheck("refuse", reason) if reason else PositionCheck("mask")
     if src.kind == "arange" and _numbers_local_rows(src):
         return PositionCheck("unchanged", ROW_NUMBERS)
     if src.kind in ("length", "other") or src.problem:

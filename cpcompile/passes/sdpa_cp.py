@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import math
 import numbers
-import operator
 import re
 
 import torch
@@ -27,9 +26,11 @@ from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.passes.aliasing import last_write, op_name
-from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
+from cpcompile.passes.mask_rules import MaskProof, outer_arguments, prove_mask
+from cpcompile.runtime.workload import record_attention_form
 
 __all__ = [
     "SDPASite",
@@ -82,6 +83,12 @@ class SDPASite:
     def where(self) -> str:
         """A human-readable location: the layer name and the graph node."""
         return f"{self.layer or '<top level>'} (node {self.node.name})"
+
+    @property
+    def located(self) -> str:
+        """:attr:`where`, after the model's source line (``file:line (code)``) when the graph recorded it."""
+        line = source_line(self.node)
+        return f"{line}, {self.where}" if line else self.where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,43 +287,25 @@ def check_site(site: SDPASite) -> str | None:
 
 
 # -- sliding windows --------------------------------------------------------------------------------------
-_GT = (operator.gt, torch.gt)
-_SUB = (operator.sub, torch.sub)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
-def _ancestors(node: fx.Node, limit: int = 400) -> list[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack, out = [node], []
-    while stack and len(out) < limit:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        out.append(n)
-        stack.extend(n.all_input_nodes)
-    return out
+def mask_proof(site: SDPASite, outer: dict | None = None) -> MaskProof:
+    """What the subgraph that builds the site's mask applies (:func:`cpcompile.passes.mask_rules.prove_mask`):
+    its sliding windows, or why it cannot be proved. Nothing to prove without a mask built in the graph.
+    ``outer`` (:func:`cpcompile.passes.mask_rules.outer_arguments`) follows a nested graph's mask input to where
+    the calling graph builds it (a checkpointed layer)."""
+    q = site.meta(site.query)
+    if not isinstance(site.attn_mask, fx.Node) or q is None or q.dim() < 3:
+        return MaskProof()
+    return prove_mask(site.attn_mask, q.shape[-2], outer)
 
 
 def graph_windows(site: SDPASite) -> set[int]:
-    """Sliding windows written into the subgraph that builds the site's mask.
-
-    transformers' ``sliding_window_overlay`` is ``kv > q - window`` (on position ids or indices); in a Dynamo
-    graph that is ``gt(kv, sub(q, window))`` with ``window`` an int constant. Empty when the mask is a graph
-    input (e.g. one graph per decoder layer under FSDP2) or has no window.
-    """
-    if not isinstance(site.attn_mask, fx.Node):
-        return set()
-    found = set()
-    for n in _ancestors(site.attn_mask):
-        is_gt = (n.op == "call_function" and n.target in _GT) or (n.op == "call_method" and n.target == "gt")
-        if not is_gt or len(n.args) < 2 or not isinstance(n.args[1], fx.Node):
-            continue
-        sub = n.args[1]
-        is_sub = (sub.op == "call_function" and sub.target in _SUB) or (sub.op == "call_method" and sub.target == "sub")
-        if is_sub and len(sub.args) == 2 and isinstance(sub.args[1], int) and not isinstance(sub.args[1], bool):
-            found.add(sub.args[1])
-    return found
+    """Sliding windows written into the subgraph that builds the site's mask, in any spelling (transformers'
+    ``kv > q - window``, ``(q - k) < window``, ...: :func:`mask_proof`). Empty when the mask is a graph input
+    (e.g. one graph per decoder layer under FSDP2), has no window, or cannot be proved."""
+    return set(mask_proof(site).windows)
 
 
 def config_window(config: object, layer: str) -> tuple[int | None, str | None]:
@@ -345,15 +334,19 @@ def config_window(config: object, layer: str) -> tuple[int | None, str | None]:
     return None, f"layer type {kind!r} is not supported (only 'full_attention' and 'sliding_attention')"
 
 
-def site_window(site: SDPASite, config: object | None) -> tuple[int | None, str | None]:
+def site_window(site: SDPASite, config: object | None, outer: dict | None = None) -> tuple[int | None, str | None]:
     """The sliding window of ``site`` (``None``: none) and ``None``, or ``(None, reason)`` to refuse.
 
-    Sources: the window constant in the graph that builds the mask (:func:`graph_windows`) and, when given,
-    the model config (:func:`config_window`). When both are known they must agree; the config is the only
-    source when the mask is a graph input. Whatever the source, the runtime compares the model's local mask
-    with the plan's on the first call of every site.
+    A mask built in the graph that :func:`mask_proof` cannot prove to be causal order, same document and a
+    sliding window is refused. Sources: the window in the graph that builds the mask (:func:`graph_windows`)
+    and, when given, the model config (:func:`config_window`). When both are known they must agree; the config
+    is the only source when the mask is a graph input. Whatever the source, the runtime compares the model's
+    local mask with the plan's on every step.
     """
-    in_graph = graph_windows(site)
+    proof = mask_proof(site, outer)
+    if proof.reason:
+        return None, proof.reason
+    in_graph = set(proof.windows)
     if len(in_graph) > 1:
         return None, f"the mask combines several sliding windows {sorted(in_graph)}; cpcompile supports one per layer"
     graph_w = next(iter(in_graph), None)
@@ -692,14 +685,16 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         for node, layer, what in find_non_sdpa_attention(gm):
             counters["non_sdpa_attention"] += 1
             reason = _non_sdpa_reason(node, what, config)
+            line = source_line(node)
             refuse(
-                f"{layer or '<top level>'} (node {node.name})",
+                f"{line + ', ' if line else ''}{layer or '<top level>'} (node {node.name})",
                 reason,
                 _refused_report(ctx.graph_id, node.name, layer, reason),
             )
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports
+    outer = outer_arguments(gm)
     for site in sites:
         if ctx.cp_size == 1 and ctx.options.attention != "block":
             # nothing is rewritten, so the model runs exactly as it is, whatever form its attention takes
@@ -708,12 +703,12 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         reason = check_site(site)
         window, kernel = None, _kernel_for(site, ctx.options.attention)
         if reason is None:
-            window, reason = site_window(site, config)
+            window, reason = site_window(site, config, outer)
         if reason is None:
             reason = _kernel_reason(site, kernel)
         if reason is not None:
             counters["sdpa_refused"] += 1
-            refuse(site.where, reason, _report(site, ctx.graph_id, "refused", reason))
+            refuse(site.located, reason, _report(site, ctx.graph_id, "refused", reason))
             continue
         spec = _site_spec(site, ctx, window, kernel)
         ops.register_site(spec)
@@ -722,6 +717,16 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             rewrite_site(gm, site, spec, ctx)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile sdpa_cp pass failed while rewriting {site.where}: {e}") from e
+        # what cpcompile.shard's balanced layout evens out: the attention forms compiled for this CP group
+        layer = spec.layer or spec.site
+        record_attention_form(
+            spec.group_name,
+            layer,
+            spec.documents,
+            spec.window,
+            ctx.options.block_size,
+            selective=spec.exchange == "selective",
+        )
         counters["sdpa_rewritten"] += 1
     finish(gm)
     return reports

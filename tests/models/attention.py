@@ -21,6 +21,10 @@ Attention forms (``ATTENTION_FORMS``):
 * ``document_ids``: causal and same document, read from a per-token ``document_ids`` input (the model's
   ``document_ids=`` keyword; ``position_ids`` still give the learned positions): one document stays whole
   across a rank's runs of tokens.
+* ``window_diff``: causal, same document, and a sliding window of ``LONG_WINDOW`` tokens written as a difference
+  of indices, ``(q - k) < LONG_WINDOW``: rewritten with that window.
+* ``chunked``: causal, same document, and chunked attention (Llama-4 style) ``k // CHUNK == q // CHUNK``: refused
+  (attention within fixed blocks of absolute indices is not a rule cpcompile applies).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 WINDOW = 4
+#: The window of the ``window_diff`` form: at least the chunk length of the tests that use it.
+LONG_WINDOW = 24
+#: The block of the ``chunked`` form.
+CHUNK = 8
 
 ATTENTION_FORMS = (
     "causal_gqa",
@@ -43,6 +51,8 @@ ATTENTION_FORMS = (
     "head_expanded",
     "head_windows",
     "document_ids",
+    "window_diff",
+    "chunked",
 )
 
 
@@ -73,13 +83,20 @@ class Attention(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         if self.form == "causal_gqa":
             kwargs = {"is_causal": True, "enable_gqa": True}
-        elif self.form in ("bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids"):
+        elif self.form in (
+            "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff",
+            "chunked",
+        ):  # fmt: skip
             doc = position_ids if self.form == "document_ids" else _doc_ids(position_ids)  # ids given as they are
             mask = doc[:, :, None] == doc[:, None, :]
             if self.form in ("packed_docs", "head_expanded", "document_ids"):
                 mask = mask & causal
             elif self.form == "window":
                 mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
+            elif self.form == "window_diff":
+                mask = mask & causal & ((idx[:, None] - idx[None, :]) < LONG_WINDOW)
+            elif self.form == "chunked":
+                mask = mask & causal & (idx[None, :] // CHUNK == idx[:, None] // CHUNK)
             mask = mask[:, None]
             if self.form == "head_expanded":
                 mask = mask.expand(B, self.heads, T, T)

@@ -1,0 +1,501 @@
+"""Masks a model builds from token positions: proved to be cpcompile's visibility rule, or refused.
+
+Main API: :func:`prove_mask` (a :class:`MaskProof`: the sliding windows the mask applies, or why it cannot be
+proved), used by :mod:`cpcompile.passes.sdpa_cp` on every site whose mask is built in the graph.
+
+Why at compile time: the runtime compares the model's mask with the plan's local rule on this rank's ``c x c``
+block only. A condition that is constant on that block but not across the whole sequence passes that check and
+runs wrong: a sliding window of ``W >= c`` tokens written as ``(q - k) < W`` looks causal inside the block, and
+chunked attention ``k // 8 == q // 8`` looks causal when ``c <= 8``. So the subgraph that builds the mask is read
+as a formula over query and key positions, and every condition must be one the rule has:
+
+* **causal order**: ``k <= q`` in any spelling (``q >= k``, ``k < q + 1``, ``q - k >= 0``, ``~(k > q)``,
+  ``ones(T, T).tril()``, ``~ones(T, T).triu(1)``);
+* **a sliding window**: ``k > q - W`` in any spelling (``(q - k) < W``, ``q - k <= W - 1``, ``k >= q - W + 1``),
+  which becomes the site's window;
+* **same document**: equality of per-token values the model got as inputs or computed from them
+  (transformers' document ids from ``diff(position_ids) != 1``, a ``document_ids`` input);
+* per-token conditions on inputs (a padding mask), combined with ``&``.
+
+Positions are the local ``arange`` of the sequence length and per-token inputs (``position_ids``), moved by
+layout ops, offsets by int constants and lookups at other positions (``position_ids[b, q_idx]``, the batch dim
+told apart from the sequence dim). Anything else a position goes through before it reaches the mask (``//``,
+``%``, ``*``, a comparison with a constant, a table lookup), and a mask combined with ``|`` or negated as a whole,
+read from a buffer or written in place, is refused with the model's source line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.passes.aliasing import mutated, op_name, viewed_bases
+from cpcompile.passes.common import graph_modules, node_value, node_where, source_line
+
+__all__ = ["MaskProof", "outer_arguments", "prove_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskProof:
+    """What :func:`prove_mask` found: the sliding windows of the mask, or why it is refused."""
+
+    #: Sliding windows (``k > q - W``) the mask applies; empty: causal (and documents) only.
+    windows: frozenset = frozenset()
+    #: ``""`` when proved; else the refusal, naming the model's source line and the op.
+    reason: str = ""
+
+
+class _Unproven(Exception):
+    def __init__(self, node: fx.Node, what: str) -> None:
+        line = source_line(node)
+        super().__init__(f"{what} at {line + ', ' if line else ''}{node_where(node)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokens:
+    """A per-token value: one entry per local token along one dim."""
+
+    #: The dim holding the tokens, counted from the right (1: the last dim). In the ``[.., T_q, T_k]`` mask a
+    #: value along dim -2 belongs to the query, along dim -1 to the key.
+    rdim: int
+    #: ``"index"``: the local ``arange`` of the length (ordered, compared as positions); ``"data"``: per-token
+    #: inputs and values computed from them (positions, document ids, padding).
+    kind: str
+    #: An int constant added to the value (``q + 1``); ``None`` when a value known only at run time was added
+    #: (the value is still a label, but its order is not known).
+    offset: int | None = 0
+    #: The arange itself, unmoved (it may index the batch dim of a table when the batch size equals the length).
+    bare: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Difference:
+    """``sign * (q - k) + offset``, pairwise."""
+
+    sign: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """A bool pairwise mask proved to be causal order, same document and the windows ``windows`` (or fewer)."""
+
+    windows: frozenset = frozenset()
+
+
+#: Not computed from token positions (constants, sizes, module state, the batch index).
+_PLAIN = None
+_ONES = "ones"  # a plain tensor of ones (``ones(T, T)``), a marker among plain values
+
+_LAYOUT = {
+    "to", "type", "type_as", "contiguous", "clone", "detach", "bool", "long", "int", "float", "expand",
+    "expand_as", "broadcast_to", "alias",
+}  # fmt: skip
+_RESHAPE = {"view", "reshape", "view_as", "reshape_as"}
+_COMPARE = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne"}
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
+_NOT = {"invert", "logical_not", "bitwise_not"}
+_AND = {"and_", "logical_and", "bitwise_and", "__and__", "mul"}
+#: Ops that keep per-token input values per-token labels (document ids, padding): equality stays meaningful.
+_DATA_OPS = {
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "and_", "or_", "invert",
+    "bitwise_not", "diff", "cumsum", "add", "sub", "neg",
+}  # fmt: skip
+_ONES_FACTORIES = {"ones", "new_ones", "ones_like"}
+#: Ops that read no tensor value, only shapes, dtypes and devices.
+_SHAPE_ONLY = {
+    "size", "dim", "numel", "sym_size", "new_ones", "new_zeros", "new_empty", "new_full", "ones_like", "zeros_like",
+    "empty_like", "full_like",
+}  # fmt: skip
+
+
+def _shape(n: object) -> tuple | None:
+    v = node_value(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)) and _compat.statically_true(a == b)
+
+
+def _int(x: object) -> int | None:
+    """A plain int constant (a node's value when it is a concrete int), else ``None``."""
+    v = node_value(x) if isinstance(x, fx.Node) else x
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def outer_arguments(gm: fx.GraphModule) -> dict[fx.Node, object]:
+    """Every placeholder of a graph nested in ``gm`` (the body of a higher-order op such as activation
+    checkpointing's ``tag_activation_checkpoint(body, *operands)``) mapped to the operand the calling graph passes
+    it: a mask built outside a checkpointed layer is read where it is built."""
+    out: dict[fx.Node, object] = {}
+    for g in graph_modules(gm):
+        for n in g.graph.nodes:
+            if n.op != "call_function" or not _compat.is_higher_order_op(n.target) or not n.args:
+                continue
+            body = n.args[0]
+            if not (isinstance(body, fx.Node) and body.op == "get_attr"):
+                continue
+            module = getattr(g, str(body.target), None)
+            if not isinstance(module, fx.GraphModule):
+                continue
+            holders = [p for p in module.graph.nodes if p.op == "placeholder"]
+            if len(holders) == len(n.args) - 1:
+                out.update(zip(holders, n.args[1:]))
+    return out
+
+
+class _Prover:
+    def __init__(self, length: object, outer: dict | None) -> None:
+        self.length = length
+        self.outer = outer or {}
+        self.values: dict[fx.Node, object] = {}
+        self.windows: set[int] = set()
+
+    # -- values ------------------------------------------------------------------------------------------
+    def value(self, x: object) -> object:
+        if not isinstance(x, fx.Node):
+            return _PLAIN
+        if x not in self.values:
+            self.values[x] = self._evaluate(x)
+        return self.values[x]
+
+    def _evaluate(self, n: fx.Node) -> object:
+        if n.op == "placeholder" or n.op == "get_attr":
+            return self._input(n)
+        if n.op not in ("call_function", "call_method"):
+            return _PLAIN
+        for u in n.users:  # a mask written in place is not what its ops say
+            target = mutated(u)
+            if target is not None and n in viewed_bases(target) and u is not n:
+                raise _Unproven(u, f"{op_name(u)} writes in place into a value the mask is built from")
+        name = op_name(n)
+        if name in _SHAPE_ONLY:
+            return self._plain(n, name)
+        if name in _NOT and n.args and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in {*_COMPARE, "triu"}:
+            return self._not(n, n.args[0])  # the condition itself is not evaluated: its negation is
+        inputs = [self.value(a) for a in n.all_input_nodes]
+        if all(v is _PLAIN or v == _ONES for v in inputs):
+            return self._plain(n, name)
+        if name == "getitem":
+            return self._getitem(n)
+        if name in _LAYOUT:
+            return self.value(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else _PLAIN
+        if name in _RESHAPE or name in ("unsqueeze", "squeeze"):
+            return self._reshape(n, name)
+        if name in ("add", "sub", "iadd", "isub"):
+            return self._add(n, name)
+        if name in _COMPARE:
+            return self._compare(n, _COMPARE[name])
+        if name in _AND:
+            return self._and(n, name)
+        if name in ("tril", "triu"):
+            return self._tril(n, name)
+        return self._other(n, name, inputs)
+
+    def _not(self, n: fx.Node, inner: fx.Node) -> object:
+        """``~cond`` of one condition: the comparison with the negated operator (``~(k > q)`` is ``k <= q``), or
+        ``~triu(ones, d)``, which is ``tril(ones, d - 1)``. A negated conjunction is refused."""
+        name = op_name(inner)
+        if all(self.value(a) is _PLAIN for a in inner.all_input_nodes):
+            return _PLAIN
+        if name in _COMPARE:
+            return self._compare(inner, _NEGATE[_COMPARE[name]])
+        if name == "triu" and self.value(inner.args[0]) == _ONES:
+            diagonal = inner.args[1] if len(inner.args) > 1 else inner.kwargs.get("diagonal", 0)
+            if _int(diagonal) == 1:
+                return _Rule()
+        raise _Unproven(n, f"{op_name(n)} of a mask built from token positions (only of one comparison or triu)")
+
+    def _input(self, n: fx.Node) -> object:
+        if n in self.outer:  # a nested graph's input: read where the calling graph makes it
+            return self.value(self.outer[n])
+        shape = _shape(n)
+        if shape is None or _compat.is_module_state(n):
+            return _PLAIN
+        dims = [d for d, s in enumerate(shape) if _same(s, self.length) or self._hinted(s)]
+        v = node_value(n)
+        if v.dtype == torch.bool and len(shape) >= 3 and dims[-2:] == [len(shape) - 2, len(shape) - 1]:
+            return _Rule()  # a [.., T, T] mask made elsewhere: the runtime compares it with the plan's rule
+        if not dims:
+            return _PLAIN
+        d = 1 if len(shape) >= 2 and 1 in dims else dims[-1]  # [B, T, ...]: the sequence is dim 1
+        return _Tokens(len(shape) - d, "data")
+
+    def _hinted(self, size: object) -> bool:
+        """A symbolic input size traced at the mask's constant length (FSDP2's root graph builds transformers'
+        mask with the chunk length as a constant while its inputs have a symbolic length)."""
+        return isinstance(size, torch.SymInt) and type(self.length) is int and _compat.sym_hint(size) == self.length
+
+    def _plain(self, n: fx.Node, name: str) -> object:
+        """A value computed from plain values only: an arange of the local length is the token index."""
+        if name == "arange":
+            shape = _shape(n)
+            if shape is not None and len(shape) == 1 and _same(shape[0], self.length):
+                start = n.args[0] if len(n.args) > 1 else n.kwargs.get("start", 0)
+                step = n.args[2] if len(n.args) > 2 else n.kwargs.get("step", 1)
+                if _int(start) is None or _int(step) != 1:
+                    raise _Unproven(n, "an arange with a start or step other than int constants, step 1,")
+                return _Tokens(1, "index", _int(start), bare=_int(start) == 0)
+        if name in _ONES_FACTORIES or (name in ("full", "new_full") and _int(n.args[-1]) == 1):
+            return _ONES
+        return _PLAIN
+
+    # -- per-token values ----------------------------------------------------------------------------------
+    def _getitem(self, n: fx.Node) -> object:
+        base, index = n.args[0], n.args[1]
+        b = self.value(base)
+        entries = index if isinstance(index, tuple) else (index,)
+        tensors = [e for e in entries if isinstance(e, fx.Node) and isinstance(node_value(e), torch.Tensor)]
+        if tensors:
+            return self._lookup(n, b, entries)
+        if isinstance(b, _Rule):
+            return self._keeps_last_two(n, b, entries)
+        if not isinstance(b, _Tokens):
+            raise _Unproven(n, "indexing of a value built from token positions")
+        shape, out = _shape(base), _shape(n)
+        kept = _kept_dim(entries, shape, len(shape) - b.rdim)
+        if kept is None:
+            if b.kind == "data":
+                return _PLAIN  # some tokens' inputs (the first position of a row): per-row values
+            raise _Unproven(n, f"a selection {index!r} along the token dim of token positions")
+        return dataclasses.replace(b, rdim=len(out) - kept)
+
+    def _lookup(self, n: fx.Node, table: object, entries: tuple) -> object:
+        """``table[b_idx, t_idx]``: a per-token table read at the token positions (advanced indexing)."""
+        if not isinstance(table, _Tokens):
+            raise _Unproven(n, "a table or buffer looked up at token positions (its values are not in the graph)")
+        shape = _shape(n.args[0])
+        seq = len(shape) - table.rdim
+        if any(e is None or e is Ellipsis or isinstance(e, slice) for e in entries) or len(entries) <= seq:
+            raise _Unproven(n, "a lookup of token positions with slices or new dims between its indices")
+        found = None
+        for d, e in enumerate(entries):
+            v = self.value(e)
+            if d == seq:
+                if not (isinstance(v, _Tokens) and v.kind == "index" and v.offset == 0):
+                    raise _Unproven(n, "a lookup of per-token values at other than the token index (a shift)")
+                found = v
+            elif v is not _PLAIN and not (isinstance(v, _Tokens) and v.bare):  # the batch index
+                raise _Unproven(n, f"a lookup along dim {d} (not the token dim) at token positions")
+        rest = len(shape) - len(entries)
+        return _Tokens(found.rdim + rest, table.kind, table.offset)
+
+    def _reshape(self, n: fx.Node, name: str) -> object:
+        v = self.value(n.args[0])
+        shape, out = _shape(n.args[0]), _shape(n)
+        if shape is None or out is None:
+            raise _Unproven(n, f"{name} of a value built from token positions without a recorded shape")
+        if isinstance(v, _Rule):
+            if len(out) >= 2 and _same(out[-1], shape[-1]) and _same(out[-2], shape[-2]):
+                return v
+            raise _Unproven(n, f"{name} moves the query or key dim of a mask")
+        if not isinstance(v, _Tokens):
+            raise _Unproven(n, f"{name} of a value built from token positions")
+        seq = len(shape) - v.rdim
+        after = 1
+        for s in shape[seq + 1 :]:
+            after *= s
+        acc = 1
+        for k in range(len(out) - 1, -1, -1):  # the out dim of the same size with the same elements after it
+            if _same(acc, after) and _same(out[k], shape[seq]):
+                return dataclasses.replace(v, rdim=len(out) - k, bare=False)
+            acc *= out[k]
+        raise _Unproven(n, f"{name} from {list(shape)} to {list(out)} moves token positions across dims")
+
+    def _keeps_last_two(self, n: fx.Node, rule: _Rule, entries: tuple) -> _Rule:
+        shape, out = _shape(n.args[0]), _shape(n)
+        if shape is not None and out is not None and len(shape) >= 2:
+            q, k = _kept_dim(entries, shape, len(shape) - 2), _kept_dim(entries, shape, len(shape) - 1)
+            if q == len(out) - 2 and k == len(out) - 1:
+                return rule
+        raise _Unproven(n, "a selection of query or key rows of a mask")
+
+    def _add(self, n: fx.Node, name: str) -> object:
+        a, b = n.args[0], n.args[1]
+        va, vb = self.value(a), self.value(b)
+        sign = -1 if name in ("sub", "isub") else 1
+        if isinstance(va, _Tokens) and isinstance(vb, _Tokens) and va.rdim != vb.rdim:
+            if sign != -1 or (va.kind == "index") != (vb.kind == "index"):
+                raise _Unproven(n, f"{name} of query and key positions (only their difference is read)")
+            q_first = va.rdim == 2 and vb.rdim == 1
+            if not (q_first or (va.rdim == 1 and vb.rdim == 2)):
+                raise _Unproven(n, "a difference of token positions along unexpected dims")
+            if va.offset is None or vb.offset is None:
+                raise _Unproven(n, f"{name} of positions moved by a value known only at run time")
+            return _Difference(1 if q_first else -1, va.offset - vb.offset)
+        tokens, other = (va, b) if isinstance(va, _Tokens) else (vb, a)
+        if isinstance(tokens, _Tokens) and self.value(other) is _PLAIN:
+            k = _int(other)
+            if k is None:
+                if tokens.kind == "data":  # still a label; its order is no longer known
+                    return dataclasses.replace(tokens, offset=None, bare=False)
+                raise _Unproven(n, f"{name} of token positions and a value known only at run time")
+            if sign == -1 and tokens is vb:
+                raise _Unproven(n, "a constant minus token positions (positions reversed)")
+            offset = None if tokens.offset is None else tokens.offset + sign * k
+            return dataclasses.replace(tokens, offset=offset, bare=False)
+        if isinstance(va, _Difference) and self.value(b) is _PLAIN and _int(b) is not None:
+            return _Difference(va.sign, va.offset + sign * _int(b))
+        raise _Unproven(n, f"{name} of values built from token positions")
+
+    def _compare(self, n: fx.Node, op: str) -> object:
+        a, b = n.args[0], n.args[1]
+        va, vb = self.value(a), self.value(b)
+        if isinstance(va, _Tokens) and isinstance(vb, _Tokens) and va.rdim != vb.rdim:
+            return self._order(n, op, va, vb)
+        if isinstance(vb, _Difference) and not isinstance(va, _Difference):
+            va, vb, op = vb, va, _FLIP[op]
+            a, b = b, a
+        if isinstance(va, _Difference):
+            k = _int(b)
+            if vb is not _PLAIN or k is None:
+                raise _Unproven(n, "a difference of token positions compared with a value known only at run time")
+            return self._bound(n, op, va.sign, k - va.offset)
+        tokens = va if isinstance(va, _Tokens) else vb
+        if isinstance(tokens, _Tokens) and (va is _PLAIN or vb is _PLAIN):
+            if tokens.kind == "index":
+                raise _Unproven(n, f"{op} of token positions with a constant (a fixed range of positions)")
+            return dataclasses.replace(tokens, bare=False)  # a per-token condition on inputs
+        if isinstance(va, _Tokens) and isinstance(vb, _Tokens) and va.kind == vb.kind == "data":
+            return dataclasses.replace(va, bare=False)
+        raise _Unproven(n, f"{op} of values built from token positions")
+
+    def _order(self, n: fx.Node, op: str, va: _Tokens, vb: _Tokens) -> _Rule:
+        """``va op vb`` with one side the query's (rdim 2) and the other the key's (rdim 1)."""
+        if {va.rdim, vb.rdim} != {1, 2}:
+            raise _Unproven(n, "a comparison of token positions along unexpected dims")
+        if va.rdim == 2:  # put the key first: k + a  op  q + b
+            va, vb, op = vb, va, _FLIP[op]
+        if op == "eq":
+            if va.kind == "data" and vb.kind == "data" and va.offset == vb.offset:
+                return _Rule()  # same document
+            raise _Unproven(n, "an equality of token indices (not a document condition)")
+        if op == "ne":
+            raise _Unproven(n, "ne of query and key positions")
+        if (va.kind == "index") != (vb.kind == "index"):
+            raise _Unproven(n, f"{op} of a token index with a per-token input")
+        if va.offset is None or vb.offset is None:
+            raise _Unproven(n, f"{op} of positions moved by a value known only at run time")
+        # k + a op q + b  <=>  (q - k) flip(op) (a - b)
+        return self._bound(n, _FLIP[op], 1, va.offset - vb.offset)
+
+    def _bound(self, n: fx.Node, op: str, sign: int, k: int) -> _Rule:
+        """The condition ``sign * (q - k) op k`` as causal order or a window; refused otherwise."""
+        if sign == -1:
+            op, k = _FLIP[op], -k
+        d = "q - k"
+        if op in ("lt", "le"):  # an upper bound on the distance: a sliding window
+            window = k if op == "lt" else k + 1
+            if window < 1:
+                raise _Unproven(n, f"the condition {d} < {window}, which no key satisfies,")
+            self.windows.add(window)
+            return _Rule(frozenset({window}))
+        if op in ("gt", "ge"):
+            lowest = k + 1 if op == "gt" else k
+            if lowest != 0:
+                raise _Unproven(n, f"the condition {d} >= {lowest}, which is not causal order,")
+            return _Rule()
+        raise _Unproven(n, f"{op} of query and key positions")
+
+    def _and(self, n: fx.Node, name: str) -> object:
+        values = [self.value(a) for a in n.args[:2]]
+        if name == "mul" and any(not isinstance(node_value(a), torch.Tensor) or node_value(a).dtype != torch.bool
+                                 for a in n.args[:2]):  # fmt: skip
+            raise _Unproven(n, "mul of values built from token positions")
+        if all(isinstance(v, _Tokens) for v in values):
+            if all(v.kind == "data" for v in values):
+                return dataclasses.replace(values[0], bare=False) if values[0].rdim == values[1].rdim else _Rule()
+            raise _Unproven(n, f"{name} of token positions")
+        windows: set = set()
+        for a, v in zip(n.args[:2], values):
+            if isinstance(v, _Rule):
+                windows |= v.windows
+            elif isinstance(v, _Tokens) and v.kind == "data":
+                continue  # a per-token condition on inputs (padding)
+            elif v is _PLAIN and not _pairwise(a, self.length):
+                continue  # a scalar or a constant
+            elif v != _ONES:
+                raise _Unproven(n, f"{name} of a mask with a value not built from token positions (a buffer?)")
+        return _Rule(frozenset(windows))
+
+    def _tril(self, n: fx.Node, name: str) -> _Rule:
+        v = self.value(n.args[0])
+        diagonal = n.args[1] if len(n.args) > 1 else n.kwargs.get("diagonal", 0)
+        if name == "triu" or _int(diagonal) != 0:
+            raise _Unproven(n, f"{name}(diagonal={diagonal}), which is not causal order,")
+        if not (isinstance(v, _Rule) or v == _ONES):
+            raise _Unproven(n, f"{name} of a value not built from token positions (a buffer?)")
+        return v if isinstance(v, _Rule) else _Rule()
+
+    def _other(self, n: fx.Node, name: str, inputs: list) -> object:
+        data_only = all(v is _PLAIN or (isinstance(v, _Tokens) and v.kind == "data") for v in inputs)
+        if data_only and name in _DATA_OPS:
+            tokens = next(v for v in inputs if isinstance(v, _Tokens))
+            return dataclasses.replace(tokens, bare=False)
+        raise _Unproven(n, f"{name} of values built from token positions")
+
+
+def _kept_dim(entries: tuple, shape: tuple, dim: int) -> int | None:
+    """The output dim of input dim ``dim`` of ``x[entries]`` (basic indexing) when the dim is kept whole, else
+    ``None`` (selected, sliced or indexed by an int)."""
+    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    d = o = 0
+    for e in entries:
+        if e is None:
+            o += 1
+            continue
+        if e is Ellipsis:
+            k = len(shape) - consumed
+            if d <= dim < d + k:
+                return o + dim - d
+            d, o = d + k, o + k
+            continue
+        if d == dim:
+            return o if isinstance(e, slice) and _full_slice(e, shape[d]) else None
+        o += 1 if isinstance(e, slice) else 0
+        d += 1
+    return o + dim - d  # not indexed: after the entries
+
+
+def _full_slice(e: object, size: object) -> bool:
+    if not isinstance(e, slice) or e.step not in (None, 1):
+        return False
+    start = node_value(e.start) if isinstance(e.start, fx.Node) else e.start
+    stop = node_value(e.stop) if isinstance(e.stop, fx.Node) else e.stop
+    return start in (None, 0) and (stop is None or _compat.statically_true(stop >= size))
+
+
+def _pairwise(n: object, length: object) -> bool:
+    shape = _shape(n)
+    return shape is not None and len(shape) >= 2 and _same(shape[-1], length) and _same(shape[-2], length)
+
+
+def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> MaskProof:
+    """Read the subgraph that builds ``mask`` (a bool ``[.., T, T]`` attention mask) for local length ``length``.
+
+    Returns the windows it applies, or the first condition that is not causal order, a sliding window or a
+    document condition (see the module docstring), with the model's source line. A mask that is a graph input
+    (made in another graph) is proved here as far as this graph sees it; the runtime checks it on every step.
+    ``outer`` (:func:`outer_arguments`) follows the inputs of nested graphs to the graph that calls them.
+    """
+    prover = _Prover(length, outer)
+    try:
+        value = prover.value(mask)
+    except _Unproven as e:
+        return MaskProof(
+            reason=f"the mask is built from token positions through {e}, which cpcompile cannot prove to be "
+            "causal order, a sliding window or a document condition across CP ranks (this rank's block of the mask "
+            "can look right while the whole sequence's is not); build the mask from k <= q, k > q - window and "
+            "equal document ids (or position ids restarting at 0 per document), or run this attention without "
+            "context parallelism"
+        )
+    if isinstance(value, _Tokens) and value.kind == "index":
+        return MaskProof(reason="the mask is a per-token index, not a [.., T, T] mask of queries and keys")
+    return MaskProof(windows=frozenset(prover.windows))

@@ -1,0 +1,183 @@
+"""The active :func:`cpcompile.shard` context of a thread, and what reads it.
+
+The compiled graph cannot carry the per-batch layout (FSDP2 splits a model into one graph per layer, and the
+layer graphs never see ``position_ids``), so :func:`cpcompile.shard` activates a :class:`~cpcompile.plan.CPPlan`
+for the duration of a ``with`` block (:func:`activated`) and the rewritten graph reads it at run time through the
+custom ops of :mod:`cpcompile.ops` (:func:`active_context` is their way in). The user-facing readers live here
+too: :func:`current_plan`, :func:`gather`, :func:`real_tokens`, :func:`comm_stats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from cpcompile.plan import CPPlan
+from cpcompile.runtime.comm import CommStats, gather_sequence
+
+__all__ = [
+    "Active",
+    "StepRecord",
+    "activated",
+    "active_context",
+    "comm_stats",
+    "current_plan",
+    "ensure_inactive",
+    "gather",
+    "real_tokens",
+    "record_attention_free_graph",
+    "warn_if_no_attention",
+]
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What ran in one :func:`shard` step: rewritten attention calls, and compiled graphs without attention."""
+
+    #: Calls of rewritten attention sites (``cpcompile::site_plan``).
+    sites: int = 0
+    #: Frames of the compiled graphs of this CP group that have no rewritten attention and ran in the step.
+    attention_free: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Active:
+    """The active :func:`shard` context: its plan, CP group and collective counts."""
+
+    plan: CPPlan
+    group: dist.ProcessGroup | None
+    comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
+    #: The model masks already compared with the plan in this step (written only by the attention ops).
+    checked_masks: set = dataclasses.field(default_factory=set)
+    ran: StepRecord = dataclasses.field(default_factory=StepRecord)
+
+
+class _State(threading.local):
+    """The shard context that is active in this thread; owned by :func:`shard`."""
+
+    def __init__(self) -> None:
+        self.active: Active | None = None
+        self.last_comm: CommStats | None = None
+
+
+_STATE = _State()
+
+
+def current_plan() -> CPPlan | None:
+    """The plan of the innermost active :func:`shard` context of this thread, or ``None``."""
+    current = _STATE.active
+    return None if current is None else current.plan
+
+
+def ensure_inactive() -> None:
+    """``RuntimeError`` when a :func:`cpcompile.shard` context is already active in this thread."""
+    if _STATE.active is not None:
+        raise RuntimeError(
+            "cpcompile.shard contexts cannot be nested: a shard context is already active in this thread; "
+            "finish the current step's `with cpcompile.shard(...)` block before starting another"
+        )
+
+
+@contextlib.contextmanager
+def activated(context: Active) -> Iterator[Active]:
+    """Make ``context`` the active one of this thread for the ``with`` block; its counts stay readable after."""
+    _STATE.active = context
+    try:
+        yield context
+    finally:
+        _STATE.active = None
+        _STATE.last_comm = context.comm
+
+
+def real_tokens() -> torch.Tensor:
+    """Bool ``[B, c]`` of the active :func:`shard` context: True for this rank's tokens of the batch, False for
+    the padding that makes ``T`` a multiple of the CP size. Multiply a hand-written per-token loss by it (or
+    index with it) so that padding never contributes, whatever the padded keys hold."""
+    return active_context("cpcompile.real_tokens").plan.real_tokens()
+
+
+def active_context(what: str) -> Active:
+    """The active :func:`shard` context of this thread; ``RuntimeError`` naming ``what`` needed it otherwise."""
+    current = _STATE.active
+    if current is None:
+        raise RuntimeError(
+            f"{what} needs an active CP plan, but no cpcompile.shard context is active; call the model as "
+            "`with cpcompile.shard(batch, cp_group) as local: model(**local)`"
+        )
+    return current
+
+
+def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Gather this rank's per-token tensor into the whole sequence, in original token order, without padding.
+
+    ``t`` has this rank's tokens along ``dim`` (e.g. logits ``[B, c, V]``); the result has the global length
+    ``T`` there, whatever the plan's layout. Autograd-aware: the backward returns the incoming gradient of this
+    rank's tokens, which is
+    right when every rank computes the same function of the gathered tensor. Call inside the
+    :func:`shard` context of the batch.
+    """
+    current = active_context("cpcompile.gather")
+    plan = current.plan
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"cpcompile.gather expects a tensor, got {type(t).__name__}")
+    dim = dim % t.dim()
+    if t.shape[dim] != plan.chunk_len:
+        raise ValueError(
+            f"cpcompile.gather: tensor has {t.shape[dim]} elements along dim {dim}, expected this rank's chunk "
+            f"length {plan.chunk_len} (global length {plan.seq_len}, CP size {plan.cp_size}); pass the per-token "
+            "output of the model called with this shard context's `local` batch and the right `dim`"
+        )
+    full = t if plan.cp_size == 1 else gather_sequence(t, dim, current.group, plan.cp_rank, plan.cp_size)
+    return plan.restore_order(full, dim)
+
+
+def comm_stats() -> CommStats:
+    """Collective counts and bytes of the active :func:`shard` context, or of the last one that ended."""
+    active = _STATE.active
+    if active is not None:
+        return active.comm
+    if _STATE.last_comm is None:
+        raise RuntimeError("cpcompile.comm_stats(): no cpcompile.shard context has run in this thread yet")
+    return _STATE.last_comm
+
+
+def record_attention_free_graph(group_name: str, frame: str) -> None:
+    """Note that a graph compiled for ``group_name`` without rewritten attention ran (called by the backend)."""
+    current = _STATE.active
+    if current is not None and current.plan.group_name == group_name and frame not in current.ran.attention_free:
+        current.ran.attention_free.append(frame)
+
+
+#: (group name, frames) already warned about by :func:`warn_if_no_attention`.
+_WARNED_NO_ATTENTION: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def warn_if_no_attention(context: Active, group_name: str) -> None:
+    """Warn once when compiled graphs of the group ran in this step but no rewritten attention did.
+
+    A warning, not an error: a model without attention (token-wise layers only) is exact under CP, and the
+    backend cannot tell it from a model whose attention ran outside the compiled graphs (a
+    ``@torch.compiler.disable`` function, a graph break around it), which attends over this rank's chunk only.
+    """
+    ran = context.ran
+    if ran.sites or not ran.attention_free:
+        return
+    key = (group_name, tuple(ran.attention_free))
+    if key in _WARNED_NO_ATTENTION:
+        return
+    _WARNED_NO_ATTENTION.add(key)
+    warnings.warn(
+        f"cpcompile.shard: the model ran {len(ran.attention_free)} graph(s) compiled for CP group {group_name!r} "
+        f"in this step ({'; '.join(ran.attention_free)}) and none of them held attention: if the model has "
+        "attention, it ran outside the compiled graphs (inside a @torch.compiler.disable function, or cut off by "
+        "a graph break) and attended over this rank's tokens only, which is wrong under context parallelism. "
+        "Let Dynamo trace the attention (remove the disable, fix the graph break: TORCH_LOGS=graph_breaks). A "
+        "model without attention can ignore this warning",
+        stacklevel=3,
+    )

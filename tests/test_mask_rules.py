@@ -1,0 +1,292 @@
+"""Masks the model builds from token positions: proved against cpcompile's rule at compile time, or refused.
+
+A mask the model builds on its local inputs is compared with the plan's local rule on every step, but that
+check only sees this rank's ``c x c`` block. A sliding window of at least ``c`` tokens written as a difference
+``(q - k) < W`` and chunked attention ``k // 8 == q // 8`` at ``c <= 8`` both look causal there and used to run
+silently wrong. The attention pass now reads the whole mask-building subgraph (:mod:`cpcompile.passes.mask_rules`):
+causal order, same document and sliding windows in any of their spellings are proved (the window joins the site),
+and any other use of token positions is refused with the model's source line.
+
+One process: the pass on Dynamo graphs of ``tests._models.TinyAttentionLM`` and of small mask functions. One
+spawned CP=2 group: parity of the difference-spelled window against the single-process eager model (plus a
+control showing the window matters on that batch), and chunked attention refused on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpcompile.errors import UnsupportedAttentionError
+from cpcompile.passes.sdpa_cp import find_sdpa_sites, graph_windows
+from cpcompile.testing import packed_batch
+from tests._dist import run_distributed
+from tests._graphs import dynamo_graph, run_pass
+from tests._models import LONG_WINDOW, attention_lm
+from tests.parity import ParityCase, check_case, reference_step
+
+# T = 37 (c = 19 at CP=2 < LONG_WINDOW = 24 < T); a 30-token document, so the window cuts keys off globally.
+DOCS = ((7, 30), (37,))
+
+
+def _graph(form: str, T: int = 16):
+    batch = packed_batch([[T]])
+    return dynamo_graph(attention_lm(form, layers=1), input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+
+
+# -- one process: the attention pass on traced graphs -------------------------------------------------------
+def test_window_written_as_a_difference_is_the_sites_window():
+    gm = _graph("window_diff")
+    assert [graph_windows(s) for s in find_sdpa_sites(gm)] == [{LONG_WINDOW}]
+    reports = run_pass(gm)
+    assert [r.window for r in reports] == [LONG_WINDOW]
+
+
+def test_chunked_attention_is_refused_at_its_source_line():
+    gm = _graph("chunked")
+    with pytest.raises(UnsupportedAttentionError) as e:
+        run_pass(gm)
+    msg = str(e.value)
+    assert "floordiv" in msg and "_models.py:" in msg and "token positions" in msg, msg
+
+
+class _MaskModel(nn.Module):
+    """One SDPA call under the mask ``rule(q, k, doc_q, doc_k)`` of broadcast ``[T, 1]`` / ``[1, T]`` indices."""
+
+    def __init__(self, rule) -> None:
+        super().__init__()
+        self.rule = rule
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, position_ids):
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        q, k = idx[:, None], idx[None, :]
+        mask = self.rule(q, k)[None, None]
+        h = self.proj(x)[:, None]
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+def _rule_graph(rule, T: int = 16):
+    x = torch.randn(1, T, 8)
+    pos = torch.arange(T)[None]
+    return dynamo_graph(_MaskModel(rule), x=x, position_ids=pos)
+
+
+PROVED = {  # spelling -> window the site gets (None: causal only)
+    "k <= q": (lambda q, k: k <= q, None),
+    "q >= k": (lambda q, k: q >= k, None),
+    "k < q + 1": (lambda q, k: k < q + 1, None),
+    "q - k >= 0": (lambda q, k: (q - k) >= 0, None),
+    "tril": (lambda q, k: torch.ones(q.shape[0], k.shape[1], dtype=torch.bool).tril(), None),
+    "k > q - 5": (lambda q, k: (k <= q) & (k > q - 5), 5),
+    "q - k < 20": (lambda q, k: (k <= q) & ((q - k) < 20), 20),
+    "k - q > -20": (lambda q, k: (k <= q) & ((k - q) > -20), 20),
+    "q - k <= 19": (lambda q, k: (k <= q) & ((q - k) <= 19), 20),
+    "20 > q - k": (lambda q, k: (k <= q) & (20 > (q - k)), 20),
+    "k >= q - 19": (lambda q, k: (k <= q) & (k >= q - 19), 20),
+    "~(k > q)": (lambda q, k: ~(k > q), None),
+    "~triu(ones, 1)": (lambda q, k: ~torch.ones(q.shape[0], k.shape[1], dtype=torch.bool).triu(1), None),
+}
+REFUSED = {  # spelling -> words of the refusal
+    "k // 8 == q // 8": (lambda q, k: (k <= q) & (k // 8 == q // 8), "floordiv"),
+    "k % 8": (lambda q, k: (k <= q) & (k % 8 == q % 8), "remainder"),
+    "k < 4 (a prefix)": (lambda q, k: (k <= q) | (k < 4), "or_"),
+    "k >= 4 (a fixed key range)": (lambda q, k: (k <= q) & (k >= 4), "with a constant"),
+    "q - k > 2 (a gap)": (lambda q, k: (q - k) > 2, "not causal order"),
+    "~((k <= q) & (k > q - 4))": (lambda q, k: ~((k <= q) & (k > q - 4)), "invert"),
+    "~(k <= q) (anti-causal)": (lambda q, k: ~(k <= q), "which no key satisfies"),
+    "k * 2 <= q": (lambda q, k: k * 2 <= q, "mul"),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(PROVED))
+def test_mask_spellings_proved(spelling):
+    rule, window = PROVED[spelling]
+    reports = run_pass(_rule_graph(rule))
+    assert [(r.action, r.window) for r in reports] == [("rewritten", window)], reports
+
+
+@pytest.mark.parametrize("spelling", sorted(REFUSED))
+def test_mask_spellings_refused(spelling):
+    rule, words = REFUSED[spelling]
+    with pytest.raises(UnsupportedAttentionError) as e:
+        run_pass(_rule_graph(rule))
+    assert words in str(e.value) and "test_mask_rules.py:" in str(e.value), str(e.value)
+
+
+class _CheckpointedMaskModel(_MaskModel):
+    """:class:`_MaskModel` with the attention in a checkpointed function: the mask is built outside the nested
+    graph that holds the SDPA call and reaches it as that graph's input."""
+
+    def forward(self, x, position_ids):
+        from torch.utils.checkpoint import checkpoint
+
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        mask = self.rule(idx[:, None], idx[None, :])[None, None]
+        h = self.proj(x)[:, None]
+        return checkpoint(
+            lambda h, m: F.scaled_dot_product_attention(h, h, h, attn_mask=m), h, mask, use_reentrant=False
+        )
+
+
+@pytest.mark.parametrize("spelling", ["q - k < 20", "k // 8 == q // 8"])
+def test_mask_built_outside_a_checkpointed_layer_is_read_where_it_is_built(spelling):
+    rule = {**PROVED, **REFUSED}[spelling][0]
+    gm = dynamo_graph(_CheckpointedMaskModel(rule), x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
+    if spelling in PROVED:
+        assert [(r.action, r.window) for r in run_pass(gm)] == [("rewritten", 20)]
+    else:
+        with pytest.raises(UnsupportedAttentionError, match="floordiv"):
+            run_pass(gm)
+
+
+class _BrokenMaskModel(_MaskModel):
+    """:class:`_MaskModel` with a graph break between the mask and the attention: the first graph hands the mask on
+    as its output, and the graph of the attention sees it as an input."""
+
+    def forward(self, x, position_ids):
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        mask = self.rule(idx[:, None], idx[None, :])[None, None]
+        torch._dynamo.graph_break()
+        h = self.proj(x)[:, None]
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+@pytest.mark.parametrize("spelling", ["k <= q", "k // 8 == q // 8"])
+def test_mask_handed_to_another_graph_is_proved_where_it_is_built(spelling):
+    from cpcompile.passes.positions import positions_pass
+    from tests._graphs import context
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    rule = {**PROVED, **REFUSED}[spelling][0]
+    torch.compile(_BrokenMaskModel(rule), backend=capture)(x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
+    reports = positions_pass(graphs[0], context(refuse="report"), 16)
+    actions = {r.action for r in reports}
+    if spelling in PROVED:
+        assert actions == {"mask"}, reports
+    else:
+        assert "refused" in actions and any("floordiv" in r.reason for r in reports), reports
+
+
+def test_transformers_masks_are_proved():
+    from cpcompile.testing import tiny_model
+
+    batch = packed_batch([[10, 22]])
+    for family, window in (("llama", None), ("mistral", 6)):
+        gm = dynamo_graph(
+            tiny_model(family), input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        )
+        assert [(r.action, r.window) for r in run_pass(gm)] == [("rewritten", window)] * 2, family
+
+
+# -- CP = 2: parity of the difference-spelled window, chunked attention refused on every rank ------------------
+def _worker(rank, world_size):
+    import torch.distributed as dist
+
+    import cpcompile
+
+    group = dist.group.WORLD
+    case = ParityCase(model="attn:window_diff", doc_lens=DOCS, expected_form=("bool-mask", False))
+    summary = check_case(case, group)
+    model = attention_lm("chunked")
+    batch = packed_batch([[16]])  # c = 8: each rank's block is one chunk, which looks causal from inside
+    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
+    try:
+        with cpcompile.shard(batch, group) as local:
+            compiled(**local)
+        chunked = ("none", "")
+    except Exception as e:  # noqa: BLE001 - the test asserts which error
+        chunked = (type(e).__name__, str(e))
+    return summary, chunked
+
+
+@pytest.mark.timeout(400)
+def test_cp2_window_difference_exact_and_chunked_refused():
+    results = run_distributed(_worker, 2, timeout_s=360)
+    for rank, (summary, chunked) in enumerate(results):
+        assert summary["cp"] == 2, summary
+        kind, msg = chunked
+        assert kind == "UnsupportedAttentionError" and "floordiv" in msg, f"rank {rank}: {kind}: {msg}"
+
+
+def test_window_matters_on_the_parity_batch():
+    """Negative control: on the parity batch the window changes the logits, so a site run without it (what the
+    pass did before it read the difference spelling) fails the parity check."""
+    batch = ParityCase(model="attn:window_diff", doc_lens=DOCS).batch()
+    windowed = reference_step(attention_lm("window_diff"), batch)
+    unwindowed = reference_step(attention_lm("packed_docs"), batch)
+    assert (windowed.logits - unwindowed.logits).abs().max() > 1e-3
+
+
+# -- the per-step mask check on the compact form ---------------------------------------------------------------
+def _dense_verdict(plan, spec, mask) -> bool:
+    """The check's definition: the model's mask equals the local rule, or (several runs) the whole-sequence rule."""
+    kwargs = {"documents": spec.documents, "window": spec.window}
+    if torch.equal(mask.expand(plan.batch_size, 1, -1, -1), plan.local_rule_mask(**kwargs)):
+        return True
+    return plan.runs() > 1 and torch.equal(mask.expand(plan.batch_size, 1, -1, -1), plan.local_global_mask(**kwargs))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mask_check_on_intervals_agrees_with_the_dense_comparison(seed):
+    """Every model mask the dense comparison accepts is accepted, and every change of one entry, of a row's
+    first or last key, or of a whole row is caught, naming the first differing entry of the dense comparison."""
+    from cpcompile import ops
+    from cpcompile.plan import build_plan
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [[int(x) for x in torch.randint(1, 12, (5,), generator=g)] for _ in range(2)]
+    docs[1][-1] += sum(docs[0]) - sum(docs[1])
+    if docs[1][-1] < 1:
+        docs[1] = [sum(docs[0])]
+    cp, layout = (2, 3, 4)[seed % 3], ("contiguous", "head_tail", "balanced")[seed % 3]
+    plan = build_plan(packed_batch(docs), cp, seed % cp, layout=layout)
+    for documents, window in ((True, None), (False, None), (True, 3), (True, 40)):
+        spec = ops.SiteSpec(
+            site="t", layer="t", group_name="", cp_size=cp, cp_rank=plan.cp_rank, documents=documents,
+            window=window, kernel="dense", needs_grad=False,
+        )  # fmt: skip
+        rules = [plan.local_rule_mask(documents=documents, window=window)]
+        if plan.runs() > 1:
+            rules.append(plan.local_global_mask(documents=documents, window=window))
+        for rule in rules:
+            assert ops._mask_mismatch(spec, plan, rule) is None
+            one_row = rule[:1]  # a mask broadcast over the batch
+            assert (ops._mask_mismatch(spec, plan, one_row) is None) == _dense_verdict(plan, spec, one_row)
+            c = rule.shape[-1]
+            for _ in range(12):
+                broken = rule.clone()
+                b, i = (
+                    int(torch.randint(0, plan.batch_size, (1,), generator=g)),
+                    int(torch.randint(0, c, (1,), generator=g)),
+                )
+                how = int(torch.randint(0, 4, (1,), generator=g))
+                if how == 0:
+                    j = int(torch.randint(0, c, (1,), generator=g))
+                    broken[b, 0, i, j] = ~broken[b, 0, i, j]
+                elif how == 1:
+                    broken[b, 0, i] = False
+                elif how == 2:  # a row shifted by one key (same count)
+                    broken[b, 0, i] = broken[b, 0, i].roll(1)
+                else:  # a hole inside the row with one more key after it (same count and first key)
+                    keys = broken[b, 0, i].nonzero().flatten()
+                    if len(keys) >= 3 and int(keys[-1]) + 1 < c:
+                        broken[b, 0, i, keys[1]] = False
+                        broken[b, 0, i, keys[-1] + 1] = True
+                error = ops._mask_mismatch(spec, plan, broken)
+                assert (error is None) == _dense_verdict(plan, spec, broken), (documents, window, how)
+                if error is not None:
+                    ours = plan.local_rule_mask(documents=documents, window=window)
+                    bb, _, ii, jj = (broken != ours).nonzero()[0].tolist()
+                    assert f"row {bb}, local query {ii}, key {jj}:" in str(error), str(error)
