@@ -3,9 +3,10 @@
 Spawning a rank costs about 6 s of CPU (importing torch, transformers and cpcompile, and Dynamo's first-compile
 set-up) against a fraction of a second for a tiny model's step, so by default :func:`run_distributed` runs on a
 *pool*: ``world_size`` ranks spawned once per pytest process and reused by every later call of that size. A call
-runs with a clean Dynamo state and environment; a call that fails or times out takes its pool down (its ranks may
-be stuck in a collective), and the next call spawns a new one. Tests whose ranks fail, die or break their process
-group on purpose pass ``fresh=True`` and get processes of their own, as every call did before pools.
+runs on a new process group (and store), with a clean Dynamo state, environment and cpcompile module state; a
+call that fails or times out takes its pool down (its ranks may be stuck in a collective), and the next call
+spawns a new one. Tests whose ranks fail, die or break their process group on purpose pass ``fresh=True`` and
+get processes of their own.
 """
 
 from __future__ import annotations
@@ -108,17 +109,23 @@ def _restore_module_state(state: dict) -> None:
 
 
 def _pool_child(rank: int, world_size: int, init_file: str, jobs, results) -> None:
-    try:
-        _setup_rank(rank, world_size, init_file, POOL_PG_TIMEOUT_S)
-        state = _module_state()
-    except BaseException:  # noqa: BLE001
-        results.put((-1, rank, "error", traceback.format_exc()))
-        return
+    state = None
     while True:
         job = jobs.get()
         if job is None:
             break
         job_id, fn, args = job
+        try:
+            # a new process group and store per call: cpcompile keeps per-group state in the store (numbered
+            # control rounds), which must not carry over from an earlier call on the same group name
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _setup_rank(rank, world_size, f"{init_file}.{job_id}", POOL_PG_TIMEOUT_S)
+            if state is None:
+                state = _module_state()
+        except BaseException:  # noqa: BLE001
+            results.put((job_id, rank, "error", traceback.format_exc()))
+            break
         env = dict(os.environ)
         status, payload = _run_job(fn, rank, world_size, args)
         os.environ.clear()
@@ -126,7 +133,8 @@ def _pool_child(rank: int, world_size: int, init_file: str, jobs, results) -> No
         torch.compiler.reset()
         _restore_module_state(state)
         results.put((job_id, rank, status, payload))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _Ranks:
