@@ -12,5 +12,5 @@ lint: setup
 # Two processes share the cores (whole files per process); the tests that bound how fast a peer reacts run alone
 # after them.
 test: lint
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
 	.venv/bin/python -m pytest -q -m serial

@@ -11,7 +11,7 @@ the halo rows sent). Minimums:
 
 Tables: a GQA model of full layers (all-gather); a Gemma-3-shaped model (5 sliding layers per full layer, a
 window much shorter than a chunk) with the halo exchange next to all-gather everywhere (``halo=False``); and the
-KV-head expansion spellings of model code outside transformers (tests/_kv_models.py).
+KV-head expansion spellings of model code outside transformers (tests/models/kv_heads.py).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _spelling_worker(rank: int, world_size: int, seq: int):
 
     import cpcompile
     from cpcompile.testing import packed_batch
-    from tests._kv_models import SPELLINGS, kv_heads_lm
+    from tests.models.kv_heads import SPELLINGS, kv_heads_lm
 
     out = {}
     for spelling in SPELLINGS:
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--cp", default="2,4")
     args = ap.parse_args()
-    from tests._dist import run_distributed
+    from tests.harness.dist import run_distributed
 
     sizes = [int(x) for x in args.cp.split(",")]
     rows = []
@@ -174,7 +174,7 @@ def main() -> None:
         for spelling, (_, m) in res[0].items()
     ]
     print_table(
-        f"KV-head expansion spellings (tests/_kv_models.py: 8 query / 2 KV heads, head dim 8, 2 layers), CP=2, "
+        f"KV-head expansion spellings (tests/models/kv_heads.py: 8 query / 2 KV heads, head dim 8, 2 layers), CP=2, "
         f"T={args.seq}; 'tile' (repeat) is not grouped-query order and is gathered expanded",
         rows,
     )

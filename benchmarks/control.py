@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--mask-chunks", default="512,2048,8192")
     args = ap.parse_args()
     sizes = [tuple(int(v) for v in bt.split("x")) for bt in args.shard_sizes.split(",") if bt]
-    from tests._dist import run_distributed
+    from tests.harness.dist import run_distributed
 
     rows, latency, shard_rows = [], [], []
     for n in (int(x) for x in args.cp.split(",")):

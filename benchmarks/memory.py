@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
-    from tests._dist import run_distributed
+    from tests.harness.dist import run_distributed
 
     lo, hi = (int(x) for x in args.docs.split(","))
     doc_lens = packed_doc_lens(args.seq, 1, lo, hi)

@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="balanced", help="shard's layouts, side by side (e.g. contiguous,balanced)")
     ap.add_argument("--inners", default="inductor,aot_eager", help="inner compilers, side by side")
     args = ap.parse_args()
-    from tests._dist import run_distributed
+    from tests.harness.dist import run_distributed
 
     lo, hi = (int(x) for x in args.docs.split(","))
     doc_lens = packed_doc_lens(args.seq, args.batch, lo, hi)

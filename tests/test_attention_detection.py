@@ -16,7 +16,7 @@ from cpcompile import ops
 from cpcompile.passes import sdpa_cp
 from cpcompile.passes.sdpa_cp import UnsupportedAttentionError, config_window
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
-from tests import _graphs
+from tests.harness import graphs as _graphs
 
 BATCH_DOCS = [[24, 30, 10], [5, 50, 9]]
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import run_distributed
-from tests.parity import LOGITS_TOL, LOSS_TOL
+from tests.harness.dist import run_distributed
+from tests.harness.tolerances import LOGITS_TOL, LOSS_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def _compile_after_lightning(rank: int, world: int) -> dict:
 
 def test_torch_compile_after_import_lightning():
     pytest.importorskip("lightning", reason="lightning is an optional test dependency (pip install lightning)")
-    for rank, result in enumerate(run_distributed(_compile_after_lightning, 2)):
+    for rank, result in enumerate(run_distributed(_compile_after_lightning, 2, fresh=True)):
         assert result["stored_backend_is_ours"], f"rank {rank}: lightning kept a copy of the backend"
         assert result["rewritten"] == 2, f"rank {rank}: {result['rewritten']} SDPA sites rewritten (2 layers)"
         torch.testing.assert_close(*result["loss"], **LOSS_TOL)

@@ -9,8 +9,8 @@ import pytest
 
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
-from tests._dist import run_distributed
-from tests._workers import bad_input_worker, failing_worker, sleeping_worker
+from tests.harness.dist import run_distributed
+from tests.harness.workers import bad_input_worker, failing_worker, sleeping_worker
 
 #: case -> (exception type, fragments the message must contain)
 EXPECTED = {
@@ -55,7 +55,7 @@ NON_MEMBER = {
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(bad_input_worker, 2, timeout_s=300)
+    return run_distributed(bad_input_worker, 2, timeout_s=300, fresh=True)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
@@ -102,7 +102,7 @@ def test_plan_rejects_bad_sizes():
 def test_failing_rank_fails_fast_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(AssertionError) as e:
-        run_distributed(failing_worker, 2, timeout_s=60)
+        run_distributed(failing_worker, 2, timeout_s=60, fresh=True)
     assert "rank 1 failed on purpose" in str(e.value) and "--- rank 1 ---" in str(e.value)
     assert "Traceback" in str(e.value)
     assert time.monotonic() - start < 45  # not the 60 s timeout: the failure is reported as it happens
@@ -111,5 +111,5 @@ def test_failing_rank_fails_fast_with_its_traceback():
 def test_hanging_run_is_cut_at_its_timeout():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 6s"):
-        run_distributed(sleeping_worker, 2, timeout_s=6)
+        run_distributed(sleeping_worker, 2, timeout_s=6, fresh=True)
     assert time.monotonic() - start < 30

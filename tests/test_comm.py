@@ -8,10 +8,10 @@ import torch
 from cpcompile import _compat
 from cpcompile.plan import visible_mask
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
-from tests._dist import run_distributed
-from tests._graphs import dynamo_graph, run_pass
-from tests._workers import parity_worker
-from tests.parity import ParityCase, check_outcome
+from tests.harness.dist import run_distributed
+from tests.harness.graphs import dynamo_graph, run_pass
+from tests.harness.parity import ParityCase, check_outcome
+from tests.harness.workers import parity_worker
 
 FAMILIES = ["llama", "qwen3"]
 

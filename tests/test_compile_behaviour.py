@@ -1,16 +1,16 @@
 """Compilation behaviour under CP: no recompiles for packed lengths, fullgraph, compiled functions, checkpointing.
 
 Every step is compared with the unsharded eager model on the same batch through the parity harness
-(:mod:`tests.parity`: logits, summed loss, every summed gradient, its tolerances).
+(:mod:`tests.harness.parity`: logits, summed loss, every summed gradient, its tolerances).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests._workers import compile_behaviour_worker
-from tests.parity import assert_parity, check_outcome
+from tests.harness.dist import run_distributed
+from tests.harness.parity import assert_parity, check_outcome
+from tests.harness.workers import compile_behaviour_worker
 
 STEPS = 20
 #: At most this many compilations over STEPS random packed lengths (the sequence dim is dynamic from the

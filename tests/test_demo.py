@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.parity import DEMO_LOSS_ATOL, DEMO_PARAM_ATOL
+from tests.harness.tolerances import DEMO_LOSS_ATOL, DEMO_PARAM_ATOL
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """Parity of the selective K/V exchange (``cpcompile.backend(..., exchange="selective")``) and its bytes.
 
-Against the unsharded eager model (tests.parity): Llama at CP = 2, 3 and 4, packed documents that cross ranks and
-documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous and
+Against the unsharded eager model (tests.harness.parity): Llama at CP = 2, 3 and 4, packed documents that cross ranks
+and documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous and
 balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole),
 aot_eager, one inductor case, one case with a receive buffer bounded by ``exchange_slots``. Every full-attention
 site must report ``exchange == "selective"``; the bytes each rank received equal the brute-force count of the
@@ -19,8 +19,8 @@ import pytest
 
 from cpcompile.plan import CPPlan, Workload, build_plan
 from cpcompile.testing import packed_batch
-from tests._dist import run_distributed
-from tests.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
 from tests.test_exchange import brute_force_needs
 
 SELECTIVE = (("exchange", "selective"),)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests._workers import FAIL_GRACE_S, FAIL_PEER_TIMEOUT_S, fail_together_worker, killed_rank_worker
+from tests.harness.dist import run_distributed
+from tests.harness.workers import FAIL_GRACE_S, FAIL_PEER_TIMEOUT_S, fail_together_worker, killed_rank_worker
 
 #: Timing bounds (a peer reacts within seconds) assume no other test competes for the cores.
 pytestmark = pytest.mark.serial
@@ -23,7 +23,7 @@ FIRST_CALL_S = 90.0
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(fail_together_worker, 2, timeout_s=240)
+    return run_distributed(fail_together_worker, 2, timeout_s=240, fresh=True)
 
 
 def test_mask_mismatch_on_one_rank_raises_on_every_rank(results):
@@ -109,7 +109,7 @@ def test_failure_in_own_code_is_bounded_by_the_peer_timeout(results):
 
 @pytest.mark.parametrize("where", ["between_forward_and_backward", "before_first_call"])
 def test_killed_rank_is_reported_dead(where):
-    results = run_distributed(killed_rank_worker, 2, where, timeout_s=120, may_die=(1,))
+    results = run_distributed(killed_rank_worker, 2, where, timeout_s=120, may_die=(1,), fresh=True)
     assert results[1] is None  # rank 1 killed itself
     got = results[0]["killed"]
     assert got["rank_failed"], got

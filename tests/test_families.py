@@ -6,7 +6,7 @@ Adding a family is one line in ``cpcompile.testing.FAMILIES``; every family runs
 CUDA) runs end to end with contiguous chunks for three families at CP=2 and CP=3 (CP=3: T=64 is padded to 66).
 Each spawned group runs several families to pay the process start-up once. The comparison (logits, summed
 loss, every summed gradient, every attention layer rewritten, K and V gathered once per layer) is the parity
-harness's (:func:`tests.parity.check_outcome`, tolerances in :mod:`tests.parity`).
+harness's (:func:`tests.harness.parity.check_outcome`, tolerances in :mod:`tests.harness.parity`).
 
 Measured differences: BENCHMARKS.md ("parity errors"). Mistral compiled with a config whose sliding window is
 one token larger must be refused at compile time (UnsupportedAttentionError naming both windows).
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests._workers import family_case, parity_worker
-from tests.parity import assert_controls, check_outcome
+from tests.harness.dist import run_distributed
+from tests.harness.parity import assert_controls, check_outcome
+from tests.harness.workers import family_case, parity_worker
 
 #: The module fixtures spawn the groups (400 s at most each, which only cut a hang).
 pytestmark = pytest.mark.timeout(900)

@@ -4,7 +4,7 @@
   mods (forward, backward, the logsumexp's gradient, GQA, keys in any order, padding); flex_attention itself
   (forward only: CPU flex has no backward) against the dense reference every parity test compares with; the
   refusals, with a fake CP group of 2 (nothing is communicated before a compile-time refusal).
-* ONE spawned group of 4 gloo processes runs every parity case (``tests._flex_models``: a torchtitan-style
+* ONE spawned group of 4 gloo processes runs every parity case (``tests.models.flex``: a torchtitan-style
   document BlockMask, a sliding window, soft-capping plus an ALiBi-style bias with the logsumexp; K/V with
   fewer heads). T = 37 is not a multiple of 2 or 4; documents cross chunk edges. CP=2 on ranks {0, 1}
   (contiguous layout, with the negative control) and on {2, 3} (sliding window, balanced layout, aot_eager),
@@ -26,9 +26,10 @@ import torch
 import cpcompile
 from cpcompile.kernels.attention import FlexMods, flex_cp_attention, register_flex_mods
 from cpcompile.testing import packed_batch
-from tests import _flex_models
-from tests._dist import run_distributed
-from tests.parity import KERNEL_TOL, LOGITS_TOL, ParityCase
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase
+from tests.harness.tolerances import KERNEL_TOL, LOGITS_TOL
+from tests.models import flex as _flex_models
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 
@@ -101,7 +102,7 @@ def test_unmappable_mods_are_refused_at_compile_time(world, form, words):
         with pytest.raises(cpcompile.UnsupportedAttentionError) as info:
             compiled(**local)
     message = str(info.value)
-    assert "layers.0.attn" in message and "_flex_models.py:" in message and words in message, message
+    assert "layers.0.attn" in message and "models/flex.py:" in message and words in message, message
     assert cpcompile.passes.counters["flex_refused"] - before.get("flex_refused", 0) == 1
 
 
@@ -109,7 +110,7 @@ def test_unmappable_mods_are_refused_at_compile_time(world, form, words):
 def _case(form: str, layout: str = "contiguous", inner: str = "eager") -> ParityCase:
     # one attention layer: the cost of these cases is compiling flex's BlockMask construction in every rank
     return ParityCase(
-        model=f"tests._flex_models:{form}", doc_lens=DOCS, inner=inner, layout=layout, overrides=(("layers", 1),)
+        model=f"tests.models.flex:{form}", doc_lens=DOCS, inner=inner, layout=layout, overrides=(("layers", 1),)
     )
 
 
@@ -138,7 +139,7 @@ def _run(cases, group, control: bool = False) -> list[dict]:
     import torch.distributed as dist
 
     from cpcompile.kernels import attention
-    from tests.parity import ParityRunner, assert_parity, failing_quantities
+    from tests.harness.parity import ParityRunner, assert_parity, failing_quantities
 
     out = []
     for case in cases:

@@ -22,8 +22,9 @@ import torch
 
 from cpcompile.plan import Workload
 from cpcompile.testing import packed_batch, tiny_model
-from tests._dist import run_distributed
-from tests.parity import (
+from tests.harness.dist import run_distributed
+from tests.harness.parity import cp_step, reference_step
+from tests.harness.tolerances import (
     EXACT,
     GRAD_TOL,
     LOGITS_TOL,
@@ -32,8 +33,6 @@ from tests.parity import (
     PARAM_TOL,
     REDUCTION_TOL,
     SCALAR_ATOL,
-    cp_step,
-    reference_step,
 )
 
 #: The layout of every CP batch here: balanced, on blocks of 4 tokens (the default block of 128 would keep these

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from tests._dist import run_distributed
-from tests._safe_workers import grads_worker
+from tests.harness.dist import run_distributed
+from tests.harness.safe_workers import grads_worker
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(grads_worker, 2, timeout_s=120)
+    return run_distributed(grads_worker, 2, timeout_s=120, fresh=True)
 
 
 def test_none_on_one_rank_is_zero_there(results):

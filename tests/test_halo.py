@@ -3,7 +3,7 @@
 - The plan's halo (``CPPlan.halo_needs``) equals, for random batches, layouts, CP sizes and windows, the keys that
   a brute-force mask shows some local query sees and another rank holds; the routing every rank computes agrees
   with every other rank's.
-- Parity (tests.parity, against the unsharded eager model): Mistral with windows smaller than a chunk and longer
+- Parity (tests.harness.parity, against the unsharded eager model): Mistral with windows smaller than a chunk and longer
   than a run of a rank's tokens (the halo then comes from two ranks), Gemma 3 (sliding and full layers), at
   CP = 2, 3 and 4, packed documents crossing chunk edges, contiguous and balanced layouts, aot_eager and
   inductor; the bytes each rank received equal the brute-force count. A halo one token short (every rank's
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpcompile.plan import LAYOUTS, MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan, runs
-from tests._dist import run_distributed
-from tests.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -20,7 +20,7 @@ import torch
 import cpcompile
 from cpcompile.__main__ import main
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
-from tests._dist import run_distributed
+from tests.harness.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA_DOCS = [10, 20, 34]  # T = 64, CP = 2: document 3 straddles the two ranks
@@ -221,7 +221,7 @@ def tiny_llama_eager():
 
 def mlp_only():
     """A model factory for the tests: a causal-LM-shaped model without any attention."""
-    from tests import _models
+    from tests.models import attention as _models
 
     return _models.mlp_lm()
 
@@ -448,7 +448,7 @@ def test_inspect_peak_memory_at_4x_the_length_stays_under_2x():
 
 def test_inspect_lists_mixing_ops():
     """A model with a causal conv outside attention: the report and summary list it with what the backend does."""
-    result = cpcompile.inspect_model("tests._mixing_models:mixer_lm", cp_size=2, seq_len=32)
+    result = cpcompile.inspect_model("tests.models.mixing:mixer_lm", cp_size=2, seq_len=32)
     text = result.report()
     assert "ops that mix tokens along the sequence outside attention" in text, text
     rows = [line for line in text.splitlines() if "conv1d" in line]

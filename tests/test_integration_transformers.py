@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parity import LOSS_TOL, NORM_TOL, TRAINER_PARAM_TOL
+from tests.harness.tolerances import LOSS_TOL, NORM_TOL, TRAINER_PARAM_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_hf_trainer_worker.py"

@@ -12,7 +12,7 @@ from cpcompile import _compat
 from cpcompile.kernels import block_schedule, computed_pairs, cp_attention, dense_cp_attention, varlen_layout
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
-from tests.parity import ELEMENTWISE_TOL, EXACT, FP64_TOL, KERNEL_TOL
+from tests.harness.tolerances import ELEMENTWISE_TOL, EXACT, FP64_TOL, KERNEL_TOL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """K/V heads exchanged before the model expands them to the query heads, in every common spelling.
 
-Graph level (one process): for each spelling of tests._kv_models the rewritten graph exchanges ``[B, Hkv, c, D]``
+Graph level (one process): for each spelling of tests.models.kv_heads the rewritten graph exchanges ``[B, Hkv, c, D]``
 tensors (KV heads, not query heads), attends with ``enable_gqa=True`` and keeps no expansion; tiling
 (``repeat``), which is not grouped-query order, is left as it is (the expanded tensors are gathered).
-Parity (CP=2, aot_eager, against the unsharded eager model, tests.parity): every spelling with full attention,
+Parity (CP=2, aot_eager, against the unsharded eager model, tests.harness.parity): every spelling with full attention,
 and two with a sliding window (a halo exchange); the bytes each rank all-gathered are (N-1) chunks of the KV heads.
 """
 
@@ -17,10 +17,10 @@ import torch
 import cpcompile
 from cpcompile import _compat
 from cpcompile.testing import packed_batch
-from tests._dist import run_distributed
-from tests._graphs import dynamo_graph, run_pass
-from tests._kv_models import SPELLINGS, kv_heads_lm
-from tests.parity import ParityCase, check_case
+from tests.harness.dist import run_distributed
+from tests.harness.graphs import dynamo_graph, run_pass
+from tests.harness.parity import ParityCase, check_case
+from tests.models.kv_heads import SPELLINGS, kv_heads_lm
 
 DOCS = ((10, 20, 7), (5, 30, 2))  # T = 37
 
@@ -58,7 +58,7 @@ def _worker(rank, world_size):
     for spelling, window in [(s, None) for s in SPELLINGS] + [("repeat_interleave", 5), ("bthd_expand", 5)]:
         if True:
             case = ParityCase(
-                model="tests._kv_models:kv_heads_lm",
+                model="tests.models.kv_heads:kv_heads_lm",
                 doc_lens=DOCS,
                 overrides=(("spelling", spelling), ("window", window)),
             )

@@ -7,7 +7,7 @@ silently wrong. The attention pass now reads the whole mask-building subgraph (:
 causal order, same document and sliding windows in any of their spellings are proved (the window joins the site),
 and any other use of token positions is refused with the model's source line.
 
-One process: the pass on Dynamo graphs of ``tests._models.TinyAttentionLM`` and of small mask functions. One
+One process: the pass on Dynamo graphs of ``tests.models.attention.TinyAttentionLM`` and of small mask functions. One
 spawned CP=2 group: parity of the difference-spelled window against the single-process eager model (plus a
 control showing the window matters on that batch), and chunked attention refused on every rank.
 """
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.passes.sdpa_cp import find_sdpa_sites, graph_windows
 from cpcompile.testing import packed_batch
-from tests._dist import run_distributed
-from tests._graphs import dynamo_graph, run_pass
-from tests._models import LONG_WINDOW, attention_lm
-from tests.parity import ParityCase, check_case, reference_step
+from tests.harness.dist import run_distributed
+from tests.harness.graphs import dynamo_graph, run_pass
+from tests.harness.parity import ParityCase, check_case, reference_step
+from tests.models.attention import LONG_WINDOW, attention_lm
 
 # T = 37 (c = 19 at CP=2 < LONG_WINDOW = 24 < T); a 30-token document, so the window cuts keys off globally.
 DOCS = ((7, 30), (37,))
@@ -160,7 +160,7 @@ class _BrokenMaskModel(_MaskModel):
 @pytest.mark.parametrize("spelling", ["k <= q", "k // 8 == q // 8"])
 def test_mask_handed_to_another_graph_is_proved_where_it_is_built(spelling):
     from cpcompile.passes.positions import positions_pass
-    from tests._graphs import context
+    from tests.harness.graphs import context
 
     graphs = []
 

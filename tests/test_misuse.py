@@ -1,14 +1,14 @@
 """Every bad input a user can give gets a ValueError/TypeError on every rank, naming the value and the fix, before
 anything is compiled or communicated where possible. One spawned group per CP size (2 and 3) runs the whole
-table (``tests._safe_workers.misuse_worker``); models: ``tests._models.TinyAttentionLM`` (packed-document mask)
-and a tiny transformers Llama (``cpcompile.testing.tiny_model``)."""
+table (``tests.harness.safe_workers.misuse_worker``); models: ``tests.models.attention.TinyAttentionLM``
+(packed-document mask) and a tiny transformers Llama (``cpcompile.testing.tiny_model``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests._safe_workers import misuse_worker
+from tests.harness.dist import run_distributed
+from tests.harness.safe_workers import misuse_worker
 
 #: case -> (exception type name on every rank, fragments of the message)
 TABLE = {
@@ -35,7 +35,7 @@ TABLE = {
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
 def results(request):
-    return request.param, run_distributed(misuse_worker, request.param, timeout_s=300)
+    return request.param, run_distributed(misuse_worker, request.param, timeout_s=300, fresh=True)
 
 
 @pytest.mark.parametrize("case", sorted(TABLE))

@@ -3,7 +3,7 @@ fake CP group of 2.
 
 The fake group moves no data, so these tests check what the mixing pass decides at compile time (the ops it finds
 and what it does with each, the refusals and their messages, the graph it writes, the options); parity of the
-rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests._mixing_models.MixerLM``
+rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.MixerLM``
 (one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), every family of
 ``cpcompile.testing.FAMILIES``, Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
 dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 import cpcompile
 from cpcompile.passes import counters
 from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_config, tiny_model
-from tests._graphs import counter_delta
-from tests._mixing_models import mixer_lm
-from tests._models import lm_output
+from tests.harness.graphs import counter_delta
+from tests.models.attention import lm_output
+from tests.models.mixing import mixer_lm
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -73,7 +73,7 @@ def test_causal_mixers_run_on_the_whole_sequence(world, mixer, found):
     assert comm.sequence_gathers == 1 and comm.sequence_gather_bytes == gathered.all_gather_bytes_per_call > 0
     assert comm.all_gathers == 2  # K and V of the one attention layer
     assert torch.isfinite(out.loss)
-    assert "_mixing_models.py" in gathered.source
+    assert "models/mixing.py" in gathered.source
 
 
 def test_rewritten_region_reads_the_plan(world, tmp_path):
@@ -182,7 +182,7 @@ def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words
         _compile_and_run(mixer_lm(mixer=mixer), world)
     message = str(info.value)
     assert f"cpcompile cannot run {op_words}" in message and reason_words in message, message
-    assert "Model code: " in message and "_mixing_models.py:" in message, message
+    assert "Model code: " in message and "models/mixing.py:" in message, message
     assert "Fix: " in message and fix_words in message, message
     assert counter_delta(before).get("mixing_refused", 0) >= 1
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
@@ -256,4 +256,4 @@ def test_torch_logs_list_mixing_ops(world, caplog):
     (text,) = [r.getMessage() for r in caplog.records if r.name == "cpcompile.mixing"]
     assert "2 op(s) mixing tokens outside attention" in text, text
     row = next(line for line in text.splitlines() if " pad " in line)
-    assert "gathered" in row and "_mixing_models.py" in row, text
+    assert "gathered" in row and "models/mixing.py" in row, text

@@ -1,14 +1,14 @@
 """Parity of models that mix tokens outside attention, compiled with cpcompile at CP=2 and CP=4 (gloo processes), vs
 the same model run whole in one process on the same global batch. ONE spawned group of 4 processes runs every case.
 
-Models: ``tests._mixing_models.MixerLM`` with a causal depthwise conv1d (``conv``), a pad-and-slice token shift
+Models: ``tests.models.mixing.MixerLM`` with a causal depthwise conv1d (``conv``), a pad-and-slice token shift
 (``shift``) and positions from a cumsum of a mask (``mask_cumsum``), each before a packed-document attention
 layer; transformers LFM2 (``Lfm2ForCausalLM``, ``layer_types=["conv", "full_attention"]``, the ``lfm2`` family).
 T = 37 is not a multiple of 2 or 4: the last rank holds padding tokens, which sit after every real token and so
 never reach a real token through a causal op. Documents cross chunk edges; the conv does not reset at document
 edges (neither does the one-process model).
 
-Each case asserts the logits, the summed loss and every summed gradient (``tests.parity`` tolerances), the SDPA
+Each case asserts the logits, the summed loss and every summed gradient (``tests.harness.parity`` tolerances), the SDPA
 sites rewritten, the mixing ops reported (``expected_mixing``) and one sequence all-gather per region per step.
 The negative control of every kind of region (conv, shift, scan) and of LFM2 compiles the same case with
 ``cpcompile.backend(..., mixing="off")``: the parity check must fail, on the logits.
@@ -24,8 +24,8 @@ from __future__ import annotations
 import pytest
 
 from cpcompile.layouts import Workload
-from tests._dist import run_distributed
-from tests.parity import ParityCase, assert_controls, report
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, assert_controls, report
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 LOSS = ("cross_entropy", "partial_sum")
@@ -41,7 +41,7 @@ def _case(name: str, inner: str = "eager", layout: str = "contiguous", dynamic: 
     balanced = layout == "balanced"
     shard_kwargs = (("workload", Workload(block_size=4)),) if balanced else ()
     return ParityCase(
-        model=name if name == "lfm2" else "tests._mixing_models:mixer_lm",
+        model=name if name == "lfm2" else "tests.models.mixing:mixer_lm",
         doc_lens=DOCS,
         inner=inner,
         overrides=() if name == "lfm2" else (("mixer", name),),
@@ -61,7 +61,7 @@ CP4 = [_case(m, layout="balanced") for m in ("conv", "shift", "mask_cumsum", "lf
 def _run(cases, group, controls):
     import torch
 
-    from tests.parity import check_case
+    from tests.harness.parity import check_case
 
     out = []
     for case in cases:

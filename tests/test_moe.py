@@ -23,10 +23,10 @@ import torch.nn.functional as F
 import cpcompile
 from cpcompile.passes.positions import ROW_NUMBERS, UnsupportedPositionError
 from cpcompile.testing import MOE_FAMILIES, packed_batch
-from tests._dist import run_distributed
-from tests._graphs import dynamo_graph, run_pass
-from tests._models import lm_output, seeded
-from tests._workers import balanced_case
+from tests.harness.dist import run_distributed
+from tests.harness.graphs import dynamo_graph, run_pass
+from tests.harness.workers import balanced_case
+from tests.models.attention import lm_output, seeded
 
 DOCS = [[10, 20, 7], [5, 30, 2]]  # T = 37
 
@@ -126,7 +126,7 @@ MOE_NAMES = sorted(MOE_FAMILIES)
 
 
 def _worker(rank: int, world: int) -> dict:
-    from tests.parity import check_case
+    from tests.harness.parity import check_case
 
     pair = dist.new_group([0, 1])  # every rank takes part in creating every group
     out = {}

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
-from tests._dist import run_distributed
-from tests.parity import GRAD_TOL, LOSS_TOL
+from tests.harness.dist import run_distributed
+from tests.harness.tolerances import GRAD_TOL, LOSS_TOL
 
 B, T = 2, 63
 
@@ -122,7 +122,7 @@ RUNS = {
 
 
 def _padding_worker(rank, world_size):
-    from tests._models import attention_lm
+    from tests.models.attention import attention_lm
 
     group = dist.group.WORLD
     batch = _batch()

@@ -2,7 +2,7 @@
 
 Every case uses packed rows (B >= 2) whose documents are split between ranks and a length T that is not a
 multiple of the CP size, and compares the gathered logits, the summed loss and every parameter's gradient summed
-over CP ranks with ``torch.testing.assert_close`` (the harness and its tolerances: :mod:`tests.parity`). Each
+over CP ranks with ``torch.testing.assert_close`` (the harness and its tolerances: :mod:`tests.harness.parity`). Each
 case also asserts that every attention layer's SDPA was rewritten and that K and V were all-gathered once per
 layer. ``attention="auto"`` runs the block kernel on CPU; one CP=4 case uses the ``head_tail`` layout (the
 balanced layout has its own parity tests in ``tests/test_layouts_parity.py``). The negative controls break the CP
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests.parity import EXACT, ParityCase, assert_controls, check_case, report
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, assert_controls, check_case, report
+from tests.harness.tolerances import EXACT
 
 # T = 37: not a multiple of 2 or 4; documents cross chunk boundaries at CP=2 (c=19) and CP=4 (c=10).
 DOCS = ((10, 20, 7), (5, 30, 2))
@@ -42,7 +43,7 @@ CP4_CASES = (
     # the load-balanced layout: rank r holds pieces r and 7 - r of 8 (T = 37 padded to 40, pieces of 5)
     ParityCase(model="qwen3", doc_lens=DOCS, layout="head_tail", expected_form=("bool-mask", False)),
 )
-#: The negative controls of a model without a sliding window (tests.parity.CONTROLS).
+#: The negative controls of a model without a sliding window (tests.harness.parity.CONTROLS).
 CONTROLS = ("label_shift", "merge_documents", "plan_merges_documents")
 
 

@@ -12,7 +12,7 @@ import torch
 from cpcompile.plan import IGNORE_INDEX, build_plan, document_ids
 from cpcompile.runtime.sharding import _local_batch
 from cpcompile.testing import packed_batch
-from tests.parity import EXACT
+from tests.harness.tolerances import EXACT
 
 # (doc lengths per row): T = 37 (prime), 8 (a multiple of 2 and 4), 5 with one-token documents; B = 2..3;
 # every T >= the largest CP size

@@ -20,8 +20,8 @@ import cpcompile
 from cpcompile.passes import positions_pass
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch, tiny_model
-from tests import _position_models as pm
-from tests._graphs import context, counter_delta, dynamo_graph
+from tests.harness.graphs import context, counter_delta, dynamo_graph
+from tests.models import positions as pm
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -178,11 +178,11 @@ def test_near_misses_refused_at_their_source_line(world, form, line_words, reaso
         with cpcompile.shard(packed_batch(DOCS, vocab_size=64), world, hf_kwargs=False) as local:
             compiled(local["input_ids"])
     message = str(info.value)
-    assert "tests/_position_models.py:" in message and line_words in message, message
+    assert "tests/models/positions.py:" in message and line_words in message, message
     assert reason_words in message and fix_words in message and FIX_WORDS in message, message
     assert "torchtitan" not in message and "transformers" not in message, message
     # the source line comes before the graph node it names
-    assert message.index("tests/_position_models.py:") < message.index("(node "), message
+    assert message.index("tests/models/positions.py:") < message.index("(node "), message
 
 
 def test_cache_written_in_place_is_refused_on_every_call(world):

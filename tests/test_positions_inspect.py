@@ -10,7 +10,7 @@ from cpcompile.testing import tiny_config
 
 
 def test_inspect_lists_rewritten_positions(tmp_path):
-    inspection = cpcompile.inspect_model("tests._position_models:titan_style", cp_size=2, seq_len=37)
+    inspection = cpcompile.inspect_model("tests.models.positions:titan_style", cp_size=2, seq_len=37)
     rows = [(g.rank, p.layer, p.kind, p.action) for g in inspection.graphs for p in g.positions]
     assert rows == [(r, f"layers.{i}.attn", "table_slice", "rewritten") for r in (0, 1) for i in (0, 1)]
     text = inspection.report()
@@ -29,7 +29,7 @@ def test_inspect_lists_rewritten_positions(tmp_path):
 
 
 def test_inspect_reports_refused_and_mask_sources(tmp_path):
-    mixed = cpcompile.inspect_model("tests._position_models:mixed_positions", cp_size=2, seq_len=37, ranks=[1])
+    mixed = cpcompile.inspect_model("tests.models.positions:mixed_positions", cp_size=2, seq_len=37, ranks=[1])
     assert [(p.node, p.kind, p.action) for g in mixed.graphs for p in g.positions] == [
         ("ones_like", "factory", "refused")
     ]

@@ -2,10 +2,10 @@
 
 Two spawned groups for the whole module (module-scoped fixtures): CP=2 and CP=4 on gloo, every case compiled
 with cpcompile and compared with the same model run whole in one process on the same global batch (the one
-harness, :mod:`tests.parity`: logits, summed loss, every summed gradient, every SDPA site rewritten, the position
-sources reported). T = 37 is not a multiple of 2 or 4.
+harness, :mod:`tests.harness.parity`: logits, summed loss, every summed gradient, every SDPA site rewritten, the
+position sources reported). T = 37 is not a multiple of 2 or 4.
 
-Models (``tests._position_models.library_style``, ``tests._models`` form ``head_expanded``):
+Models (``tests.models.positions.library_style``, ``tests.models.attention`` form ``head_expanded``):
 
 * ``library_style``: RoPE from ``arange(T)`` through an unused ``max_pos = t.max() + 1``, an ellipsis einsum,
   ``emb[:, -T:, :]`` and ``narrow(1, k - q, q)``; negative control ``positions="off"`` (at CP=4);
@@ -16,15 +16,7 @@ Inductor runs ``library_style`` as a layer of ``all_forms`` (``tests/test_positi
 checks of each form's values on the last rank, with ``positions="off"`` as control, are in
 ``tests/test_positions_values.py``.
 
-Measured max abs differences (torch 2.13 CPU, fp32; tolerances in tests/parity.py):
-
-| model | CP | layout | inner | logits | loss | grad | control: logits / loss / grad |
-| --- | --- | --- | --- | --- | --- | --- | --- |
-| library_style | 2 | contiguous | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | off (once): 9.5e-2 / 1.5e-3 / 2.1e-3 |
-| library_style | 2 | head_tail | inductor | 4.8e-7 | 0 | 1.9e-8 | (measured once) |
-| attn:head_expanded | 2 | balanced | aot_eager | 6.0e-7 | 1.4e-6 | 3.0e-8 | merge_documents: 3.2 / 1.0e-1 / 1.0e-1 |
-| library_style | 4 | balanced | aot_eager | 4.8e-7 | 4.8e-7 | 1.5e-8 | positions="off": 1.2e-1 / 1.4e-3 / 3.4e-3 |
-| attn:head_expanded | 4 | head_tail | aot_eager | 6.0e-7 | 1.4e-6 | 3.7e-8 | |
+Measured differences: BENCHMARKS.md ("parity errors", models that compute positions).
 """
 
 from __future__ import annotations
@@ -34,11 +26,11 @@ import traceback
 import pytest
 
 from cpcompile.plan import Workload
-from tests._dist import run_distributed
-from tests.parity import ParityCase, assert_controls, check_case, report
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, assert_controls, check_case, report
 
 DOCS = ((10, 20, 7), (5, 30, 2))  # T = 37
-LIBRARY = "tests._position_models:library_style"
+LIBRARY = "tests.models.positions:library_style"
 ROPE = (("arange", "rewritten"),) * 2  # one arange per attention layer
 
 

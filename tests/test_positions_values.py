@@ -12,8 +12,8 @@ import torch
 
 import cpcompile
 from cpcompile.testing import packed_batch
-from tests import _position_models as pm
-from tests.parity import LOGITS_TOL
+from tests.harness.tolerances import LOGITS_TOL
+from tests.models import positions as pm
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

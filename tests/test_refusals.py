@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import cpcompile
 from cpcompile.testing import packed_batch, tiny_model
-from tests import _models
-from tests._graphs import counter_delta, dynamo_graph, run_pass
-from tests.parity import EXACT, GRAD_TOL, LOGITS_TOL, LOSS_TOL
+from tests.harness.graphs import counter_delta, dynamo_graph, run_pass
+from tests.harness.tolerances import EXACT, GRAD_TOL, LOGITS_TOL, LOSS_TOL
+from tests.models import attention as _models
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

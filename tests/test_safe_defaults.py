@@ -1,15 +1,15 @@
 """Ranks that disagree are caught by default, on every rank, in seconds: different batches or options (the
 batch check of ``cpcompile.shard``), ranks that take different paths through a step (every control round
 carries the step, its kind and the batch fingerprint), and model masks that change with the batch (checked on
-every step). Tiny hand-written models (``tests._models.TinyAttentionLM`` with its packed-document mask, and
-``tests._safe_workers.MaskLM``) at CP=2 on gloo, aot_eager."""
+every step). Tiny hand-written models (``tests.models.attention.TinyAttentionLM`` with its packed-document mask, and
+``tests.harness.safe_workers.MaskLM``) at CP=2 on gloo, aot_eager."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
-from tests._safe_workers import GRACE_S, PEER_TIMEOUT_S, disagree_worker
+from tests.harness.dist import run_distributed
+from tests.harness.safe_workers import GRACE_S, PEER_TIMEOUT_S, disagree_worker
 
 #: Timing bounds (a peer reacts within seconds) assume no other test competes for the cores.
 pytestmark = pytest.mark.serial
@@ -22,7 +22,7 @@ AT_ONCE_S = 2.0
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(disagree_worker, 2, timeout_s=300)
+    return run_distributed(disagree_worker, 2, timeout_s=300, fresh=True)
 
 
 #: case -> fragments of the ValueError every rank raises in shard's batch check

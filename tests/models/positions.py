@@ -1,6 +1,6 @@
 """Small causal LMs that compute their own positions, the ways non-transformers model code does.
 
-Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.parity` and
+Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.harness.parity` and
 :func:`cpcompile.shard` treat it like one) but, except :func:`explicit_positions`, ignores ``position_ids``: like
 ``model(tokens)`` in torchtitan, litgpt or nanoGPT, it derives the position of every token from the length of the
 sequence it is given. Attention is SDPA with ``is_causal=True`` (global causal order over the whole row, as those
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._models import lm_output, seeded
+from tests.models.attention import lm_output, seeded
 
 #: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
 FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions", "library_style")
@@ -412,7 +412,7 @@ class TokensLM(nn.Module):
 
     @property
     def layers(self) -> list:
-        return [None] * self.num_layers  # the attention layer count tests.parity expects rewritten
+        return [None] * self.num_layers  # the attention layer count tests.harness.parity expects rewritten
 
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None

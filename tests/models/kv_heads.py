@@ -3,7 +3,7 @@
 ``SPELLINGS`` are the ways model code outside transformers writes the expansion (see
 :mod:`cpcompile.passes.kv_heads`); ``"tile"`` (``repeat``) is not grouped-query order and must not be taken for
 it. The model takes ``input_ids``/``labels``/``shift_labels``/``num_items_in_batch``/``position_ids`` like
-:mod:`tests._models` and calls ``F.scaled_dot_product_attention(..., is_causal=True)``; with ``window`` it
+:mod:`tests.models.attention` and calls ``F.scaled_dot_product_attention(..., is_causal=True)``; with ``window`` it
 passes a causal, same-document (documents from ``position_ids``), sliding-window bool mask instead.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._models import _doc_ids, lm_output, seeded
+from tests.models.attention import _doc_ids, lm_output, seeded
 
 SPELLINGS = (
     "repeat_kv",  # k[:, :, None].expand(B, Hkv, n, T, D).reshape(B, H, T, D)

@@ -1,6 +1,6 @@
 """Workers of tests/test_safe_defaults.py: CP ranks that disagree (batches, options, paths through the step).
 
-Every scenario records what each rank raised and how long it took (:func:`tests._workers._outcome`); the
+Every scenario records what each rank raised and how long it took (:func:`tests.harness.workers._outcome`); the
 parent asserts that every rank raised the named error within seconds.
 """
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._workers import _outcome, _step
+from tests.harness.workers import _outcome, _step
 
 #: Short waits: a rank blocked by a live peer raises after PEER_TIMEOUT_S.
 PEER_TIMEOUT_S = 3.0
@@ -56,7 +56,7 @@ class MaskAttention(nn.Module):
         self.v = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x, position_ids, prefix=None):
-        from tests._models import _doc_ids
+        from tests.models.attention import _doc_ids
 
         # the branch is decided first, so that the graph after the break computes q, k and v itself
         docs = self.mask == "branch" and bool((torch.diff(position_ids, dim=-1) != 1).any())
@@ -93,7 +93,7 @@ class MaskLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
-        from tests._models import lm_output
+        from tests.models.attention import lm_output
 
         x = self.embed(input_ids)
         logits = self.head(x + self.attn(x, position_ids, kw.get("prefix")))
@@ -115,7 +115,7 @@ class HiddenAttentionLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
-        from tests._models import lm_output
+        from tests.models.attention import lm_output
 
         x = self.embed(input_ids)
         B, T, H = x.shape
@@ -147,7 +147,7 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     """Ranks given different batches or options, and ranks that take different paths; ``{case: outcome}``."""
     import cpcompile
     from cpcompile.testing import packed_batch
-    from tests._workers import _fail_model
+    from tests.harness.workers import _fail_model
 
     batch = packed_batch(DOCS, seed=0)
     out: dict = {}
@@ -269,8 +269,8 @@ def misuse_worker(rank: int, world_size: int) -> dict:
     """
     import cpcompile
     from cpcompile.testing import packed_batch
-    from tests._models import attention_lm
-    from tests._workers import _error_of
+    from tests.harness.workers import _error_of
+    from tests.models.attention import attention_lm
 
     group = _group(world_size)
     batch = packed_batch([[10, 7], [17]], seed=0)  # T = 17: padded at CP = 2 and 3
@@ -351,7 +351,7 @@ def grads_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     import cpcompile
-    from tests._workers import _error_of
+    from tests.harness.workers import _error_of
 
     group = dist.new_group(list(range(world_size)))
     g = torch.Generator().manual_seed(rank)

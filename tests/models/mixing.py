@@ -1,7 +1,7 @@
 """Small causal LMs that mix tokens outside attention, one mixer each, for tests of the mixing pass.
 
-:class:`MixerLM` is embedding -> ``mixer`` -> one attention block (packed-document mask, tests._models) -> LM head;
-it takes a transformers causal LM's keyword arguments and returns a ``CausalLMOutput``. Mixers (``MIXERS``):
+:class:`MixerLM` is embedding -> ``mixer`` -> one attention block (packed-document mask, tests.models.attention) ->
+LM head; it takes a transformers causal LM's keyword arguments and returns a ``CausalLMOutput``. Mixers (``MIXERS``):
 
 * ``conv``: LFM2's short conv: depthwise ``conv1d(padding=k-1, groups=C)`` over ``[B, C, T]``, then ``[..., :T]``;
 * ``shift``: token shift, ``F.pad(x, (0, 0, 1, 0))[:, :-1]`` mixed into ``x`` (RWKV-style);
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._models import Block, lm_output, seeded
+from tests.models.attention import Block, lm_output, seeded
 
 MIXERS = ("conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan")
 KERNEL = 3

@@ -2,7 +2,7 @@
 
 They take the keyword arguments of a transformers causal LM (``input_ids``, ``position_ids``, ``labels``,
 ``shift_labels``, ``num_items_in_batch``, ``use_cache``) and return a transformers ``CausalLMOutput``, so the
-parity helper (:mod:`tests.parity`) and :func:`cpcompile.shard` treat them like HF models.
+parity helper (:mod:`tests.harness.parity`) and :func:`cpcompile.shard` treat them like HF models.
 
 Attention forms (``ATTENTION_FORMS``):
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cpcompile.layouts import Workload
-from tests.parity import ParityCase, ParityRunner, run_control
+from tests.harness.parity import ParityCase, ParityRunner, run_control
 
 #: The global packed batch of the family parity tests: documents longer than the test windows, T = 64
 #: (chunks of 32 at CP=2, 22 at CP=3 with 2 padding tokens, 16 at CP=4), one document crossing every chunk
@@ -37,7 +37,8 @@ def balanced_case(family: str, **fields) -> ParityCase:
 
 def family_case(family: str, **fields) -> ParityCase:
     """The parity case of a transformers family on :data:`FAMILY_DOCS`, compiled as training should compile it
-    (``config=model.config``, ``fullgraph=True``); ``fields`` override :class:`tests.parity.ParityCase` fields."""
+    (``config=model.config``, ``fullgraph=True``); ``fields`` override :class:`tests.harness.parity.ParityCase`
+    fields."""
     defaults = dict(doc_lens=FAMILY_DOCS, batch_seed=1, use_config=True, fullgraph=True)
     return ParityCase(model=family, **{**defaults, **fields})
 
@@ -75,7 +76,7 @@ def _random_docs(gen: torch.Generator, batch_size: int, lo: int, hi: int) -> lis
 
 def compile_behaviour_worker(rank: int, world_size: int, steps: int) -> dict:
     """Recompilations over ``steps`` random packed lengths, a compiled function, and activation checkpointing:
-    every step's :class:`tests.parity.ParityOutcome` (rank 0) for the parent to assert on."""
+    every step's :class:`tests.harness.parity.ParityOutcome` (rank 0) for the parent to assert on."""
     from cpcompile.testing import packed_batch
 
     group = dist.new_group(list(range(world_size)))
@@ -266,7 +267,7 @@ def _fail_setup(world_size: int):
 
 def _fail_model(group):
     import cpcompile
-    from tests import _models
+    from tests.models import attention as _models
 
     torch._dynamo.reset()
     return torch.compile(_models.attention_lm("packed_docs"), backend=cpcompile.backend(group, inner="aot_eager"))

@@ -1,6 +1,6 @@
 """Small causal LMs whose attention is ``flex_attention``, written the way torchtitan writes it.
 
-Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.parity` and
+Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.harness.parity` and
 :func:`cpcompile.shard` treat it like one). Attention builds its mask from a ``mask_mod`` over per-token
 tensors of the batch it is given, as torchtitan's document BlockMask does (document ids are
 ``(position_ids == 0).cumsum(-1)``: packed documents restart their positions at 0):
@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
 
-from tests._models import lm_output, seeded
+from tests.models.attention import lm_output, seeded
 
 FORMS = ("document", "sliding", "softcap")
 REFUSED_FORMS = ("dense_mask", "learned_bias")

@@ -1,0 +1,294 @@
+"""Run a function on N CPU processes with gloo, from pytest, with a timeout and the children's tracebacks.
+
+Spawning a rank costs about 6 s of CPU (importing torch, transformers and cpcompile, and Dynamo's first-compile
+set-up) against a fraction of a second for a tiny model's step, so by default :func:`run_distributed` runs on a
+*pool*: ``world_size`` ranks spawned once per pytest process and reused by every later call of that size. A call
+runs on a new process group (and store), with a clean Dynamo state, environment and cpcompile module state; a
+call that fails or times out takes its pool down (its ranks may be stuck in a collective), and the next call
+spawns a new one. Tests whose ranks fail, die or break their process group on purpose pass ``fresh=True`` and
+get processes of their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import copy
+import datetime
+import faulthandler
+import importlib
+import io
+import itertools
+import os
+import pkgutil
+import queue
+import shutil
+import sys
+import tempfile
+import traceback
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: Default wall-clock limit of one multi-process test (spawn + import + compile + run).
+DEFAULT_TIMEOUT_S = 240.0
+#: Process-group timeout of pooled ranks: a collective waits this long for a slow peer (4 ranks compiling on 2
+#: cores); a failed call does not wait for it, since the parent kills the pool.
+POOL_PG_TIMEOUT_S = 900.0
+#: Pooled ranks kept alive per pytest process, over all pool sizes (each holds a torch runtime, ~0.5 GB).
+MAX_POOLED_RANKS = 6
+
+
+def _setup_rank(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    faulthandler.enable()  # a rank that crashes in native code prints where, before its peers report it gone
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _run_job(fn, rank: int, world_size: int, args) -> tuple[str, object]:
+    try:
+        out = fn(rank, world_size, *args)
+        buf = io.BytesIO()  # bytes, not shared-memory tensors: the child may exit before the parent reads
+        torch.save(out, buf)
+        return "ok", buf.getvalue()
+    except BaseException:  # noqa: BLE001 - the traceback is sent to the parent, which fails the test
+        return "error", traceback.format_exc()
+
+
+def _child(rank: int, world_size: int, init_file: str, fn, args, results, timeout_s: float) -> None:
+    try:
+        _setup_rank(rank, world_size, init_file, timeout_s)
+        status, payload = _run_job(fn, rank, world_size, args)
+    except BaseException:  # noqa: BLE001
+        status, payload = "error", traceback.format_exc()
+    results.put((0, rank, status, payload))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_STATE_TYPES = (dict, set, list, collections.OrderedDict, weakref.WeakValueDictionary, weakref.WeakSet)
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+
+
+def _module_state() -> dict:
+    """Every module-level container and private scalar of cpcompile (its registries, warned-once sets, counters)."""
+    import cpcompile
+
+    for info in pkgutil.walk_packages(cpcompile.__path__, "cpcompile."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if name != "cpcompile" and not name.startswith("cpcompile."):
+            continue
+        for attr, value in vars(module).items():
+            if attr.startswith("__"):
+                continue
+            if isinstance(value, _STATE_TYPES) or (attr.startswith("_") and isinstance(value, _SCALAR_TYPES)):
+                state[name, attr] = (value, copy.copy(value))
+    return state
+
+
+def _restore_module_state(state: dict) -> None:
+    """Put cpcompile's module state back as :func:`_module_state` found it: a pooled call starts like a new process."""
+    for (name, attr), (obj, saved) in state.items():
+        module = sys.modules[name]
+        if isinstance(obj, _STATE_TYPES):
+            obj.clear()
+            obj.update(saved) if not isinstance(obj, list) else obj.extend(saved)
+        setattr(module, attr, obj)
+
+
+def _pool_child(rank: int, world_size: int, init_file: str, jobs, results) -> None:
+    state = None
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        job_id, fn, args = job
+        try:
+            # a new process group and store per call: cpcompile keeps per-group state in the store (numbered
+            # control rounds), which must not carry over from an earlier call on the same group name
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _setup_rank(rank, world_size, f"{init_file}.{job_id}", POOL_PG_TIMEOUT_S)
+            if state is None:
+                state = _module_state()
+        except BaseException:  # noqa: BLE001
+            results.put((job_id, rank, "error", traceback.format_exc()))
+            break
+        env = dict(os.environ)
+        status, payload = _run_job(fn, rank, world_size, args)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.compiler.reset()
+        _restore_module_state(state)
+        results.put((job_id, rank, status, payload))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _Ranks:
+    """Spawned ranks and the queue their results come back on."""
+
+    def __init__(self, world_size: int, pooled: bool, fn=None, args=(), timeout_s: float = 0.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tmp = tempfile.mkdtemp(prefix="cpcompile-dist-")
+        init_file = os.path.join(self.tmp, "rendezvous")
+        self.jobs = [ctx.Queue() for _ in range(world_size)] if pooled else None
+        self.procs = [
+            ctx.Process(
+                target=_pool_child if pooled else _child,
+                args=(r, world_size, init_file, self.jobs[r], self.results)
+                if pooled
+                else (r, world_size, init_file, fn, args, self.results, timeout_s),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def collect(self, job_id: int, name: str, timeout_s: float, may_die: tuple[int, ...]) -> dict:
+        """Wait for every rank's result of ``job_id``; raise on the first failure, a silent death or the timeout."""
+        outcome: dict[int, tuple[str, object]] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        while len(outcome) < self.world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise TimeoutError(
+                    f"distributed test {name} did not finish within {timeout_s:.0f}s; ranks done: "
+                    f"{sorted(outcome)}; failures so far: {_failures(outcome)}"
+                )
+            try:
+                got_id, rank, status, payload = self.results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in outcome]
+                for r in [r for r in dead if r in may_die]:
+                    outcome[r] = ("died", None)
+                dead = [r for r in dead if r not in may_die]
+                if not dead or not self.results.empty():
+                    continue
+                try:  # a child died without reporting (e.g. killed): give the queue a moment, then fail
+                    got_id, rank, status, payload = self.results.get(timeout=2.0)
+                except queue.Empty:
+                    raise AssertionError(
+                        f"ranks {dead} of {name} exited without a result (exit codes "
+                        f"{[self.procs[r].exitcode for r in dead]}); failures: {_failures(outcome)}"
+                    ) from None
+            if got_id not in (job_id, -1):
+                continue  # a result of an earlier call that failed elsewhere
+            outcome[rank] = (status, payload)
+            if status == "error":
+                self._drain(job_id, outcome, wait_s=10.0)  # one failed rank is enough: collect the others briefly
+                raise AssertionError(f"distributed test {name} failed:\n{_failures(outcome)}")
+        return outcome
+
+    def _drain(self, job_id: int, outcome: dict, wait_s: float) -> None:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=wait_s)
+        while len(outcome) < self.world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                return
+            try:
+                got_id, rank, status, payload = self.results.get(timeout=left)
+            except queue.Empty:
+                return
+            if got_id in (job_id, -1):
+                outcome[rank] = (status, payload)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, graceful: bool = False) -> None:
+        if graceful and self.jobs is not None:
+            for q in self.jobs:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_pools: dict[int, _Ranks] = {}  # world size -> pool, least recently used first
+_job_ids = itertools.count(1)
+
+
+def _pool(world_size: int) -> _Ranks:
+    pool = _pools.pop(world_size, None)
+    if pool is not None and not pool.alive():
+        pool.close()
+        pool = None
+    while _pools and sum(p.world_size for p in _pools.values()) + world_size > MAX_POOLED_RANKS:
+        _pools.pop(next(iter(_pools))).close(graceful=True)
+    if pool is None:
+        pool = _Ranks(world_size, pooled=True)
+    _pools[world_size] = pool
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close(graceful=True)
+
+
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    may_die: tuple[int, ...] = (),
+    fresh: bool = False,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return per-rank results.
+
+    ``fn`` must be importable (a module-level function). Raises ``AssertionError`` with every failed rank's
+    traceback when a rank raises, and ``TimeoutError`` (after killing the ranks) when the run takes longer than
+    ``timeout_s``. By default the ranks are a pool reused across calls (module docstring); ``fresh=True`` spawns
+    ranks for this call only, whose process group times out after ``timeout_s``. Ranks in ``may_die`` (fresh
+    runs only) may exit without a result (a test that kills them on purpose): their result is ``None``.
+    """
+    if may_die and not fresh:
+        raise ValueError(f"may_die={may_die} needs fresh=True: a pooled rank must not die")
+    name = getattr(fn, "__name__", str(fn))
+    if fresh:
+        ranks = _Ranks(world_size, pooled=False, fn=fn, args=args, timeout_s=timeout_s)
+        try:
+            outcome = ranks.collect(0, name, timeout_s, may_die)
+        finally:
+            ranks.close()
+    else:
+        ranks = _pool(world_size)
+        job_id = next(_job_ids)
+        for q in ranks.jobs:
+            q.put((job_id, fn, args))
+        try:
+            outcome = ranks.collect(job_id, name, timeout_s, may_die)
+        except BaseException:
+            _pools.pop(world_size, None)
+            ranks.close()  # its ranks may be stuck in a collective of the failed call
+            raise
+    return [
+        None if outcome[r][0] == "died" else torch.load(io.BytesIO(outcome[r][1]), weights_only=False)
+        for r in range(world_size)
+    ]
+
+
+def _failures(outcome: dict) -> str:
+    return "\n".join(f"--- rank {r} ---\n{p}" for r, (s, p) in sorted(outcome.items()) if s == "error") or "none"
