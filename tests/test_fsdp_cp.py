@@ -335,7 +335,7 @@ def _example():
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_worker, 4, timeout_s=280)
+    return run_distributed(_worker, 4, timeout_s=600)
 
 
 # -- single-process references ----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_chunked_attention_is_refused_at_its_source_line():
     with pytest.raises(UnsupportedAttentionError) as e:
         run_pass(gm)
     msg = str(e.value)
-    assert "floordiv" in msg and "_models.py:" in msg and "token positions" in msg, msg
+    assert "floordiv" in msg and "models/attention.py:" in msg and "token positions" in msg, msg
 
 
 class _MaskModel(nn.Module):

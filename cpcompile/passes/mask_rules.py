@@ -262,9 +262,9 @@ class _Prover:
         shape, out = _shape(base), _shape(n)
         kept = _kept_dim(entries, shape, len(shape) - b.rdim)
         if kept is None:
-            if b.kind == "data":
-                return _PLAIN  # some tokens' inputs (the first position of a row): per-row values
-            raise _Unproven(n, f"a selection {index!r} along the token dim of token positions")
+            # some tokens' values (the first position of a row, transformers' packed-sequence detection): per-row
+            # values known only at run time, which shift positions without telling their order
+            return _PLAIN
         return dataclasses.replace(b, rdim=len(out) - kept)
 
     def _lookup(self, n: fx.Node, table: object, entries: tuple) -> object:
@@ -435,10 +435,12 @@ class _Prover:
         return v if isinstance(v, _Rule) else _Rule()
 
     def _other(self, n: fx.Node, name: str, inputs: list) -> object:
-        data_only = all(v is _PLAIN or (isinstance(v, _Tokens) and v.kind == "data") for v in inputs)
-        if data_only and name in _DATA_OPS:
+        tokens_only = all(v is _PLAIN or isinstance(v, _Tokens) for v in inputs)
+        if tokens_only and name in _DATA_OPS and any(isinstance(v, _Tokens) for v in inputs):
+            # per-token labels (documents detected from positions, as transformers does from position_ids or
+            # from its own arange when none are given): compared for equality only, their order is not read
             tokens = next(v for v in inputs if isinstance(v, _Tokens))
-            return dataclasses.replace(tokens, bare=False)
+            return dataclasses.replace(tokens, kind="data", bare=False)
         raise _Unproven(n, f"{name} of values built from token positions")
 
 
