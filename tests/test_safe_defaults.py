@@ -106,16 +106,18 @@ def test_data_dependent_branch_is_refused_at_compile_time(results):
             assert "cannot run diff" in got["message"] and not got["rank_failed"], got
 
 
-@pytest.mark.parametrize("mask", ["causal", "prefix"])
+def test_prefix_lm_mask_from_an_input_is_refused_at_compile_time(results):
+    """A prefix-LM mask (``causal | prefix x prefix`` from a per-token input) is not causal order, a window or a
+    document condition: refused when the model is compiled, on every rank, naming the model's line."""
+    for rank, res in enumerate(results):
+        got = res["mask_prefix_first"]
+        assert got["type"] == "UnsupportedAttentionError", f"rank {rank}: {got}"
+        assert "or_" in got["message"] and "safe_workers.py:" in got["message"], got["message"]
+
+
+@pytest.mark.parametrize("mask", ["causal"])
 def test_mask_is_checked_on_every_new_batch(results, mask):
-    first, second = (
-        ("mask_causal_first", "mask_causal_packed")
-        if mask == "causal"
-        else (
-            "mask_prefix_first",
-            "mask_prefix_second",
-        )
-    )
+    first, second = ("mask_causal_first", "mask_causal_packed")
     for rank, res in enumerate(results):
         assert res[first]["type"] == "none", f"rank {rank}: {res[first]}"
         got = res[second]
