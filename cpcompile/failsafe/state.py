@@ -123,13 +123,19 @@ class GroupState:
     #: Fingerprint of the batch of the current step (``""``: not computed, ``shard(check_batch=False)``),
     #: carried by every control round of the step.
     fingerprint: str = ""
+    #: The group's own collective timeout, read once (through a private torch accessor) when first needed.
+    group_timeout_s: float | None = None
 
     @property
     def peer_timeout_s(self) -> float:
         if self.options.peer_timeout_s is not None:
             return self.options.peer_timeout_s
-        group = self.ref()
-        return _compat.group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
+        if self.group_timeout_s is None:
+            group = self.ref()
+            self.group_timeout_s = (
+                _compat.group_timeout_s(group) if group is not None else dist.default_pg_timeout.total_seconds()
+            )
+        return self.group_timeout_s
 
 
 #: Backends already warned about by :func:`group_state` (untested with fail-together).
