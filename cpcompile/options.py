@@ -94,6 +94,12 @@ class BackendOptions:
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
             raise ValueError(f"inner={self.inner!r} is not a known inner compiler; choose one of {INNER_COMPILERS}")
+        if self.regather_kv_in_backward and self.inner == "eager":
+            raise ValueError(
+                "regather_kv_in_backward=True needs an inner compiler that partitions forward and backward "
+                "(inner='aot_eager' or 'inductor'); inner='eager' runs the graph as traced and would keep the gathered "
+                "K/V anyway"
+            )
         if self.dump_dir is not None:
             if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
                 raise ValueError(f"dump_dir={self.dump_dir!r} must be a folder path (str or os.PathLike), or None")

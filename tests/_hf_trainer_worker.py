@@ -172,7 +172,7 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--dp", type=int, default=1, help="reference only: the CP run's data-parallel size")
     p.add_argument("--batch", type=int, default=4, help="documents per data-parallel replica and micro-batch")
-    p.add_argument("--inner", default="aot_eager")
+    p.add_argument("--inner", default="eager", help="cpcompile inner compiler (the rewritten graph as traced)")
     p.add_argument("--sampling", default="sequential", choices=["sequential", "random"], help="train_sampling_strategy")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (the Trainer's fsdp option) instead of DDP")
     p.add_argument("--out", required=True, help="folder: rank 0 writes JOB.pt per job")

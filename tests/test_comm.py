@@ -87,6 +87,7 @@ def _case(family: str, regather: bool) -> ParityCase:
         doc_lens=((10, 20, 7), (5, 30, 2)),
         batch_seed=3,
         backend_kwargs=(("regather_kv_in_backward", regather),),
+        inner="aot_eager" if regather else "eager",  # recomputation is AOTAutograd's partitioner's
     )
 
 
@@ -128,3 +129,11 @@ def test_regather_kv_in_backward_gathers_again_and_stays_exact(profiled):
         # forward gathers K and V once per layer; backward gathers them again instead of saving them
         assert outcome.collectives.get("gloo:all_gather", 0) == 4 * layers
         check_outcome(outcome)
+
+
+def test_regather_without_a_partitioner_is_refused():
+    from cpcompile.options import BackendOptions
+
+    with pytest.raises(ValueError, match="regather_kv_in_backward=True needs an inner compiler that partitions"):
+        BackendOptions(regather_kv_in_backward=True, inner="eager")
+    assert BackendOptions(regather_kv_in_backward=True, inner="aot_eager").regather_kv_in_backward

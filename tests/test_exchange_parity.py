@@ -1,14 +1,14 @@
 """Parity of the selective K/V exchange (``cpcompile.backend(..., exchange="selective")``) and its bytes.
 
-Against the unsharded eager model (tests.harness.parity): Llama at CP = 2, 3 and 4, packed documents that cross ranks
-and documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous and
-balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole),
-aot_eager, one inductor case, one case with a receive buffer bounded by ``exchange_slots``. Every full-attention
-site must report ``exchange == "selective"``; the bytes each rank received equal the brute-force count of the
-keys its queries see on other ranks (tests/test_exchange.py), K and V, every site. A second batch with other
-documents (one row a single document) runs exact without a recompile, and the profiler sees all-to-alls and no
-all-gather. Negative control: every
-rank's first needed key left out of the exchange must fail the parity check.
+Against the unsharded eager model (tests.harness.parity): Llama at CP = 2, 3 and 4, packed documents that cross
+ranks and documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous
+and balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole), the
+rewritten graph run as traced and one inductor case, one case with a receive buffer bounded by ``exchange_slots``.
+Every full-attention site must report ``exchange == "selective"``; the bytes each rank received equal the
+brute-force count of the keys its queries see on other ranks (tests/test_exchange.py), K and V, every site. A second
+batch with other documents (one row a single document) runs exact without a recompile, and the profiler sees
+all-to-alls and no all-gather. Negative control: every rank's first needed key left out of the exchange must fail
+the parity check.
 """
 
 from __future__ import annotations

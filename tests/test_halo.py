@@ -5,7 +5,7 @@
   with every other rank's.
 - Parity (tests.harness.parity, against the unsharded eager model): Mistral with windows smaller than a chunk and longer
   than a run of a rank's tokens (the halo then comes from two ranks), Gemma 3 (sliding and full layers), at
-  CP = 2, 3 and 4, packed documents crossing chunk edges, contiguous and balanced layouts, aot_eager and
+  CP = 2, 3 and 4, packed documents crossing chunk edges, contiguous and balanced layouts, run as traced and
   inductor; the bytes each rank received equal the brute-force count. A halo one token short (every rank's
   first needed key dropped) fails the same check. Windows of a chunk or more keep the all-gather at these
   sizes (the halo's ``MAX_RUNS * (window - 1)`` slots would not be fewer keys); the families' parity covers them.

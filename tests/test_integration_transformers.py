@@ -184,7 +184,9 @@ def test_sft_example_runs_under_torchrun_and_saves_the_model(tmp_path):
     example = ROOT / "examples" / "sft_trainer_cp.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(example)]
     proc = subprocess.run(
-        command + ["--steps", "2", "--batch", "4", "--max-prompt", "16", "--output-dir", str(tmp_path)],
+        command
+        + ["--steps", "2", "--batch", "4", "--max-prompt", "16", "--inner", "eager"]
+        + ["--output-dir", str(tmp_path)],
         cwd=ROOT,
         env=_env(),
         capture_output=True,

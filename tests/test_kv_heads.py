@@ -3,8 +3,9 @@
 Graph level (one process): for each spelling of tests.models.kv_heads the rewritten graph exchanges ``[B, Hkv, c, D]``
 tensors (KV heads, not query heads), attends with ``enable_gqa=True`` and keeps no expansion; tiling
 (``repeat``), which is not grouped-query order, is left as it is (the expanded tensors are gathered).
-Parity (CP=2, aot_eager, against the unsharded eager model, tests.harness.parity): every spelling with full attention,
-and two with a sliding window (a halo exchange); the bytes each rank all-gathered are (N-1) chunks of the KV heads.
+Parity (CP=2, the rewritten graph run as traced, against the unsharded eager model, tests.harness.parity): every
+spelling with full attention, and two with a sliding window (a halo exchange); the bytes each rank all-gathered are
+(N-1) chunks of the KV heads.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Parity: cpcompile on CPU/gloo (CP=2 and CP=4) vs the same model run eagerly in one process on the whole batch.
 
-Every case uses packed rows (B >= 2) whose documents are split between ranks and a length T that is not a
-multiple of the CP size, and compares the gathered logits, the summed loss and every parameter's gradient summed
-over CP ranks with ``torch.testing.assert_close`` (the harness and its tolerances: :mod:`tests.harness.parity`). Each
-case also asserts that every attention layer's SDPA was rewritten and that K and V were all-gathered once per
-layer. ``attention="auto"`` runs the block kernel on CPU; one CP=4 case uses the ``head_tail`` layout (the
-balanced layout has its own parity tests in ``tests/test_layouts_parity.py``). The negative controls break the CP
-side through public means only and must fail the same check on what they break: a wrong label shift (loss and
-gradients, the logits stay right), the batch's documents merged (logits), the plan's documents merged under the
-model's true positions (logits). The CP=2 run also checks ``cpcompile.gather`` and its backward, with contiguous
-chunks and with the balanced layout.
+Every case uses packed rows (B >= 2) whose documents are split between ranks and a length T that is not a multiple
+of the CP size, and compares the gathered logits, the summed loss and every parameter's gradient summed over CP
+ranks with ``torch.testing.assert_close`` (the harness and its tolerances: :mod:`tests.harness.parity`). Each case
+also asserts that every attention layer's SDPA was rewritten and that K and V were all-gathered once per layer.
+``attention="auto"`` runs the block kernel on CPU; one CP=4 case uses the ``head_tail`` layout (the balanced layout
+has its own parity tests in ``tests/test_layouts_parity.py``). The negative controls break the CP side through
+public means only and must fail the same check on what they break: a wrong label shift (loss and gradients, the
+logits stay right), the batch's documents merged (logits), the plan's documents merged under the model's true
+positions (logits). The first case at each CP size compiles through AOTAutograd (``inner="aot_eager"``), the others
+run the rewritten graph as traced (``inner="eager"``). The CP=2 run also checks ``cpcompile.gather`` and its
+backward, with contiguous chunks and with the balanced layout.
 
 Measured differences and the controls' errors: BENCHMARKS.md ("parity errors").
 """
@@ -29,7 +30,7 @@ DOCS_B3 = ((1, 30, 14), (45,), (12, 1, 1, 31))
 
 CP2_CASES = (
     # HF models in training form: a bool [B, 1, T, T] causal same-document mask, K/V expanded by repeat_kv
-    ParityCase(model="qwen3", doc_lens=DOCS, expected_form=("bool-mask", False)),
+    ParityCase(model="qwen3", doc_lens=DOCS, inner="aot_eager", expected_form=("bool-mask", False)),
     ParityCase(model="llama", doc_lens=DOCS_B3, batch_seed=2, expected_form=("bool-mask", False)),
     # is_causal=True + enable_gqa=True (HF's form with the KV cache on): 2 KV heads for 4 query heads
     ParityCase(model="attn:causal_gqa", doc_lens=DOCS, expected_form=("is_causal", True)),
@@ -39,7 +40,7 @@ CP2_CASES = (
     ),
 )
 CP4_CASES = (
-    ParityCase(model="llama", doc_lens=DOCS),
+    ParityCase(model="llama", doc_lens=DOCS, inner="aot_eager"),
     # the load-balanced layout: rank r holds pieces r and 7 - r of 8 (T = 37 padded to 40, pieces of 5)
     ParityCase(model="qwen3", doc_lens=DOCS, layout="head_tail", expected_form=("bool-mask", False)),
 )
@@ -94,7 +95,7 @@ TIMEOUT_S = 420
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_parity_cp2_aot_eager():
+def test_parity_cp2():
     results = run_distributed(_worker, 2, CP2_CASES, CONTROLS, True, timeout_s=TIMEOUT_S)
     report(results[0])
     assert_controls(results[0])
@@ -103,7 +104,7 @@ def test_parity_cp2_aot_eager():
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_parity_cp4_aot_eager():
+def test_parity_cp4():
     results = run_distributed(_worker, 4, CP4_CASES, (), timeout_s=TIMEOUT_S)
     report(results[0])
     assert [len(r) for r in results] == [len(CP4_CASES)] * 4

@@ -12,9 +12,9 @@ Models (``tests.models.positions.library_style``, ``tests.models.attention`` for
 * ``attn:head_expanded``: a causal same-document mask built from ``position_ids`` and expanded to every head
   (``mask.expand(B, H, T, T)``); negative control ``merge_documents`` (the CP run sees documents merged).
 
-Inductor runs ``library_style`` as a layer of ``all_forms`` (``tests/test_positions_parity.py``). The one-process
-checks of each form's values on the last rank, with ``positions="off"`` as control, are in
-``tests/test_positions_values.py``.
+The rewritten graph runs as traced (``inner="eager"``); inductor runs ``library_style`` as a layer of ``all_forms``
+(``tests/test_positions_parity.py``). The one-process checks of each form's values on the last rank, with
+``positions="off"`` as control, are in ``tests/test_positions_values.py``.
 
 Measured differences: BENCHMARKS.md ("parity errors", models that compute positions).
 """
@@ -34,7 +34,7 @@ LIBRARY = "tests.models.positions:library_style"
 ROPE = (("arange", "rewritten"),) * 2  # one arange per attention layer
 
 
-def _case(model: str, layout: str, inner: str = "aot_eager", positions=ROPE) -> ParityCase:
+def _case(model: str, layout: str, inner: str = "eager", positions=ROPE) -> ParityCase:
     return ParityCase(
         model=model,
         doc_lens=DOCS,

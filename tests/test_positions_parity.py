@@ -8,9 +8,10 @@ negative control compiles the same model with ``cpcompile.backend(..., positions
 fail. It runs for one model per kind of rewrite (a table slice, an arange, transformers' ``cache_position``) and
 for each real package (``explicit_positions`` takes its positions as input and needs no rewrite).
 
-Inductor runs one model that combines every form (``all_forms``: a layer per RoPE form, ``library_style``
-included, learned positions at the embedding, one layer taking explicit positions) at CP=2, standing for them.
-CP=4 with aot_eager runs the balanced layout (each rank holds several runs of tokens), so rewritten positions are
+Inductor runs one model that combines every form (``all_forms``: a layer per RoPE form, ``library_style`` included,
+learned positions at the embedding, one layer taking explicit positions) at CP=2, standing for them. The other cases
+run the rewritten graph as traced (``inner="eager"``: the positions pass rewrites Dynamo's graph, before
+AOTAutograd). CP=4 runs the balanced layout (each rank holds several runs of tokens), so rewritten positions are
 checked to follow the plan's tokens wherever they are.
 
 Measured differences: BENCHMARKS.md ("parity errors", models that compute positions).
@@ -52,7 +53,7 @@ EXPECTED = {
 MODELS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions")
 
 
-def _case(name: str, inner: str = "aot_eager", layout: str = "contiguous", **overrides) -> ParityCase:
+def _case(name: str, inner: str = "eager", layout: str = "contiguous", **overrides) -> ParityCase:
     return ParityCase(
         model=f"tests.models.positions:{name}",
         # without position_ids a transformers model sees one document per row, padding included, while the plan
@@ -92,7 +93,7 @@ TIMEOUT_S = 900
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_position_models_cp2_aot_eager():
+def test_position_models_cp2():
     # learned positions with exactly T rows: the padding token's index (37) must be clamped into the table
     cases = [_case(m) for m in MODELS if m != "learned_positions"]
     cases += [_case("learned_positions", max_len=37), _case("llama_without_positions")]
@@ -104,7 +105,7 @@ def test_position_models_cp2_aot_eager():
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_position_models_cp4_aot_eager():
+def test_position_models_cp4():
     """The balanced layout: rewritten positions are the plan's global indices, whichever tokens a rank holds."""
     cases = [_case(m, layout="balanced") for m in ("titan_style", "lit_style")]
     cases.append(_case("learned_positions", layout="balanced", max_len=37))  # 3 padding tokens clamped

@@ -42,7 +42,7 @@ def _compiled(model, group):
     import cpcompile
 
     torch._dynamo.reset()
-    return torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
+    return torch.compile(model, backend=cpcompile.backend(group, inner="eager"))
 
 
 class MaskAttention(nn.Module):
