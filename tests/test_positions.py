@@ -31,7 +31,7 @@ FIX_WORDS = 'positions=local["position_ids"]'
 
 
 def _compile_and_run(model, group, *, dynamic=True, **backend_kwargs):
-    backend = cpcompile.backend(group, inner="aot_eager", **backend_kwargs)
+    backend = cpcompile.backend(group, inner="eager", **backend_kwargs)
     compiled = torch.compile(model, backend=backend)
     with cpcompile.shard(packed_batch(DOCS), group, dynamic=dynamic) as local:
         out = compiled(**local)
@@ -123,12 +123,12 @@ def test_one_token_per_rank(world):
     """T = N: Dynamo specialises the chunk length 1, so the graph is static and every broadcast dim has the chunk
     length; a transformers model still compiles (its aranges only build the mask), a range of the length does not."""
     batch = packed_batch([[2], [2]])
-    backend = cpcompile.backend(world, inner="aot_eager")
+    backend = cpcompile.backend(world, inner="eager")
     with cpcompile.shard(batch, world) as local:
         torch.compile(tiny_model("llama"), backend=backend)(**local)
     assert {r.action for r in backend.position_reports} == {"mask"}
     torch._dynamo.reset()
-    compiled = torch.compile(pm.position_lm("learned_positions"), backend=cpcompile.backend(world, inner="aot_eager"))
+    compiled = torch.compile(pm.position_lm("learned_positions"), backend=cpcompile.backend(world, inner="eager"))
     with pytest.raises(cpcompile.UnsupportedPositionError, match=r"static sequence length \(1 tokens per rank"):
         with cpcompile.shard(batch, world) as local:
             compiled(**local)
