@@ -163,11 +163,38 @@ def run_refusals(a: argparse.Namespace) -> None:
         torch.save(messages, os.path.join(a.out, "refusals.pt"))
 
 
+def run_example(a: argparse.Namespace) -> None:
+    """``examples/sft_trainer_cp.py``'s ``main`` in this torchrun launch (its own arguments, 2 steps); rank 0
+    writes what it printed and where it saved the model to ``example.pt``."""
+    import contextlib
+    import importlib.util
+    import io
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "sft_trainer_cp.py"
+    spec = importlib.util.spec_from_file_location("sft_trainer_cp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    saved = os.path.join(a.out, "example_model")
+    # another model configuration than the jobs before (head_dim): its float attributes would otherwise come back
+    # symbolic from Dynamo's recompile, which cpcompile refuses (the refusal names this fix)
+    torch.compiler.reset()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        example.main(["--steps", "2", "--batch", "4", "--max-prompt", "16", "--inner", a.inner, "--output-dir", saved])
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"stdout": printed.getvalue(), "saved": saved}, os.path.join(a.out, "example.pt"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["cp", "reference"], required=True)
     p.add_argument(
-        "--job", choices=[*sorted(JOBS), "refusals"], action="append", required=True, help="run these, in order"
+        "--job",
+        choices=[*sorted(JOBS), "refusals", "example"],
+        action="append",
+        required=True,
+        help="run these, in order",
     )
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--dp", type=int, default=1, help="reference only: the CP run's data-parallel size")
@@ -182,7 +209,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     for name in a.job:
-        run_refusals(a) if name == "refusals" else run_job(name, a)
+        {"refusals": run_refusals, "example": run_example}.get(name, lambda a: run_job(name, a))(a)
 
 
 if __name__ == "__main__":

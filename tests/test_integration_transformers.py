@@ -87,8 +87,9 @@ def reference(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def cp2(tmp_path_factory) -> dict[str, dict]:
-    """One torchrun launch of 2 processes (CP=2, 4 documents per step): every CP job and the refusals."""
-    jobs = _jobs("trainer", *(["sft"] if HAS_TRL else []), "control", "refusals")
+    """One torchrun launch of 2 processes (CP=2, 4 documents per step): every CP job, the refusals and the SFT
+    example (TRL) with its own arguments."""
+    jobs = _jobs("trainer", *(["sft"] if HAS_TRL else []), "control", "refusals", *(["example"] if HAS_TRL else []))
     return _launch(_torchrun(2, "--cp", "2", "--batch", "4", *jobs), tmp_path_factory.mktemp("cp2"))
 
 
@@ -180,23 +181,11 @@ def test_trainer_fsdp_cp2_matches_one_process(reference, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is an optional test dependency (pip install -c constraints.txt trl)")
-def test_sft_example_runs_under_torchrun_and_saves_the_model(tmp_path):
-    example = ROOT / "examples" / "sft_trainer_cp.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(example)]
-    proc = subprocess.run(
-        command
-        + ["--steps", "2", "--batch", "4", "--max-prompt", "16", "--inner", "eager"]
-        + ["--output-dir", str(tmp_path)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert "CPSFTTrainer: dp=1 x cp=2, 2 steps in" in proc.stdout, proc.stdout[-3000:]
-    saved = Path(proc.stdout.rsplit("saved to ", 1)[1].strip())
-    assert saved == tmp_path
+def test_sft_example_runs_under_torchrun_and_saves_the_model(cp2):
+    # examples/sft_trainer_cp.py's main, called in the CP=2 torchrun launch with the example's own arguments
+    printed, saved = cp2["example"]["stdout"], Path(cp2["example"]["saved"])
+    assert "CPSFTTrainer: dp=1 x cp=2, 2 steps in" in printed, printed[-3000:]
+    assert Path(printed.rsplit("saved to ", 1)[1].strip()) == saved
     from transformers import AutoModelForCausalLM
 
     from cpcompile.testing import tiny_model

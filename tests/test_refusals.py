@@ -52,6 +52,22 @@ def test_refused_at_compile_time(world, make, layer, words):
     assert delta.get("sdpa_refused") == 1 and "sdpa_rewritten" not in delta, delta
 
 
+def test_second_configuration_in_one_process_is_refused_with_the_reset_fix(world):
+    """A second model of another head_dim through the same code: Dynamo recompiles with its ``scaling`` symbolic
+    (automatic dynamic), which cannot be proved constant; the refusal names ``torch.compiler.reset()``, and after
+    it the second model compiles."""
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        torch.compile(tiny_model("qwen3", head_dim=16), backend=cpcompile.backend(world, inner="eager"))(**local)
+        second = tiny_model("qwen3", head_dim=32)
+        with pytest.raises(cpcompile.UnsupportedAttentionError, match=r"scale is symbolic.*torch\.compiler\.reset\(\)"):
+            torch.compile(second, backend=cpcompile.backend(world, inner="eager"))(**local)
+    torch.compiler.reset()
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        torch.compile(second, backend=backend)(**local)
+    assert [r.action for r in backend.reports] == ["rewritten", "rewritten"]
+
+
 @pytest.mark.parametrize("attention", ["flex", "flash_varlen"])
 def test_cuda_only_attention_paths_are_refused_on_cpu(world, attention):
     compiled = torch.compile(_models.attention_lm("causal_gqa"), backend=cpcompile.backend(world, attention=attention))

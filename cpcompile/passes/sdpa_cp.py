@@ -231,11 +231,16 @@ def check_site(site: SDPASite) -> str | None:
     for name, arg in (("dropout_p", site.dropout_p), ("scale", site.scale)):
         value = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else None
         if isinstance(value, (torch.SymFloat, torch.SymInt)):
-            # torch.compile(dynamic=True) makes float attributes (attention_dropout, scaling) symbolic
+            # Dynamo makes float attributes (attention_dropout, scaling) symbolic under dynamic=True, and on the
+            # recompile of a frame whose float changed (automatic dynamic: another model configuration compiled
+            # in the same process through the same code)
             return (
-                f"the attention's {name} is symbolic (now {value}): torch.compile(dynamic=True) makes the model's "
-                "float attributes symbolic, so cpcompile cannot prove it is the same constant on every call; "
-                "compile without dynamic=True (cpcompile.shard marks the sequence length dynamic itself)"
+                f"the attention's {name} is symbolic (now {value}): Dynamo makes a model's float attributes "
+                "symbolic under torch.compile(dynamic=True), and when it recompiles code it already compiled for "
+                "another value (a second model of another configuration, e.g. another head_dim, in the same "
+                "process), so cpcompile cannot prove it is the same constant on every call; compile without "
+                "dynamic=True (cpcompile.shard marks the sequence length dynamic itself), and call "
+                "torch.compiler.reset() before compiling a model of another configuration"
             )
     if isinstance(site.dropout_p, fx.Node) or not isinstance(site.dropout_p, numbers.Number):
         return f"dropout_p is computed at run time; {no_dropout} (or call model.eval())"
