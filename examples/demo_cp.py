@@ -4,7 +4,7 @@ Spawns ``--cp`` gloo processes; each holds one chunk of every packed sequence, r
 ``cpcompile.backend`` and sums gradients over the CP group. The same steps run in one process on the whole
 batch, and the script prints both losses and the largest parameter difference after every step.
 
-    python examples/demo_cp.py [--cp 2] [--steps 5] [--inner aot_eager|inductor]
+    python examples/demo_cp.py [--cp 2] [--steps 5] [--inner eager|aot_eager|inductor]
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="CP size = number of CPU processes (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
-    parser.add_argument("--inner", default="aot_eager", choices=["aot_eager", "inductor"], help="inner compiler")
+    parser.add_argument(
+        "--inner", default="aot_eager", choices=["eager", "aot_eager", "inductor"], help="cpcompile's inner compiler"
+    )
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_runs_and_matches_single_process():
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo_cp.py"), "--steps", "2"],
+        [sys.executable, str(ROOT / "examples" / "demo_cp.py"), "--steps", "2", "--inner", "eager"],
         cwd=ROOT,
         env=env,
         capture_output=True,
