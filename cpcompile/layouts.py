@@ -70,6 +70,7 @@ __all__ = [
     "Balance",
     "Workload",
     "balance",
+    "check_layout",
     "count_runs",
     "split_keys",
     "token_work",
@@ -159,6 +160,12 @@ LAYOUTS: dict[str, Callable[[int, int, torch.Tensor, Workload], torch.Tensor]] =
     "head_tail": _head_tail,
     "balanced": _balanced,
 }
+
+
+def check_layout(layout: object) -> None:
+    """``ValueError`` naming ``layout`` and the choices unless it is a key of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
 
 
 def count_runs(indices: torch.Tensor) -> torch.Tensor:

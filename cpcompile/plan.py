@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from cpcompile.layouts import DEFAULT_LAYOUT, LAYOUTS, MAX_RUNS, AttentionForm, Workload, count_runs
+from cpcompile.layouts import DEFAULT_LAYOUT, LAYOUTS, MAX_RUNS, AttentionForm, Workload, check_layout, count_runs
 from cpcompile.mask import document_ids, document_starts, first_visible, needed_keys, visible, visible_mask
 
 __all__ = [
@@ -515,8 +515,7 @@ def build_plan(
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    check_layout(layout)
     if workload is None:
         workload = Workload()
     elif not isinstance(workload, Workload):

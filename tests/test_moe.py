@@ -7,7 +7,7 @@ arange that shifts or selects rows, or that is used as a position, is still refu
 fills its key buffer in place (``new_empty``, then ``buf[..., :d].copy_(k)``): the exchange of K must wait for
 those writes.
 
-Parity of every MoE family of :data:`cpcompile.testing.MOE_FAMILIES` at CP=2, and of DeepSeek-V3 at CP=3 (balanced
+Parity of every MoE family of :data:`cpcompile.testing.MOE_FAMILIES` at CP=2 and 3, and of Mixtral at CP=3 (balanced
 layout, T not a multiple of 3), runs in one spawned group of 3 processes; Mixtral and Qwen3-MoE are in
 :data:`cpcompile.testing.FAMILIES` and run with every family in ``tests/test_layouts_parity.py``.
 """
@@ -123,9 +123,9 @@ def test_keys_are_exchanged_after_in_place_writes():
 
 # -- parity of the MoE families -----------------------------------------------------------------------------
 MOE_NAMES = sorted(MOE_FAMILIES)
-#: CP=3 (T padded, three ranks' runs): DeepSeek-V3 stands for the others (shared experts, a dense first layer,
-#: keys written in place); Qwen3-MoE runs at CP=3 with every family's CP=2 in tests/test_layouts_parity.py.
-CP3_NAMES = ["deepseek_v3"]
+#: CP=3 (T padded, three ranks' runs): every MoE family, Mixtral included (it is in ``FAMILIES``, whose CP=2 runs in
+#: tests/test_layouts_parity.py with Qwen3-MoE's CP=3).
+CP3_NAMES = [*MOE_NAMES, "mixtral"]
 CASES = [(family, 2) for family in MOE_NAMES] + [(family, 3) for family in CP3_NAMES]
 
 

@@ -19,7 +19,7 @@ from cpcompile.backend import CPBackend, TracedGraph
 from cpcompile.inspect.batch import packed_batch
 from cpcompile.inspect.load import is_config, load_model
 from cpcompile.inspect.report import Inspection, RankSite, RankTotals
-from cpcompile.layouts import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS, Workload
+from cpcompile.layouts import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, Workload, check_layout
 from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
 from cpcompile.plan import CPPlan, build_plan
@@ -107,8 +107,7 @@ def inspect_model(
         raise ValueError(f"ranks={list(ranks)}: expected distinct ranks in [0, {cp_size}) (CP size {cp_size})")
     if device not in ("meta", "cpu"):
         raise ValueError(f"device={device!r}: inspect traces on 'meta' (default) or 'cpu'")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    check_layout(layout)
 
     net = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
     config = getattr(net, "config", None)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from cpcompile.layouts import LAYOUTS, Workload
+from cpcompile.layouts import Workload, check_layout
 from cpcompile.plan import IGNORE_INDEX
 from cpcompile.runtime.workload import compiled_workload
 
@@ -105,8 +105,7 @@ def validate_options(
             f"cpcompile.shard got both num_items_in_batch={options.num_items_in_batch!r} and dp_group: pass either "
             "a precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
         )
-    if options.layout not in LAYOUTS:
-        raise ValueError(f"layout={options.layout!r} is not a known layout; choose one of {sorted(LAYOUTS)}")
+    check_layout(options.layout)
     workload = options.workload
     if workload is None and options.layout == "balanced":
         workload = compiled_workload(group_name)
