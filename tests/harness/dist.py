@@ -6,7 +6,8 @@ set-up) against a fraction of a second for a tiny model's step, so by default :f
 runs on a new process group (and store), with a clean Dynamo state, environment and cpcompile module state; a
 call that fails or times out takes its pool down (its ranks may be stuck in a collective), and the next call
 spawns a new one. Tests whose ranks fail, die or break their process group on purpose pass ``fresh=True`` and
-get processes of their own.
+get processes of their own. A call in which a rank died in native code (:data:`NATIVE_CRASH_EXITCODES`) runs once
+more on new ranks, with a warning.
 """
 
 from __future__ import annotations
