@@ -24,8 +24,8 @@ import time
 import torch
 
 from benchmarks._common import packed_doc_lens, print_table
-from cpcompile.kernels import attention as _attention
 from cpcompile.kernels import cp_attention, dense_cp_attention
+from cpcompile.kernels import library as _library
 from cpcompile.plan import build_plan
 from cpcompile.testing import packed_batch
 
@@ -102,7 +102,7 @@ def check_flex_forward_on_cpu() -> float:
     q = torch.randn(2, 4, plan.chunk_len, 16, generator=g)
     k, v = (torch.randn(2, 2, plan.padded_len, 16, generator=g) for _ in range(2))
     pos = (plan.token_indices(), plan.gathered_indices(), plan.doc_ids)
-    block_mask = _attention._flex_block_mask(*pos, None)
+    block_mask = _library._flex_block_mask(*pos, None)
     with torch.no_grad():
         out = torch.compile(flex_attention)(q, k, v, block_mask=block_mask, scale=0.25, enable_gqa=True)
     ref = dense_cp_attention(q, k, v, *pos, scale=0.25, enable_gqa=True)

@@ -54,6 +54,9 @@ all-gathered along the sequence into global token order, and this rank's token i
 
 ``cpcompile::token_positions`` serves :mod:`cpcompile.passes.positions`: the global index of every token this
 rank holds, for position sources (``arange`` of the local length, tables sliced by it) the model computes itself.
+
+Why one module of about 700 lines: every op sits next to its fake implementation and the ``emit_*`` helper that
+inserts it, so what the pass puts in a graph and what runs at run time are read, and changed, together.
 """
 
 from __future__ import annotations
@@ -571,13 +574,13 @@ def emit_flex_attention(
     positions: tuple[fx.Node, fx.Node, fx.Node],
     *,
     tensors: list[fx.Node],
-    mods: _kernels.attention.FlexMods,
+    mods: _kernels.FlexMods,
     scale: float,
     block_size: int,
 ) -> tuple[fx.Node, fx.Node]:
     """Register the site's ``mods`` and insert ``cpcompile::flex_cp_attention``; returns the (out, lse) nodes
     (``lse`` in natural log)."""
-    _kernels.attention.register_flex_mods(spec.site, mods)
+    _kernels.register_flex_mods(spec.site, mods)
     q_pos, kv_pos, seq_len = positions
     att = graph.call_function(
         torch.ops.cpcompile.flex_cp_attention.default,

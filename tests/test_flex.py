@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile.kernels.attention import FlexMods, flex_cp_attention, register_flex_mods
+from cpcompile.kernels import FlexMods, flex_cp_attention, register_flex_mods
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase
@@ -124,9 +124,9 @@ TIMEOUT_S = 600.0
 def _local_query_indices(rank: int, chunk: int):
     """The negative control: the mods see this rank's queries at local indices (``q_pos - rank * chunk`` in the
     contiguous layout), as the model's own mask would without the rewrite."""
-    from cpcompile.kernels import attention
+    from cpcompile.kernels import flex_mods
 
-    original = attention.BoundMods._indices
+    original = flex_mods.BoundMods._indices
 
     def local(self, b, q_pos, kv_pos):
         bi, h, qi, ki = original(self, b, q_pos, kv_pos)
@@ -138,7 +138,7 @@ def _local_query_indices(rank: int, chunk: int):
 def _run(cases, group, control: bool = False) -> list[dict]:
     import torch.distributed as dist
 
-    from cpcompile.kernels import attention
+    from cpcompile.kernels import flex_mods
     from tests.harness.parity import ParityRunner, assert_parity, failing_quantities
 
     out = []
@@ -159,11 +159,11 @@ def _run(cases, group, control: bool = False) -> list[dict]:
         if control:
             chunk = -(-sum(DOCS[0]) // dist.get_world_size(group))
             original, local = _local_query_indices(dist.get_rank(group), chunk)
-            attention.BoundMods._indices = local
+            flex_mods.BoundMods._indices = local
             try:
                 summary["control_failing"] = failing_quantities(runner.run())
             finally:
-                attention.BoundMods._indices = original
+                flex_mods.BoundMods._indices = original
         out.append(summary)
     return out
 

@@ -28,45 +28,32 @@ Implementations (``impl``, chosen by :attr:`cpcompile.options.BackendOptions.att
 Fully masked query rows (not produced by plan masks, where every token sees itself) give 0 output and zero
 gradients, like CPU SDPA.
 
-``cpcompile::flex_cp_attention`` (:func:`flex_cp_attention`) is the same loop for a rewritten flex_attention
-site: its visibility is the site's ``mask_mod`` (:class:`FlexMods`, evaluated per block at global indices by
-:class:`BoundMods`) instead of :func:`cpcompile.mask.visible`, every key block is visited (blocks with no visible
-pair are skipped before the matmul), its ``score_mod`` rewrites the scores, and the backward also takes the
-gradient of the returned logsumexp. It runs on every device.
+``cpcompile::flex_cp_attention`` (:mod:`cpcompile.kernels.flex_site`) runs the same loop for a rewritten
+flex_attention site: its visibility is the site's ``mask_mod`` (:mod:`cpcompile.kernels.flex_mods`) instead of
+:func:`cpcompile.mask.visible`, every key block is visited (blocks with no visible pair are skipped before the
+matmul), its ``score_mod`` rewrites the scores, and the backward also takes the gradient of the returned
+logsumexp. The library kernels live in :mod:`cpcompile.kernels.library`.
+
+This module (about 480 lines) keeps the loop's forward and backward next to the block schedule they share and the
+op that dispatches between the implementations: the backward recomputes exactly the blocks and masks the forward
+visited, and reading one beside the other is how that is checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import math
 
 import torch
 
 from cpcompile import _compat
+from cpcompile.kernels.library import _flash_varlen_available, _flash_varlen_forward, _flex_forward
 from cpcompile.layouts import DEFAULT_BLOCK_SIZE
 from cpcompile.mask import visible, visible_mask
 from cpcompile.plan import VisibleBlocks, visible_blocks
 
-__all__ = [
-    "IMPLS",
-    "SPAN_KEYS",
-    "BlockPiece",
-    "VarlenLayout",
-    "block_schedule",
-    "computed_pairs",
-    "BoundMods",
-    "FlexMods",
-    "bind_mods",
-    "cp_attention",
-    "dense_cp_attention",
-    "flex_cp_attention",
-    "register_flex_mods",
-    "varlen_layout",
-]
-
-log = logging.getLogger(__name__)
+__all__ = ["IMPLS", "SPAN_KEYS", "BlockPiece", "block_schedule", "computed_pairs", "cp_attention", "dense_cp_attention"]
 
 #: Implementations of ``cpcompile::cp_attention`` (module docstring).
 IMPLS = ("loop", "flex", "flash_varlen")
@@ -205,109 +192,6 @@ def _block_mask(doc_row, q_pos, kv_pos, window) -> torch.Tensor:
     return visible(q_pos[:, None], kv_pos[None, :], doc_row[q_pos][:, None], kv_doc[None, :], window)
 
 
-# -- flex_attention's mask_mod and score_mod (flex sites) -------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class FlexMods:
-    """The ``mask_mod`` and ``score_mod`` of one rewritten flex_attention site, as flex calls them.
-
-    ``mask_mod(b, h, q_idx, kv_idx, *mask_buffers) -> bool`` and ``score_mod(score, b, h, q_idx, kv_idx,
-    *score_buffers) -> score`` are functions of scalars (flex vmaps them; so does :meth:`BoundMods.mask`).
-    ``mask_slots``/``score_slots`` say, for every extra argument, ``("tensor", i)`` (the op's ``i``-th buffer
-    tensor) or ``("const", value)`` (a number fixed at compile time, or ``None`` for a size the mod does not
-    read). ``None``: no mask (every key visible) or no score_mod.
-    """
-
-    mask_mod: object | None
-    score_mod: object | None
-    mask_slots: tuple[tuple[str, int], ...] = ()
-    score_slots: tuple[tuple[str, int], ...] = ()
-
-
-_FLEX_MODS: dict[str, FlexMods] = {}
-
-
-def register_flex_mods(key: str, mods: FlexMods) -> str:
-    """Make ``mods`` known to ``cpcompile::flex_cp_attention`` under ``key`` (the pass's site id)."""
-    _FLEX_MODS[key] = mods
-    return key
-
-
-def _vmap_scalar_fn(fn, first: tuple, n_extra: int):
-    """``fn`` mapped over ``[H, rows, L]``: ``first`` holds, per leading argument, its in_dims at the (head, query,
-    key) levels or ``None`` (not mapped), like flex's own ``_vmap_for_bhqkv``; extra arguments are not mapped."""
-    for level in (3, 2, 1):  # innermost (keys) first
-        dims = tuple(d[level - 1] if d is not None else None for d in first) + (None,) * n_extra
-        fn = torch.vmap(fn, in_dims=dims)
-    return fn
-
-
-@dataclasses.dataclass
-class BoundMods:
-    """:class:`FlexMods` with one call's buffers, evaluated per block at global indices.
-
-    Indices at or past ``seq_len`` (padding the plan appends) are clamped into the sequence for the mods, and
-    the mask_mod decides only pairs of real tokens: a real token never sees padding, whatever the mask_mod says,
-    and a padding query sees the padding keys up to itself (finite values that no real token reads).
-    """
-
-    mods: FlexMods
-    mask_args: tuple
-    score_args: tuple
-    seq_len: int
-    heads: int
-
-    @property
-    def score_mod(self):
-        return self.mods.score_mod
-
-    def _indices(self, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor):
-        dev = q_pos.device
-        last = self.seq_len - 1
-        return (
-            torch.tensor(b, dtype=torch.int32, device=dev),
-            torch.arange(self.heads, dtype=torch.int32, device=dev),
-            q_pos.clamp(max=last).to(torch.int32),
-            kv_pos.clamp(min=0, max=last).to(torch.int32),
-        )
-
-    def mask(self, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
-        """``[H, rows, L]`` bool: the visible pairs of queries at ``q_pos`` and keys at ``kv_pos`` in row ``b``."""
-        bi, h, qi, ki = self._indices(b, q_pos, kv_pos)
-        q_pad, kv_pad = q_pos >= self.seq_len, (kv_pos >= self.seq_len) | (kv_pos < 0)
-        real = ~q_pad[:, None] & ~kv_pad[None, :]
-        # padding queries see the padding keys up to themselves: finite outputs that no real token reads
-        pad = q_pad[:, None] & (kv_pos >= self.seq_len)[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        if self.mods.mask_mod is None:
-            return (real | pad).expand(self.heads, -1, -1)
-        dims = (None, (0, None, None), (None, 0, None), (None, None, 0))
-        fn = _vmap_scalar_fn(self.mods.mask_mod, dims, len(self.mask_args))
-        with _compat.vmap_inside_custom_op():
-            return (fn(bi, h, qi, ki, *self.mask_args).to(torch.bool) & real) | pad
-
-    def score(self, s: torch.Tensor, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
-        """``score_mod`` applied to the ``[H, rows, L]`` scaled scores ``s``."""
-        bi, h, qi, ki = self._indices(b, q_pos, kv_pos)
-        dims = ((0, 0, 0), None, (0, None, None), (None, 0, None), (None, None, 0))
-        fn = _vmap_scalar_fn(self.mods.score_mod, dims, len(self.score_args))
-        with _compat.vmap_inside_custom_op():
-            return fn(s, bi, h, qi, ki, *self.score_args)
-
-
-def bind_mods(key: str, tensors: list, seq_len: int, heads: int) -> BoundMods:
-    """The :class:`FlexMods` registered under ``key`` with this call's buffer ``tensors``."""
-    mods = _FLEX_MODS.get(key)
-    if mods is None:
-        raise RuntimeError(
-            f"cpcompile::flex_cp_attention: no mask_mod/score_mod registered under {key!r}; compile the model with "
-            "cpcompile.backend in the process that runs it"
-        )
-
-    def args(slots):
-        return tuple(tensors[i].contiguous() if kind == "tensor" else i for kind, i in slots)
-
-    return BoundMods(mods, args(mods.mask_slots), args(mods.score_slots), seq_len, heads)
-
-
 def _schedule(doc_ids, q_pos, ks, block_q, block_k, window, mods, B):
     """The loop's ``(q_bounds, schedule)``: the plan's visible blocks, or with ``mods`` (a flex site, whose
     mask only its ``mask_mod`` knows) every key block, masked; blocks without a visible pair are skipped."""
@@ -431,111 +315,7 @@ def _loop_backward(
     return dq.to(q.dtype), _unsort(order, dk).to(k.dtype), _unsort(order, dv).to(v.dtype)
 
 
-# -- library kernels (CUDA) -----------------------------------------------------------------------------
-_WARNED: set[str] = set()
-
-
-def _warn_unvalidated(path: str) -> None:
-    if path not in _WARNED:
-        _WARNED.add(path)
-        log.warning(
-            "cpcompile: the CUDA %s path of cp_attention has not been validated on a GPU yet; run "
-            "benchmarks/gpu_attention.py (it checks it against dense SDPA) or use cpcompile.backend(..., "
-            "attention='dense')",
-            path,
-        )
-
-
-def _flex_block_mask(q_pos, kv_pos, doc_ids, window):
-    def mask_mod(b, h, q_idx, kv_idx):
-        qp, kp = q_pos[q_idx], kv_pos[kv_idx]
-        return visible(qp, kp, doc_ids[b, qp], doc_ids[b, kp.clamp(min=0)], window)
-
-    return _compat.flex_block_mask(mask_mod, doc_ids.shape[0], q_pos.shape[0], kv_pos.shape[0], doc_ids.device)
-
-
-def _flex_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa):
-    _warn_unvalidated("flex_attention")
-    block_mask = _flex_block_mask(q_pos, kv_pos, doc_ids, window)
-    out, lse = _compat.flex_attention_with_lse(q, k, v, block_mask, scale, enable_gqa)
-    return out.contiguous(), lse.float().contiguous()
-
-
-@dataclasses.dataclass(frozen=True)
-class VarlenLayout:
-    """flash-attn varlen segments of one rank: every run of consecutive local queries of one document.
-
-    Queries stay in their ``[B, c]`` order, so segment ``s`` is rows ``cu_q[s]:cu_q[s+1]`` of the flattened
-    ``[B * c]`` queries; its keys are ``keys[s] = (b, start, end)``, sorted-key positions from the start of the
-    document (or of the window) up to the segment's last query, so bottom-right causal alignment gives exactly
-    the plan's mask.
-    """
-
-    cu_q: list[int]
-    cu_k: list[int]
-    keys: list[tuple[int, int, int]]
-    max_q: int
-    max_k: int
-
-
-def varlen_layout(
-    doc_ids: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None = None
-) -> VarlenLayout:
-    """The :class:`VarlenLayout` of queries at ``q_pos`` against sorted keys at ``kv_pos`` (both ascending)."""
-    # one-token query blocks: lo = first visible key of each query, hi = one past the query itself
-    vb = visible_blocks(doc_ids, q_pos, kv_pos, 1, 1, window)
-    lo, hi = vb.lo.tolist(), vb.hi.tolist()
-    docs = doc_ids[:, q_pos].tolist()
-    pos = q_pos.tolist()
-    c = len(pos)
-    cu_q, cu_k, keys = [0], [0], []
-    for b in range(doc_ids.shape[0]):
-        i = 0
-        while i < c:
-            j = i
-            while j + 1 < c and docs[b][j + 1] == docs[b][i] and pos[j + 1] == pos[j] + 1:
-                j += 1
-            keys.append((b, lo[b][i], hi[b][j]))
-            cu_q.append(cu_q[-1] + j + 1 - i)
-            cu_k.append(cu_k[-1] + hi[b][j] - lo[b][i])
-            i = j + 1
-    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-    max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-    return VarlenLayout(cu_q, cu_k, keys, max_q, max_k)
-
-
-def _flash_varlen_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale):
-    from flash_attn import flash_attn_varlen_func
-
-    _warn_unvalidated("flash-attn varlen")
-    B, H, c, _ = q.shape
-    layout = varlen_layout(doc_ids, q_pos, kv_pos, window)
-    q_cat = q.transpose(1, 2).reshape(B * c, H, q.shape[3])
-    k_cat = torch.cat([k[b, :, s:e].transpose(0, 1) for b, s, e in layout.keys])
-    v_cat = torch.cat([v[b, :, s:e].transpose(0, 1) for b, s, e in layout.keys])
-    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=q.device) for x in (layout.cu_q, layout.cu_k))
-    out, lse, _ = flash_attn_varlen_func(
-        q_cat,
-        k_cat,
-        v_cat,
-        cu_q,
-        cu_k,
-        layout.max_q,
-        layout.max_k,
-        softmax_scale=scale,
-        causal=True,
-        window_size=(window - 1, 0) if window is not None else (-1, -1),
-        return_attn_probs=True,
-    )
-    out = out.view(B, c, H, -1).transpose(1, 2).contiguous()
-    return out, lse.float().view(H, B, c).transpose(0, 1).contiguous()
-
-
-def _flash_varlen_available(q) -> bool:
-    """Whether flash-attn's varlen kernel is installed and supports ``q``'s dtype."""
-    return q.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
-
-
+# -- library kernels (CUDA): kernels/library.py runs them on sorted keys
 def _library_forward(q, k, v, q_pos, kv_pos, doc_ids, window, scale, enable_gqa, impl):
     order = _key_order(kv_pos)
     (ks,) = _sorted(order, kv_pos, dim=0)
@@ -631,128 +411,6 @@ def _backward(ctx, dout, _dlse):
 
 
 _cp_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# -- flex_attention sites: the loop with the site's mask_mod and score_mod ----------------------------------
-def _check_flex(q, k, v, q_pos, kv_pos, block_q, block_k) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"flex_cp_attention expects [B, H, T, D] q/k/v, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D")
-    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"flex_cp_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not match; expected "
-            "k [B, Hkv, T, D], v [B, Hkv, T, Dv] with Hkv dividing the query heads"
-        )
-    if tuple(q_pos.shape) != (q.shape[2],) or tuple(kv_pos.shape) != (k.shape[2],):
-        raise ValueError(
-            f"flex_cp_attention: q_pos {tuple(q_pos.shape)} and kv_pos {tuple(kv_pos.shape)} must hold one global "
-            f"index per query ({q.shape[2]}) and per key ({k.shape[2]})"
-        )
-    if block_q < 1 or block_k < 1:
-        raise ValueError(f"flex_cp_attention: block sizes must be positive, got {block_q}, {block_k}")
-
-
-@torch.library.custom_op("cpcompile::flex_cp_attention", mutates_args=())
-def _flex_cp_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-    seq_len: torch.Tensor,
-    tensors: list[torch.Tensor],
-    mods: str,
-    scale: float,
-    block_q: int,
-    block_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, H, c, Dv], logsumexp [B, H, c] fp32, natural log)``; see :func:`flex_cp_attention`."""
-    _check_flex(q, k, v, q_pos, kv_pos, block_q, block_k)
-    bound = bind_mods(mods, tensors, int(seq_len), q.shape[1])
-    return _loop_forward(q, k, v, q_pos, kv_pos, None, None, scale, block_q, block_k, mods=bound)
-
-
-@_flex_cp_attention_op.register_fake
-def _(q, k, v, q_pos, kv_pos, seq_len, tensors, mods, scale, block_q, block_k):
-    B, H, c, _ = q.shape
-    return q.new_empty((B, H, c, v.shape[3])), q.new_empty((B, H, c), dtype=torch.float32)
-
-
-@torch.library.custom_op("cpcompile::flex_cp_attention_backward", mutates_args=())
-def _flex_cp_attention_backward_op(
-    dout: torch.Tensor,
-    dlse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-    seq_len: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    tensors: list[torch.Tensor],
-    mods: str,
-    scale: float,
-    block_q: int,
-    block_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`flex_cp_attention` (``dlse``: the gradient of its logsumexp)."""
-    bound = bind_mods(mods, tensors, int(seq_len), q.shape[1])
-    return _loop_backward(
-        dout.contiguous(), q, k, v, q_pos, kv_pos, None, out, lse, None, scale, block_q, block_k, bound, dlse
-    )
-
-
-@_flex_cp_attention_backward_op.register_fake
-def _(dout, dlse, q, k, v, q_pos, kv_pos, seq_len, out, lse, tensors, mods, scale, block_q, block_k):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _flex_setup_context(ctx, inputs, output):
-    q, k, v, q_pos, kv_pos, seq_len, tensors, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, q_pos, kv_pos, seq_len, out, lse, *tensors)
-    ctx.args = args
-
-
-def _flex_backward(ctx, dout, dlse):
-    q, k, v, q_pos, kv_pos, seq_len, out, lse, *tensors = ctx.saved_tensors
-    dlse = torch.zeros_like(lse) if dlse is None else dlse
-    dq, dk, dv = torch.ops.cpcompile.flex_cp_attention_backward(
-        dout, dlse, q, k, v, q_pos, kv_pos, seq_len, out, lse, tensors, *ctx.args
-    )
-    return dq, dk, dv, None, None, None, [None] * len(tensors), None, None, None, None
-
-
-_flex_cp_attention_op.register_autograd(_flex_backward, setup_context=_flex_setup_context)
-
-
-def flex_cp_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-    seq_len: torch.Tensor,
-    mods: str,
-    *,
-    tensors: list[torch.Tensor] = (),
-    scale: float | None = None,
-    block_q: int = DEFAULT_BLOCK_SIZE,
-    block_k: int = DEFAULT_BLOCK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flex_attention of local queries at global indices ``q_pos`` against keys at ``kv_pos``; differentiable.
-
-    The block loop of :func:`cp_attention` with the :class:`FlexMods` registered under ``mods``
-    (:func:`register_flex_mods`): every (query block, key block) pair's ``mask_mod`` is evaluated at the global
-    indices (the block is skipped when nothing in it is visible), ``score_mod`` rewrites the scaled scores of
-    the blocks computed, and the backward differentiates through ``score_mod`` block by block. ``seq_len``
-    (0-d int64) is the batch's unpadded length: indices at or past it are padding (:class:`BoundMods`); ``tensors``
-    are the mods' tensor arguments. Returns ``(out, lse)``, ``lse`` in natural log (``+inf`` for a
-    query that sees no key, whose output is 0). Memory: one block of scores and masks per head at a time.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    op = torch.ops.cpcompile.flex_cp_attention
-    return op(q, k, v, q_pos, kv_pos, seq_len, list(tensors), mods, scale, block_q, block_k)
 
 
 def cp_attention(

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
-from cpcompile.kernels.attention import FlexMods
+from cpcompile.kernels.flex_mods import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
 from cpcompile.passes.sdpa_cp import SiteReport
