@@ -15,6 +15,10 @@ slots ``[r * c, (r + 1) * c)``: the gathered order is ``plan.indices.flatten()``
 
 Layers: :mod:`cpcompile.mask` -> :mod:`cpcompile.layouts` -> this module (the names of both are importable from
 here too).
+
+Why one module of about 570 lines: it is :class:`CPPlan` and the functions that derive from one plan what the
+kernels and ops read (query blocks, visible blocks, halo routing); they share its index conventions, stated once
+above.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ layout ops, offsets by int constants and lookups at other positions (``position_
 told apart from the sequence dim). Anything else a position goes through before it reaches the mask (``//``,
 ``%``, ``*``, a comparison with a constant, a table lookup), and a mask combined with ``|`` or negated as a whole,
 read from a buffer or written in place, is refused with the model's source line.
+
+Why one module of about 500 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
+spelling accepted in one place and refused in another is the error this module exists to prevent.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ built from tiny configs), ``"attn:<form>"`` for :class:`tests.models.attention.T
 Negative controls (:data:`CONTROLS`, :meth:`ParityRunner.run`) break the CP side through public means only (the
 batch handed to ``shard``, the ``local`` batch handed to the model, the backend's options) and must fail the
 same check, or be refused by cpcompile, with the error they cause.
+
+Why one module of about 580 lines: every parity test of the suite goes through :class:`ParityRunner` and
+:func:`check_case`; the reference step, the CP step, the comparison and the controls that must fail it are kept
+together so that a change to one is made against the others.
 """
 
 from __future__ import annotations

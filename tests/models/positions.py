@@ -25,6 +25,9 @@ libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, model
   them from ``cache_position = arange(past, past + T)`` in the graph;
 * :func:`torchtitan_llama3` and :func:`litgpt_gpt`: the real packages' models (optional test dependencies,
   installed by ``scripts/setup.sh``), called as ``model(tokens)``.
+
+Why one module of about 530 lines: one tiny model family whose position spelling is the parameter; the
+spellings share its layers and are compared against each other in the tests.
 """
 
 from __future__ import annotations
