@@ -1,4 +1,4 @@
-"""Which graph ops keep the tokens of a sequence apart and which mix them: the one table the mixing pass reads.
+"""Which graph ops keep the tokens of a sequence apart and which mix them: the op tables of every pass.
 
 Names are those :func:`op_name` gives a Dynamo graph node: a ``call_method`` target (``"view"``), a function's
 ``__name__`` (``"conv1d"``), an ``OpOverload``'s operator name, ``"getitem"``, or ``"ns::name"`` for a custom op
@@ -19,6 +19,13 @@ Names are those :func:`op_name` gives a Dynamo graph node: a ``call_method`` tar
 * :data:`PER_TOKEN_OPS`: custom ops the pass cannot see into that are known to compute every token's output from
   that token's inputs (extended with the backend's ``per_token_ops`` option).
 
+The positions pass (:mod:`cpcompile.passes.positions`) follows values computed from positions instead of
+sharded data. It reads these tables, some as they are (:data:`SPLITS`), some through a table of its own defined
+here from a shared one with the differences and why: :data:`POSITION_ELEMENTWISE`, :data:`POSITION_LAYOUT`,
+:data:`POSITION_RESHAPE`, :data:`POSITION_NO_VALUES`, :data:`POSITION_REDUCTIONS` and
+:data:`POSITION_CONTRACTIONS`; and the tables only it needs: :data:`FACTORIES`, :data:`SIZE_ARGS`,
+:data:`FILL_ARGS`, :data:`SHAPE_ONLY_ARGS`, :data:`CONCATS` and :data:`FRESH_OPS`.
+
 PyTorch's DTensor sharding rules were considered as this vocabulary: they are registered for ATen ops, while the
 pass reads Dynamo graphs of ``torch`` functions and ``Tensor`` methods before AOTAutograd, where a ``Shard(seq)``
 strategy cannot be looked up by name; these tables follow the same split (ops that propagate a shard of a dim,
@@ -35,18 +42,30 @@ from cpcompile import _compat
 from cpcompile.passes import aliasing
 
 __all__ = [
+    "CONCATS",
     "CONTRACTIONS",
     "CONVOLUTIONS",
     "DIM_REDUCTIONS",
     "DISPATCH",
     "ELEMENTWISE",
+    "FACTORIES",
     "FEATURE_REDUCTIONS",
+    "FILL_ARGS",
+    "FRESH_OPS",
     "LAYOUT",
     "LOSSES",
     "NO_VALUES",
     "PER_TOKEN_OPS",
+    "POSITION_CONTRACTIONS",
+    "POSITION_ELEMENTWISE",
+    "POSITION_LAYOUT",
+    "POSITION_NO_VALUES",
+    "POSITION_REDUCTIONS",
+    "POSITION_RESHAPE",
     "RESHAPE",
     "ROW_MOVES",
+    "SHAPE_ONLY_ARGS",
+    "SIZE_ARGS",
     "SPLITS",
     "op_name",
 ]
@@ -137,6 +156,119 @@ ROW_MOVES = frozenset({"index_select", "gather", "take_along_dim", "index_add", 
 #: transformers' MoE ``grouped_mm_fallback(x, w, offs=...)`` multiplies each row by its expert's weight, the
 #: expert given by the row's place among the offsets (the dispatch's sorted layout).
 PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
+
+
+# -- the positions pass ------------------------------------------------------------------------------------------
+# A position-derived value is a tensor indexed by position (``arange(T)``, ``table[:T]``, and what the model
+# computes from them) that the pass rewrites to the global positions of this rank's tokens. Its tables name the
+# ops it has a rule for; a use by any other op is refused, so an op the mixing pass accepts and the positions
+# pass has no rule for stays out of them.
+
+#: Element-wise ops on position-derived values: :data:`ELEMENTWISE`, with
+#:
+#: * ``outer`` and ``ger`` added: for a position vector ``t``, ``outer(t, inv_freq)`` (RoPE's angles) computes
+#:   row ``i`` from ``t[i]`` alone;
+#: * the in-place ops left out: the pass looks an in-place op up by its out-of-place name (``add_`` as ``add``,
+#:   the ``operator`` ones by :data:`~cpcompile.passes.aliasing.INPLACE_OPERATORS`) and :data:`FRESH_OPS`,
+#:   built from this table, holds no op that returns its argument;
+#: * ``tril``/``triu`` left out: they zero an element by its index along the sequence, which is the local index
+#:   and not the global position;
+#: * ``type_as`` left out: a cast, in :data:`POSITION_LAYOUT`; it returns its input when the dtypes agree, so it
+#:   is not one of :data:`FRESH_OPS`;
+#: * the random ops left out (``dropout``, ``alpha_dropout``, ``feature_alpha_dropout``, ``bernoulli``): a draw
+#:   at a local position is not the draw of the whole-sequence run at that token;
+#: * ``not_``, ``truth`` (a tensor's truth as a Python bool) and ``_set_grad_enabled`` (no tensor) left out;
+#: * the activations the positions pass has no rule for left out (a use of one is refused as not known):
+#:   ``elu``, ``selu``, ``celu``, ``mish``, ``hardswish``, ``hardsigmoid``, ``hardtanh``, ``relu6``,
+#:   ``leaky_relu``, ``softsign``, ``logsigmoid``, ``tanhshrink``, ``erfinv``.
+POSITION_ELEMENTWISE = (
+    (ELEMENTWISE | {"outer", "ger"})
+    - {name for name in ELEMENTWISE if aliasing.is_inplace(name)}
+    - {"tril", "triu", "type_as"}
+    - {"dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli"}
+    - {"not_", "truth", "_set_grad_enabled"}
+    - {"elu", "selu", "celu", "mish", "hardswish", "hardsigmoid", "hardtanh", "relu6", "leaky_relu", "softsign",
+       "logsigmoid", "tanhshrink", "erfinv"}
+)  # fmt: skip
+
+#: Layout ops on position-derived values: :data:`LAYOUT`, with ``type_as`` added (a cast, as ``to``), and left
+#: out ``repeat``/``tile`` (along the sequence they repeat positions: the pass checks ``repeat``'s sizes by a rule
+#: of its own and refuses ``tile``) and ``_assert_tensor_metadata`` (no rule in the positions pass).
+POSITION_LAYOUT = (LAYOUT | {"type_as"}) - {"repeat", "tile", "_assert_tensor_metadata"}
+
+#: Reshapes of position-derived values (each checked to keep every position's elements together):
+#: :data:`RESHAPE` without ``ravel`` (no rule in the positions pass).
+POSITION_RESHAPE = RESHAPE - {"ravel"}
+
+#: Ops that read no value of a position-derived tensor: :data:`NO_VALUES` without ``_check_is_size`` and
+#: ``sym_size_int``, which the positions pass has no entry for (their size arguments are not tensors it follows).
+POSITION_NO_VALUES = NO_VALUES - {"_check_is_size", "sym_size_int"}
+
+#: Reductions, scans, sorts and shifts along a ``dim`` argument, checked not to run along the sequence: name ->
+#: (position of the dim argument after the tensor, keyword, default), :data:`DIM_REDUCTIONS` without its kind,
+#: with
+#:
+#: * ``norm`` reading its dim after ``p`` (``torch.norm(input, p, dim)``, ``x.norm(p, dim)``);
+#: * ``msort`` defaulting to every dim (it sorts along the first dim and takes no dim argument);
+#: * ``normalize`` added (``F.normalize(input, p, dim=1)``: a norm along ``dim``);
+#: * left out: ``histc`` and ``bincount`` (their arguments after the tensor are bins, a range or weights, not a
+#:   dim: the mixing pass reads them by a rule of its own) and ``aminmax``, ``var_mean``, ``std_mean`` (no rule in
+#:   the positions pass).
+POSITION_REDUCTIONS: dict[str, tuple[int, str, object]] = {
+    **{
+        name: (pos, kw, default)
+        for name, (pos, kw, default, _) in DIM_REDUCTIONS.items()
+        if name not in {"histc", "bincount", "aminmax", "var_mean", "std_mean"}
+    },
+    "norm": (1, "dim", "all"),
+    "msort": (0, "dim", "all"),
+    "normalize": (1, "dim", 1),
+}
+
+#: Matrix products, checked not to contract a sequence dim of a position-derived factor: :data:`CONTRACTIONS`
+#: with ``linear`` added (it contracts the last dim of its input and of its weight, either of which may be
+#: position-derived; the mixing pass reads it as a per-token :data:`FEATURE_REDUCTIONS` op) and without the
+#: products the pass's rule (the last dim of the first argument against the second argument's row dim) does not
+#: describe (``addmm``, ``addbmm``, ``baddbmm``: a bias first; ``tensordot``: the contracted dims given as an
+#: argument) or that it has no rule for (``__matmul__``).
+POSITION_CONTRACTIONS = (CONTRACTIONS | {"linear"}) - {"addmm", "addbmm", "baddbmm", "tensordot", "__matmul__"}
+
+#: Factories: tensors that hold the same value at every position (``ones(T)``, a value broadcast to ``T`` rows).
+FACTORIES = frozenset({
+    "ones", "zeros", "empty", "full", "empty_strided", "ones_like", "zeros_like", "empty_like", "full_like",
+    "new_ones", "new_zeros", "new_empty", "new_full", "expand", "broadcast_to", "expand_as",
+})  # fmt: skip
+
+#: Ops whose symbolic-size arguments are sizes, not values (``full``'s fill value excepted: :data:`FILL_ARGS`).
+SIZE_ARGS = FACTORIES | {
+    "view", "reshape", "rand", "randn", "randint", "repeat", "tile", "unflatten", "split", "split_with_sizes",
+    "chunk", "tensor_split", "pad", "topk", "kthvalue", "as_strided", "eye", "linspace", "logspace",
+    "tril_indices", "triu_indices", "interpolate", "movedim", "permute", "transpose", "flatten", "unsqueeze",
+    "squeeze",
+}  # fmt: skip
+
+#: The fill value of a factory: name -> (its position among the op's arguments, keyword).
+FILL_ARGS = {"full": (1, "fill_value"), "full_like": (1, "fill_value"), "new_full": (2, "fill_value")}
+
+#: Ops whose tensor arguments past the first are read for their dtype, device or shape only.
+SHAPE_ONLY_ARGS = frozenset({"type_as", "expand_as", "view_as", "reshape_as", "to"})
+
+#: Concatenations along a ``dim`` argument (``stack`` makes a new dim and is not one of them).
+CONCATS = frozenset({"cat", "concat", "concatenate"})
+
+#: Ops that always return a newly allocated tensor, never an alias of an argument (a write into one is seen only
+#: through it and its views): the positions pass's element-wise ops (no in-place op: it returns its argument)
+#: but those that may return a view of their input (``real``, ``imag``, ``conj``, ``resolve_conj``, ``pos``),
+#: the factories but the broadcasts (views), the reductions but those that may return a ``(values, indices)``
+#: pair, the products, the concatenations, and a few copies and lookups.
+FRESH_OPS = frozenset(
+    (POSITION_ELEMENTWISE - {"real", "imag", "conj", "resolve_conj", "pos"})
+    | (FACTORIES - {"expand", "broadcast_to", "expand_as"})
+    | (POSITION_REDUCTIONS.keys() - {"max", "min", "sort", "topk", "kthvalue", "cummax", "cummin", "unique"})
+    | POSITION_CONTRACTIONS
+    | CONCATS
+    | {"stack", "clone", "embedding", "index_select", "gather"}
+)
 
 
 def op_name(n: fx.Node) -> str:

@@ -1,0 +1,132 @@
+"""check: what to do with a position source (:func:`check_source`): leave it to the mask, leave it unchanged,
+rewrite it, or refuse it with a one-line reason. Its uses are followed forward, each judged by
+:func:`~cpcompile.passes.positions.uses.check_use`.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.passes.aliasing import op_name
+from cpcompile.passes.common import arg as _arg
+from cpcompile.passes.common import source_line
+from cpcompile.passes.mask_rules import prove_mask
+from cpcompile.passes.positions.graph import leaves_graph, pairwise, shape_of, value_inputs
+from cpcompile.passes.positions.model import GraphFacts, PositionCheck, PositionSource
+from cpcompile.passes.positions.uses import check_use
+
+#: Why an arange that only numbers this rank's own rows is left unchanged.
+ROW_NUMBERS = (
+    "it numbers this rank's own rows (token bookkeeping such as an MoE dispatch's inverse permutation), not positions"
+)
+
+
+def _indexes_rows_of(u: fx.Node, index: fx.Node, facts: GraphFacts, length: object) -> bool:
+    """Whether ``u`` looks sharded data up at ``index`` along a dim of exactly ``length`` rows (all of them)."""
+    name = op_name(u)
+    if name == "getitem" and u.args[0] in facts.data:
+        entries = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
+        if entries and entries[0] is index and index not in entries[1:]:
+            shape = shape_of(u.args[0])
+            return shape is not None and _compat.statically_true(shape[0] == length)
+    if name == "index_select" and u.args[0] in facts.data and _arg(u, 2, "index") is index:
+        shape, dim = shape_of(u.args[0]), _arg(u, 1, "dim")
+        return shape is not None and isinstance(dim, int) and _compat.statically_true(shape[dim] == length)
+    return False
+
+
+def _numbers_local_rows(src: PositionSource) -> bool:
+    """Whether an ``arange``'s values only number the rows of this rank's own sharded data.
+
+    Every use must be one of:
+
+    * the value of ``target[index] = arange(n)`` where ``index`` is sharded data and ``target`` is a 1-d tensor of
+      ``n`` elements used only to look sharded data up (``inv_perm[perm] = arange(perm.size(0))``, then
+      ``x[inv_perm]``: transformers' MoE dispatch undoing its sort of tokens by expert);
+    * the index of a lookup of all ``n`` rows of sharded data (``x[arange(n)]``, ``x.index_select(0, arange(n))``).
+
+    Both only renumber the rank's own rows, so the local numbers are the right ones. Arithmetic on the numbers
+    first (``arange(T) - 1``, a shift), a lookup of part of the rows or of a table, or any other use does not
+    qualify.
+    """
+    node, facts = src.node, src.facts
+    shape = shape_of(node)
+    if shape is None or len(shape) != 1 or not node.users:
+        return False
+    length = shape[0]
+    for u in node.users:
+        if _indexes_rows_of(u, node, facts, length):
+            continue
+        if u.op != "call_function" or u.target is not operator.setitem or len(u.args) != 3 or u.args[2] is not node:
+            return False
+        target, index = u.args[0], u.args[1]
+        target_shape = shape_of(target)
+        if not (
+            isinstance(index, fx.Node)
+            and index in facts.data
+            and target in facts.data
+            and target_shape is not None
+            and len(target_shape) == 1
+            and _compat.statically_true(target_shape[0] == length)
+        ):
+            return False
+        if not all(v is u or _indexes_rows_of(v, target, facts, length) for v in target.users):
+            return False
+    return True
+
+
+def _handed_mask_reason(src: PositionSource) -> str:
+    """Why a mask built from ``src`` and handed to another graph (the graph's output: a graph break, one graph
+    per layer) cannot be proved (:func:`cpcompile.passes.mask_rules.prove_mask`), or ``""``. A mask used by an
+    SDPA call of this graph or of a nested one is proved by the attention pass."""
+    facts, seen, stack = src.facts, set(), [src.node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "output" and pairwise(n, facts.seq):
+                proof = prove_mask(n, shape_of(n)[-1])
+                if proof.reason:
+                    return f"it builds a mask handed to another graph: {proof.reason}"
+            elif u in facts.mask_only and u in facts.live:
+                stack.append(u)
+    return ""
+
+
+def check_source(src: PositionSource) -> PositionCheck:
+    """What to do with ``src``: leave it to the mask, leave it unchanged, rewrite it, or refuse it (with why).
+
+    The source's uses are followed forward through position computation (element-wise ops, layout and
+    reshape ops that keep each position's elements together, lookups of a table at the positions, reductions
+    and contractions over other dims) up to the ops where they meet sharded data or leave the graph; any other
+    use, or a use that mixes positions along the sequence, refuses the source. Uses that only build attention
+    masks are not followed.
+    """
+    facts = src.facts
+    if src.node in facts.mask_only:
+        reason = _handed_mask_reason(src)
+        return PositionCheck("refuse", reason) if reason else PositionCheck("mask")
+    if src.kind == "arange" and _numbers_local_rows(src):
+        return PositionCheck("unchanged", ROW_NUMBERS)
+    if src.kind in ("length", "other") or src.problem:
+        return PositionCheck("refuse", f"it is {src.problem or 'a value of unknown form'}")
+    tainted, queue = {src.node}, [src.node]
+    while queue:
+        t = queue.pop(0)
+        for u in t.users:
+            if u not in facts.live or u in facts.mask_only or (t not in value_inputs(u) and not leaves_graph(u)):
+                continue
+            reason = check_use(u, t, facts, tainted)
+            if reason is not None:
+                where = f"{_compat.node_module_path(u) or '<top level>'} (node {u.name})"
+                line = source_line(u)
+                return PositionCheck("refuse", f"its use at {line + ', ' if line else ''}{where}: {reason}")
+            if u not in facts.data and not leaves_graph(u) and u not in tainted:
+                tainted.add(u)
+                queue.append(u)
+    return PositionCheck("unchanged" if src.kind == "factory" else "rewrite")
