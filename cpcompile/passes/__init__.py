@@ -5,7 +5,9 @@ Shared plumbing (:mod:`cpcompile.passes.common`): :class:`PassContext`, :data:`c
 Main API: :func:`cp_attention_pass` (rewrite every SDPA call into all-gather-KV context-parallel attention)
 and its building blocks :func:`find_sdpa_sites`, :func:`check_site`, :func:`site_window`, :func:`rewrite_site`,
 plus :func:`find_non_sdpa_attention` (attention the pass refuses under CP), with the model's masks proved or
-refused by :mod:`cpcompile.passes.mask_rules`; :func:`positions_pass` (positions
+refused by :mod:`cpcompile.passes.mask_rules` (the pass is :mod:`cpcompile.passes.sdpa_cp`, its find, check and
+reports :mod:`~cpcompile.passes.sdpa_sites`, :mod:`~cpcompile.passes.sdpa_check`,
+:mod:`~cpcompile.passes.sdpa_report`); :func:`positions_pass` (positions
 the model computes from the local sequence length: rewritten to global token indices, left to the mask, or
 refused) and its building blocks :func:`sequence_length`, :func:`find_position_sources`, :func:`check_source`,
 :func:`rewrite_source`; :func:`mixing_pass` (every other op that mixes tokens along the sequence: run on the
