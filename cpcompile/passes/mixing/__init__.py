@@ -1,0 +1,142 @@
+"""Every op that mixes tokens along the sharded sequence: made exact across CP ranks, accounted for, or refused.
+
+Under :func:`cpcompile.shard` a rank holds some tokens of every row. An op that combines values of different
+tokens (a convolution along the sequence, a cumulative sum, a shift, a reduction, a matrix product over the
+sequence) sees only this rank's tokens and is silently wrong unless something makes it see the others. The
+attention pass rewrites SDPA, the one mixer it knows; this pass finds every other one, *on data*: it follows the
+sequence dim of the sharded inputs (token ids, hidden states, masks) through the graph (views and reshapes that
+split or merge it, transposes, element-wise ops; :func:`sequence_dims`) and looks at every op that reads a
+tensor with a sequence dim (:mod:`cpcompile.passes.vocabulary` says which ops keep tokens apart). For each
+mixing op (:class:`MixingOp`) :func:`check_op` decides:
+
+* ``gathered``: a causal region (:class:`CausalRegion`: a causal depthwise ``conv1d`` with its trim, a
+  pad-and-slice token shift, a forward ``cumsum``) is run on the whole sequence: its input is all-gathered in
+  global token order, the original ops run on it, and this rank's tokens are taken back (:func:`rewrite_region`).
+  Exact under every layout, packed documents included (the region does what the one-process model does on the
+  whole row); padding tokens sit after every real token, so a causal region never lets them reach a real one.
+  Backward: the all-gather's gradient is a sum reduce-scatter, which hands every token's owner the gradients
+  all ranks computed for it.
+* ``partial_sum``: a sum over the sequence (a loss with ``reduction="sum"``, a ``sum()``) whose result reaches
+  the graph's output only through scaling by values that are not sharded data (``num_items_in_batch``, which
+  ``shard`` passes) and additions of other partial sums: every rank's value is its tokens' share and the ranks'
+  values add up to the one-process value, as ``shard``'s loss contract says. A mean over the sequence, a
+  maximum, a loss with ``reduction="mean"`` or a sum used any other way is refused.
+* ``dispatch``: MoE token bookkeeping (transformers' ``integrations/moe.py``): sorting the ``tokens x top_k``
+  expert ids along the token dim, their histogram, moving rows by that permutation and back. Only expert ids
+  (the indices of a ``topk`` or ``argmax`` over a dim that is not a sequence dim, reshaped, cast or sorted) and
+  the permutation of a sort whose sorted values are not used (``_, perm = sort(scores)``) are bookkeeping; rows
+  moved by any other index are a selection across tokens. That the rows are moved back before they leave the
+  dispatch is not checked.
+* ``per_token``: a custom op listed in :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS` or the backend's
+  ``per_token_ops`` option.
+* ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
+  rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
+
+Masks the model builds from positions (they feed SDPA's ``attn_mask``) belong to the attention pass, which
+replaces and checks them; this pass skips every node whose uses all end there.
+
+find -> check -> rewrite: :func:`find_mixing_ops`, :func:`check_op`, :func:`rewrite_region`; :func:`mixing_pass` is
+the entry point the backend runs on every graph (after the attention and positions passes) when the CP group
+has more than one rank. ``cpcompile.passes.counters`` counts ``mixing_ops_found`` and ``mixing_<action>``.
+
+Modules (every public name is importable from this package):
+
+- :mod:`~cpcompile.passes.mixing.find`: :class:`MixingOp` and :func:`find_mixing_ops`, with the MoE dispatch
+  bookkeeping (expert ids, the permutation that sorts them);
+- :mod:`~cpcompile.passes.mixing.regions`: :class:`CausalRegion`, found (:func:`causal_region`) and run on the whole
+  sequence (:func:`rewrite_region`);
+- :mod:`~cpcompile.passes.mixing.check`: :func:`check_op` and the refusal message with its fix;
+- :mod:`~cpcompile.passes.mixing.graph`: what the finder knows about one graph, read by find and regions;
+- this module: :class:`MixingReport` and the entry point :func:`mixing_pass`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules
+from cpcompile.passes.common import node_value as _val
+from cpcompile.passes.mixing.check import Action as Action
+from cpcompile.passes.mixing.check import _refusal, check_op
+from cpcompile.passes.mixing.find import Kind as Kind
+from cpcompile.passes.mixing.find import MixingOp, find_mixing_ops
+from cpcompile.passes.mixing.regions import CausalRegion, rewrite_region
+from cpcompile.passes.mixing.regions import causal_region as causal_region
+from cpcompile.passes.positions import graph_facts, sequence_length
+from cpcompile.passes.sequence_dims import size_hint
+
+__all__ = [
+    "CausalRegion",
+    "MixingOp",
+    "MixingReport",
+    "check_op",
+    "find_mixing_ops",
+    "mixing_pass",
+    "rewrite_region",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixingReport:
+    """What the pass did with one mixing op (``backend.mixing_reports``, ``cpcompile inspect``, dumps, logs)."""
+
+    graph_id: int
+    node: str
+    layer: str
+    op: str
+    kind: str
+    action: str
+    reason: str = ""
+    source: str = ""
+    #: ``gathered``: bytes this rank receives per call in the all-gather (``(N - 1) * numel * itemsize``).
+    all_gather_bytes_per_call: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _bytes(region: CausalRegion, cp_size: int) -> int:
+    v = _val(region.operand)
+    if not isinstance(v, torch.Tensor):
+        return 0
+    return (cp_size - 1) * size_hint(math.prod(v.shape)) * v.element_size()
+
+
+def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> list[MixingReport]:
+    """Find every mixing op of ``gm``, check it and rewrite the causal regions; return one report per op.
+
+    ``ctx.refuse == "raise"`` raises :class:`UnsupportedMixingError` for the first op that cannot be made exact,
+    before anything is rewritten; ``"report"`` only records it (inspection).
+    """
+    seq = sequence_length(gm, chunk_len)
+    if seq is None:
+        return []
+    found = find_mixing_ops(gm, seq, ctx.options.per_token_ops)
+    counters["mixing_ops_found"] += len(found)
+    data = frozenset().union(*(graph_facts(g, seq).data for g in graph_modules(gm))) if found else frozenset()
+    decided = [(op, *check_op(op, data)) for op in found]
+    refused = [(op, reason) for op, action, reason in decided if action == "refused"]
+    counters["mixing_refused"] += len(refused)
+    if refused and ctx.refuse == "raise":
+        raise _refusal(*refused[0])
+    reports = []
+    for op, action, reason in decided:
+        nbytes = 0
+        if action == "gathered":
+            try:
+                rewrite_region(op.region, f"{ctx.site_prefix}:{op.where}", ctx, seq.symbols)
+            except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
+                raise RuntimeError(f"cpcompile mixing pass failed while rewriting {op.where}: {e}") from e
+            nbytes = _bytes(op.region, ctx.cp_size)
+        if action != "refused":
+            counters[f"mixing_{action}"] += 1
+        reports.append(
+            MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
+        )
+    if any(r.action == "gathered" for r in reports):
+        finish(gm)
+    return reports

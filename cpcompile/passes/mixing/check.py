@@ -1,0 +1,101 @@
+"""Check: what becomes of a mixing op (:func:`check_op`: gathered, a partial sum, MoE dispatch, per-token, or
+refused), and the refusal that names the layer, the op, the model's line and the fix."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.fx as fx
+
+from cpcompile.errors import UnsupportedMixingError
+from cpcompile.passes import vocabulary as vocab
+from cpcompile.passes.mixing.find import MixingOp
+
+__all__ = ["check_op"]
+
+#: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
+Action = Literal["gathered", "partial_sum", "dispatch", "per_token", "refused"]
+
+
+_SCALES = {"truediv", "div", "mul", "neg", "to", "float", "double", "type", "clone", "detach", "contiguous"}
+
+
+def _partial_sum_reason(n: fx.Node, data: frozenset) -> str | None:
+    """``None`` when every path from ``n`` to the graph's output only scales it by values that are not sharded
+    data (or adds other partial sums, or leaves unchanged), else why the sum is not a partial sum."""
+    seen, queue = {n}, [n]
+    while queue:
+        t = queue.pop()
+        for u in t.users:
+            if u.op == "output":
+                continue
+            name = vocab.op_name(u)
+            others = [i for i in u.all_input_nodes if i is not t]
+            if name in _SCALES and not (name in ("truediv", "div") and u.args and u.args[0] is not t):
+                if all(i not in data for i in others):
+                    if u not in seen:
+                        seen.add(u)
+                        queue.append(u)
+                    continue
+            operands = [a for a in (*u.args, *u.kwargs.values()) if a is not t]
+            if name in ("add", "sub", "iadd", "isub") and all(isinstance(a, fx.Node) and a in seen for a in operands):
+                if u not in seen:
+                    seen.add(u)
+                    queue.append(u)
+                continue
+            return (
+                f"its result is used by {name} (node {u.name}), not only scaled into the graph's output, so the "
+                "ranks' values would not add up to the one-process value"
+            )
+    return None
+
+
+def check_op(op: MixingOp, data: frozenset) -> tuple[Action, str]:
+    """``(action, reason)`` for a mixing op: how it is accounted for, or why it is refused."""
+    if op.accounted == "partial_sum":
+        reason = _partial_sum_reason(op.node, data)
+        return ("partial_sum", "") if reason is None else ("refused", f"{op.what}: {reason}")
+    if op.accounted:
+        return op.accounted, ""
+    if op.region is not None:
+        return "gathered", ""
+    reason = op.what + (f"; it cannot run on the whole sequence: {op.problem}" if op.problem else "")
+    return "refused", reason
+
+
+#: Where transformers builds a flex_attention BlockMask from packed sequences it detects in ``position_ids``.
+_TRANSFORMERS_MASKS = "transformers/masking_utils.py"
+
+
+def _fix(op: MixingOp) -> str:
+    if op.source and _TRANSFORMERS_MASKS in op.source.replace("\\", "/"):
+        return (
+            "this is transformers' mask code for attn_implementation='flex_attention', which reads the packed "
+            "documents from this rank's position_ids only: load the model with attn_implementation='sdpa' (the "
+            "same causal same-document masks, which cpcompile makes exact across ranks)"
+        )
+    if op.kind == "custom":
+        return (
+            f"if {op.op} computes every token's output from that token's inputs, list it: "
+            f'cpcompile.backend(cp_group, per_token_ops=("{op.op}",)); otherwise compute it with torch ops '
+            "cpcompile can see, or run this model without context parallelism"
+        )
+    if op.kind in ("reduction", "loss", "selection"):
+        return (
+            "compute per-token outputs in the model and reduce them outside it over the whole sequence "
+            "(cpcompile.gather(out, dim=1), or a loss summed over tokens divided by the num_items_in_batch "
+            "cpcompile.shard passes), or run this model without context parallelism"
+        )
+    return (
+        "write the op as a causal conv1d (padding kernel-1, then [..., :T]), a left pad then a slice, or a forward "
+        "cumsum, which cpcompile runs on the whole sequence; or run this model without context parallelism"
+    )
+
+
+def _refusal(op: MixingOp, reason: str) -> UnsupportedMixingError:
+    code = f" Model code: {op.source}." if op.source else ""
+    return UnsupportedMixingError(
+        f"cpcompile cannot run {op.op} at {op.where} across CP ranks: {reason}.{code} Under context parallelism "
+        f"each rank holds only some tokens of the sequence, and this op would combine them without the others'. "
+        f"Fix: {_fix(op)}"
+    )

@@ -1,0 +1,361 @@
+"""Find: every op of a graph that reads a sequence-sharded tensor and mixes its tokens (:func:`find_mixing_ops`).
+
+Each op becomes a :class:`MixingOp` of a kind read from its vocabulary entry
+(:mod:`cpcompile.passes.vocabulary`). A sum over the sequence, MoE dispatch bookkeeping (expert ids, the
+permutation that sorts them, rows moved by it) and listed per-token custom ops come marked as accounted for;
+convolutions, scans and shifts come with the causal region that would run them on the whole sequence
+(:func:`cpcompile.passes.mixing.regions.causal_region`), or the problem why there is none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+import torch.fx as fx
+
+from cpcompile import _compat
+from cpcompile.passes import vocabulary as vocab
+from cpcompile.passes.common import arg, graph_modules, source_line
+from cpcompile.passes.common import node_value as _val
+from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
+from cpcompile.passes.mixing.regions import CausalRegion, causal_region
+from cpcompile.passes.positions import SequenceLength, graph_facts
+from cpcompile.passes.sequence_dims import is_nested, sequence_dims, shape_of
+
+__all__ = ["MixingOp", "find_mixing_ops"]
+
+#: What an op does along the sequence.
+Kind = Literal[
+    "convolution", "scan", "shift", "reduction", "loss", "contraction", "order", "selection", "custom", "unknown"
+]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class MixingOp:
+    """One op that reads a tensor with a sequence dim and combines (or moves) values of different tokens."""
+
+    node: fx.Node
+    kind: Kind
+    #: The op's vocabulary name (``conv1d``, ``cumsum``, ``mylib::scan``).
+    op: str
+    #: Qualified name of the module that made the call, or ``""``.
+    layer: str
+    #: What it does along the sequence, in words.
+    what: str
+    #: ``partial_sum``/``dispatch``/``per_token`` when the finder already knows it is accounted for.
+    accounted: str = ""
+    region: CausalRegion | None = None
+    #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
+    problem: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.layer or '<top level>'} (node {self.node.name})"
+
+    @property
+    def source(self) -> str:
+        """The model's source line that made the op (``file:line: code``), from Dynamo's stack trace."""
+        return source_line(self.node)
+
+
+def _norm_dims(dims: object, ndim: int) -> set[int] | None:
+    if dims is None or dims == "all" or dims == () or dims == []:
+        return None
+    if isinstance(dims, int):
+        dims = (dims,)
+    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) for d in dims):
+        return None
+    return {d % ndim for d in dims} if ndim else set()
+
+
+def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
+    pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
+    tags = _seq_tags(x, g)
+    if name in ("histc", "bincount"):
+        return {d for d, t in enumerate(tags) if t}
+    dims = arg(n, 1 + pos, kw, default)
+    if name in ("max", "min") and len(n.args) > 1 and isinstance(n.args[1], fx.Node):
+        return set()  # the element-wise form max(a, b)
+    reduced = _norm_dims(dims, len(tags))
+    return {d for d, t in enumerate(tags) if t and (reduced is None or d in reduced)}
+
+
+# -- MoE dispatch: expert ids and the index tensors that move rows by them -------------------------------------
+def _expert_ids(g: fx.GraphModule, seq: SequenceLength, tags: dict) -> frozenset:
+    """Nodes holding MoE expert ids: the indices of a ``topk``/``argmax`` over a dim that is not a sequence dim,
+    and what reshapes, casts and sorts (values) make of them."""
+    ids: set[fx.Node] = set()
+    for n in g.graph.nodes:
+        name = vocab.op_name(n) if n.op in ("call_function", "call_method") else ""
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if name == "getitem" and first is not None and isinstance(n.args[1], int):
+            src = vocab.op_name(first) if first.op in ("call_function", "call_method") else ""
+            if src == "topk" and n.args[1] == 1 and not _reduces_seq(first, "topk", tags):
+                ids.add(n)
+            elif src in ("sort",) and n.args[1] == 0 and first.args and first.args[0] in ids:
+                ids.add(n)
+        elif name in ("argmax", "argmin") and not _reduces_seq(n, name, tags):
+            ids.add(n)
+        elif (name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS) and first in ids:
+            ids.add(n)
+    return frozenset(ids)
+
+
+def _reduces_seq(n: fx.Node, name: str, tags: dict) -> bool:
+    x = n.args[0] if n.args else None
+    t = tags.get(x) if isinstance(x, fx.Node) else None
+    if not isinstance(t, tuple) or is_nested(t):
+        return True
+    pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
+    reduced = _norm_dims(arg(n, 1 + pos, kw, default), len(t))
+    return any(tagged and (reduced is None or d in reduced) for d, tagged in enumerate(t))
+
+
+def _sorts_for_dispatch(n: fx.Node, expert_ids: frozenset) -> bool:
+    """Whether a ``sort``/``argsort`` only orders rows for a dispatch: it sorts expert ids, or only its permutation
+    is used (the sorted values themselves never become data: ``_, perm = sort(router_scores)``)."""
+    if (n.args and n.args[0] in expert_ids) or vocab.op_name(n) == "argsort":
+        return True
+    return all(vocab.op_name(u) == "getitem" and u.args[1] == 1 for u in n.users)
+
+
+def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
+    """Index tensors of the MoE dispatch: the permutation that sorts expert ids (``sort(ids)[1]``,
+    ``argsort(ids)``), what element-wise arithmetic with constants makes of it (``perm // top_k``), and a tensor
+    written at those indices (``inv_perm[perm] = arange(...)``, the inverse permutation)."""
+    index: set[fx.Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        for n in g.graph.nodes:
+            if n in index or n.op not in ("call_function", "call_method"):
+                continue
+            name = vocab.op_name(n)
+            first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            found = False
+            if name == "getitem" and first is not None and isinstance(n.args[1], int) and n.args[1] == 1:
+                found = vocab.op_name(first) == "sort" and _sorts_for_dispatch(first, expert_ids)
+            elif name == "argsort":
+                found = _sorts_for_dispatch(n, expert_ids)
+            elif name in vocab.ELEMENTWISE or name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS:
+                tensors = [i for i in n.all_input_nodes if isinstance(_val(i), torch.Tensor)]
+                found = bool(tensors) and all(i in index for i in tensors)
+            elif name == "setitem" and first is not None and len(n.args) > 1 and n.args[1] in index:
+                if first not in index:
+                    index.add(first)
+                    changed = True
+            if found:
+                index.add(n)
+                changed = True
+    return frozenset(index)
+
+
+def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> MixingOp | None:
+    """The mixing op ``n`` is, or ``None`` when it keeps the tokens of its sequence operands apart."""
+    layer = _compat.node_module_path(n)
+
+    def found(kind: Kind, what: str, accounted: str = "") -> MixingOp:
+        return MixingOp(n, kind, name, layer, what, accounted)
+
+    x = operands[0]
+    tags = _seq_tags(x, g)
+    seq_dims = {d for d, t in enumerate(tags) if t}
+    if name == "scaled_dot_product_attention" or name.startswith("cpcompile::"):
+        return None  # attention: the attention pass's business
+    if "::" in name:
+        if name in g.per_token:
+            return found("custom", f"the custom op {name}, listed as per-token", accounted="per_token")
+        return found("custom", f"the custom op {name} takes sequence-sharded tensors and cpcompile cannot see into it")
+    if name in vocab.ELEMENTWISE or name in vocab.LAYOUT or name in vocab.RESHAPE or name in vocab.SPLITS:
+        if name in ("repeat", "tile") and n.args[0] is x:
+            sizes = list(n.args[1:]) if not isinstance(n.args[1], (tuple, list)) else list(n.args[1])
+            lead = len(sizes) - len(tags)
+            if any(sizes[lead + d] != 1 for d in seq_dims if lead + d >= 0):
+                return found("shift", f"{name} repeats the sequence")
+        return None
+    if name in vocab.FEATURE_REDUCTIONS:
+        return _check_feature(n, name, x, tags, found)
+    if name in ("getitem", "setitem") or name in vocab.ROW_MOVES:
+        return _check_index(n, name, x, g, found)
+    if name in vocab.LOSSES:
+        return _check_loss(n, name, found)
+    if name in vocab.DIM_REDUCTIONS:
+        _, _, _, kind = vocab.DIM_REDUCTIONS[name]
+        if not _reduced_seq_dims(n, name, x, g):
+            return None
+        if name in vocab.DISPATCH and x in g.expert_ids:
+            return found("order", f"{name} of MoE expert ids over tokens x top_k", accounted="dispatch")
+        if name in ("sort", "argsort") and _sorts_for_dispatch(n, g.expert_ids):
+            what = "sort of the rows for a dispatch (only the permutation is used)"
+            return found("order", what, accounted="dispatch")
+        if kind == "reduction" and name in ("sum", "nansum"):
+            return found("reduction", f"{name} over the sequence", accounted="partial_sum")
+        return found(kind, f"{name} along the sequence")
+    if name in vocab.CONTRACTIONS:
+        return _check_contraction(n, name, g, found)
+    if name in vocab.CONVOLUTIONS:
+        spatial = {d for d in seq_dims if d >= 2}
+        if n.args[0] is x and not spatial:
+            return None
+        return found("convolution", f"{name} along the sequence")
+    if name == "pad":
+        pads = list(arg(n, 1, "pad", ()))
+        padded = {len(tags) - 1 - p // 2 for p, v in enumerate(pads) if v != 0}
+        return found("shift", "pads the sequence") if padded & seq_dims else None
+    if name in ("cat", "concat", "concatenate"):
+        dim = arg(n, 1, "dim", 0)
+        out_tags = _seq_tags(n, g)
+        return found("shift", f"{name} along the sequence") if out_tags and out_tags[dim % len(out_tags)] else None
+    if name == "stack":
+        return None
+    if n.op == "call_function" and (n.target in _ATTENTION_HELPERS or _compat.is_higher_order_op(n.target)):
+        return None  # the rewritten attention's collectives; a nested graph, searched on its own
+    return found("unknown", f"{name} is not known to keep the tokens of the sequence apart")
+
+
+_ATTENTION_HELPERS = frozenset({_compat.all_gather_start, _compat.all_gather_wait, _compat.all_gather_seq})
+
+
+def _check_feature(n, name, x, tags, found) -> MixingOp | None:
+    seq_dims = {d for d, t in enumerate(tags) if t}
+    if name == "embedding":
+        weight = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+        return found("selection", "embedding of sharded data used as the table") if weight is x else None
+    if name == "linear":
+        if n.args[0] is x and (len(tags) - 1) not in seq_dims:
+            return None
+        return found("contraction", "linear over the sequence dim")
+    shape = arg(n, 1, "normalized_shape", ())
+    k = len(shape) if isinstance(shape, (tuple, list)) else 1
+    if n.args[0] is x and not any(d >= len(tags) - k for d in seq_dims):
+        return None
+    return found("reduction", f"{name} normalises over the sequence dim")
+
+
+def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
+    """Indexing and row moves: whole slices keep tokens apart; a partial slice of the sequence is a shift; rows
+    moved by MoE dispatch indices are bookkeeping; anything else indexed along the sequence is a selection."""
+    tags = _seq_tags(n.args[0], g) if n.args else ()
+    seq_dims = {d for d, t in enumerate(tags) if t}
+    if name in ("getitem", "setitem"):
+        base = n.args[0]
+        if isinstance(_val(base), (tuple, list)):
+            return None
+        entries = _index_entries(n)
+        tensor_entries = [e for e in entries if isinstance(e, fx.Node) and isinstance(_val(e), torch.Tensor)]
+        if tensor_entries:
+            if all(e in g.dispatch_index for e in tensor_entries):
+                return found("order", "rows moved by the MoE dispatch permutation", accounted="dispatch")
+            if base not in g.data and all(not any(_seq_tags(e, g)) for e in tensor_entries):
+                return None  # a table looked up at token ids (or other per-token indices)
+            if base not in g.data and name == "getitem":
+                return None  # a table (not data) looked up by per-token indices
+            return found("selection", f"{name} of sharded data at indices along the sequence")
+        if name == "setitem":
+            return found("selection", "setitem into sharded data") if base in g.data and seq_dims else None
+        d, consumed = 0, sum(1 for e in entries if e is not None and e is not Ellipsis)
+        for e in entries:
+            if e is None:
+                continue
+            if e is Ellipsis:
+                d += len(tags) - consumed
+                continue
+            if d in seq_dims:
+                size = shape_of(base)[d]
+                if isinstance(e, slice):
+                    if not _full_slice(e, size):
+                        if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
+                            return found("selection", f"picks tokens {_slice_text(e)} of the sequence")
+                        return found("shift", f"slices the sequence dim with {_slice_text(e)}")
+                else:
+                    return found("selection", f"picks token {e!r} of the sequence")
+            d += 1
+        return None
+    dim = arg(n, 1, "dim")
+    index = arg(n, 2, "index")
+    if isinstance(index, fx.Node) and index in g.dispatch_index:
+        return found("order", f"{name} of rows by the MoE dispatch permutation", accounted="dispatch")
+    if isinstance(dim, int) and tags and dim % len(tags) not in seq_dims and n.args[0] in g.data:
+        return None
+    if n.args[0] not in g.data and isinstance(dim, int) and name == "index_select":
+        return None
+    return found("selection", f"{name} along the sequence")
+
+
+def _slice_text(e: slice) -> str:
+    parts = [str(_val(p) if isinstance(p, fx.Node) else p) if p is not None else "" for p in (e.start, e.stop)]
+    return "[" + ":".join(parts) + (f":{e.step}" if e.step not in (None, 1) else "") + "]"
+
+
+def _full_slice(e: slice, size: object) -> bool:
+    if e.start not in (None, 0) or e.step not in (None, 1):
+        return False
+    stop = _val(e.stop) if isinstance(e.stop, fx.Node) else e.stop
+    return stop is None or _compat.statically_true(stop >= size)
+
+
+def _check_loss(n, name, found) -> MixingOp | None:
+    pos, kw = vocab.LOSSES[name]
+    reduction = arg(n, pos, kw, "mean")
+    if reduction == "none":
+        return None
+    if reduction == "sum":
+        return found("loss", f"{name}(reduction='sum') over the tokens", accounted="partial_sum")
+    return found("loss", f"{name}(reduction={reduction!r}) averages over this rank's tokens only")
+
+
+def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
+    reason = found("contraction", f"{name} contracts the sequence dim")
+    if name == "einsum":
+        eq, *operands = n.args
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+        if not isinstance(eq, str) or "." in eq:
+            return reason
+        lhs, _, out = eq.replace(" ", "").partition("->")
+        terms = lhs.split(",")
+        if "->" not in eq:
+            out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
+        for term, op in zip(terms, operands):
+            t = _seq_tags(op, g)
+            if any(c not in out and d < len(t) and t[d] for d, c in enumerate(term)):
+                return reason
+        return None
+    a, b = n.args[0], n.args[1]
+    ta, tb = _seq_tags(a, g), _seq_tags(b, g)
+    contracted = (len(ta) > 0 and ta[-1]) or (len(tb) >= 2 and tb[-2]) or (len(tb) == 1 and tb[0])
+    return reason if contracted else None
+
+
+def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tuple[str, ...] = ()) -> list[MixingOp]:
+    """Every op of ``gm`` and of its nested graphs that mixes tokens of a sharded sequence, in graph order.
+
+    Causal candidates (convolutions, scans, shifts) come with the :class:`CausalRegion` that would run them on
+    the whole sequence, or the ``problem`` why there is none.
+    """
+    per_token = frozenset((*vocab.PER_TOKEN_OPS, *per_token_ops))
+    found = []
+    for g in graph_modules(gm):
+        facts = graph_facts(g, seq)
+        tags = sequence_dims(g, seq)
+        expert_ids = _expert_ids(g, seq, tags)
+        info = _Graph(seq, facts.data, facts.mask_only, tags, expert_ids, _dispatch_index(g, expert_ids), per_token)
+        in_region: set[fx.Node] = set()  # ops of a region found at an earlier op: run on the whole sequence with it
+        for n in g.graph.nodes:
+            if n.op not in ("call_function", "call_method", "call_module") or n in info.mask_only or n in in_region:
+                continue
+            operands = _seq_operands(n, info)
+            if not operands:
+                continue
+            name = vocab.op_name(n) if n.op != "call_module" else f"module {n.target}"
+            op = _classify(n, name, operands, info)
+            if op is None:
+                continue
+            if op.kind in ("convolution", "scan", "shift") and not op.accounted:
+                region, problem = causal_region(n, info)
+                op = dataclasses.replace(op, region=region, problem=problem)
+                in_region.update(region.nodes if region is not None else ())
+            found.append(op)
+    return found

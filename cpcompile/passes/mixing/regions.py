@@ -1,0 +1,220 @@
+"""Causal regions: ops that together run on the whole sequence (a causal depthwise ``conv1d`` with its trim, a
+pad-and-slice token shift, a forward scan). :func:`causal_region` finds the region that begins at a mixing op;
+:func:`rewrite_region` runs it on the all-gathered sequence in global token order and takes this rank's tokens
+back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from cpcompile import _compat, ops
+from cpcompile.passes import vocabulary as vocab
+from cpcompile.passes.common import PassContext, arg
+from cpcompile.passes.common import node_value as _val
+from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
+from cpcompile.passes.positions import SequenceLength
+from cpcompile.passes.sequence_dims import shape_of
+
+__all__ = ["CausalRegion", "causal_region", "rewrite_region"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalRegion:
+    """Ops that run on the whole sequence: from ``operand`` (``dim`` of the local length) to ``nodes[-1]``
+    (``out_dim`` of the local length again), every output token reading only input tokens at or before it."""
+
+    operand: fx.Node
+    dim: int
+    nodes: tuple[fx.Node, ...]
+    out_dim: int
+    #: ``(node, index entry)`` of slices whose stop is the static chunk length (a static graph's trim): they stop
+    #: at the gathered length instead.
+    trims: tuple[tuple[fx.Node, int], ...] = ()
+
+
+_SCANS = {"cumsum", "cumprod", "logcumsumexp"}
+
+
+def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
+    """The causal region that begins at the mixing op ``start``, or ``(None, why not)``.
+
+    The region follows ``start``'s single use while the sequence dim does not have the local length: a causal
+    ``conv1d`` (padding ``>= (kernel - 1) * dilation``) then the slice that trims it, a pad on the left then a
+    slice, a slice then a ``cat`` after constants, a forward scan. Each step moves the window of input tokens an
+    output token reads (``out[i]`` reads ``in[i + lo .. i + hi]``); the region is causal when ``hi <= 0``.
+    """
+    seq = g.seq
+    operands = _seq_operands(start, g)
+    x = operands[0]
+    tags = _seq_tags(x, g)
+    dims = [d for d, t in enumerate(tags) if t and seq.is_length(shape_of(x)[d])]
+    if len(operands) != 1 or len(dims) != 1:
+        return None, "it reads more than one sequence-sharded tensor or sequence dim"
+    dim, operand, n, cur = dims[0], x, start, x
+    nodes: list[fx.Node] = []
+    trims: list[tuple[fx.Node, int]] = []
+    hi = 0
+    while True:
+        step = _region_step(n, cur, dim, g)
+        if isinstance(step, str):
+            return None, f"{n.name}: {step}"
+        dim, dhi, trim = step
+        hi += dhi
+        if trim is not None:
+            trims.append((n, trim))
+        nodes.append(n)
+        shape = shape_of(n)
+        if shape is not None and seq.is_length(shape[dim]):
+            break
+        users = [u for u in n.users if vocab.op_name(u) not in vocab.NO_VALUES]
+        if len(users) != 1:
+            return None, f"{n.name} has a sequence of {shape[dim] if shape else '?'} tokens and {len(users)} uses"
+        cur, n = n, users[0]
+    if hi > 0:
+        return None, f"each output token reads up to {hi} token(s) after it (not causal)"
+    return CausalRegion(operand, dims[0], tuple(nodes), dim, tuple(trims)), ""
+
+
+def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, int, int | None] | str:
+    """``(dim of the sequence in n's output, shift of the last input token read, index entry of a static trim)``
+    for one op of a region, or why it cannot be part of one."""
+    name = vocab.op_name(n)
+    others = [i for i in n.all_input_nodes if i is not cur and i in g.data and any(_seq_tags(i, g))]
+    if others:
+        return f"{name} combines it with another sequence-sharded tensor"
+    for a in _flat_args(n):
+        if isinstance(a, fx.Node) and a is not cur and _is_length_scalar(a, g.seq) is False:
+            return f"{name} uses a size computed from the local sequence length"
+    ndim = len(shape_of(cur) or ())
+    if name == "conv1d":
+        weight = arg(n, 1, "weight")
+        w = shape_of(weight)
+        stride, padding, dilation = (arg(n, i, k, 1 if k != "padding" else 0) for i, k in
+                                     ((3, "stride"), (4, "padding"), (5, "dilation")))  # fmt: skip
+        stride, padding, dilation = (v[0] if isinstance(v, (tuple, list)) else v for v in (stride, padding, dilation))
+        if n.args[0] is not cur or dim != ndim - 1 or w is None or stride != 1 or not isinstance(padding, int):
+            return "only a conv1d over the last dim, stride 1 and an int padding runs on the whole sequence"
+        return dim, -padding + (int(w[-1]) - 1) * int(dilation), None
+    if name == "pad":
+        pads = list(arg(n, 1, "pad", ()))
+        mode = arg(n, 2, "mode", "constant")
+        p = 2 * (ndim - 1 - dim)
+        if mode != "constant" or n.args[0] is not cur or len(pads) <= p:
+            return "only a constant pad runs on the whole sequence"
+        return dim, -int(pads[p]), None
+    if name == "getitem":
+        entries = _index_entries(n)
+        if any(not (isinstance(e, slice) or e is Ellipsis) for e in entries) or n.args[0] is not cur:
+            return "only slices run on the whole sequence"
+        d, consumed, e_dim, entry = 0, len([e for e in entries if e is not Ellipsis]), None, None
+        for i, e in enumerate(entries):
+            if e is Ellipsis:
+                d += ndim - consumed
+                continue
+            if d == dim:
+                e_dim, entry = e, i
+            d += 1
+        if e_dim is None:
+            return dim, 0, None
+        if e_dim.step not in (None, 1) or not (e_dim.start is None or isinstance(e_dim.start, int)):
+            return "a slice with a step or a run-time start"
+        start = e_dim.start or 0
+        if start < 0:
+            return "a slice that starts from the end"
+        stop, trim = e_dim.stop, None
+        if isinstance(stop, int) and stop > 0:
+            if not (g.seq.static and stop == g.seq.chunk_len):
+                return f"a slice to the fixed length {stop}"
+            trim = entry  # a static graph's trim to the local length
+        return dim, start, trim
+    if name in ("cat", "concat", "concatenate"):
+        tensors = n.args[0]
+        cat_dim = arg(n, 1, "dim", 0)
+        if not isinstance(cat_dim, int) or cat_dim % ndim != dim or cur not in tensors:
+            return "only a cat along the sequence dim runs on the whole sequence"
+        before = tensors[: list(tensors).index(cur)]
+        sizes = [shape_of(t)[dim] if shape_of(t) is not None else None for t in before]
+        if any(not isinstance(s, int) for s in sizes):
+            return "a cat after tensors of run-time length"
+        return dim, -sum(sizes), None
+    if name in _SCANS:
+        sdim = arg(n, 1, "dim")
+        if n.args[0] is not cur or not isinstance(sdim, int) or sdim % ndim != dim:
+            return f"{name} along another dim"
+        return dim, 0, None
+    if name in vocab.ELEMENTWISE or name in _SHAPE_ONLY_CASTS:
+        if len(shape_of(n) or ()) != ndim:
+            return f"{name} changes the number of dims"
+        return dim, 0, None
+    return f"{name} is not one of the ops a causal region is built from"
+
+
+def _flat_args(n: fx.Node) -> list[object]:
+    out: list[object] = []
+    for a in [*n.args, *n.kwargs.values()]:
+        fx.node.map_aggregate(a, out.append)
+    return out
+
+
+def _is_length_scalar(a: fx.Node, seq: SequenceLength) -> bool | None:
+    """``True``: ``a`` is exactly the local length; ``False``: a scalar computed from it; ``None``: neither."""
+    v = _val(a)
+    if not isinstance(v, (torch.SymInt, torch.SymFloat)) or not seq.involves(v):
+        return None
+    return seq.is_length(v)
+
+
+def rewrite_region(region: CausalRegion, site: str, ctx: PassContext, lengths: frozenset) -> fx.Node:
+    """Run ``region`` on the whole sequence and keep this rank's tokens; return the node that replaces its end.
+
+    Before (LFM2's short conv)::
+
+        y = conv1d(x, w, padding=k - 1, groups=C)[..., :T]      # x: [B, C, T_local]
+
+    After::
+
+        order, local = cpcompile::sequence_order(x.detach(), dim, N, site)    # plan: global order, own tokens
+        x_all = all_gather_seq(x, dim, N, group).index_select(dim, order)      # [B, C, N * T_local], token order
+        y_all = conv1d(x_all, w, padding=k - 1, groups=C)[..., :x_all.size(dim)]
+        y = y_all.index_select(dim, local)                                     # this rank's tokens
+
+    ``lengths``: the symbols of the local length; arguments of the region that are exactly the local length
+    (the trim), and in a static graph the trims of :attr:`CausalRegion.trims`, become the gathered length.
+    """
+    graph = region.nodes[0].graph
+    first, last = region.nodes[0], region.nodes[-1]
+    with graph.inserting_before(first):
+        full, local = ops.emit_sequence_gather(graph, region.operand, region.dim, ctx.cp_size, ctx.group_name, site)
+        full_len = graph.call_method("size", (full, region.dim))
+    env: dict[fx.Node, fx.Node] = {region.operand: full}
+
+    def remap(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        v = _val(a)
+        if isinstance(v, torch.SymInt) and _compat.sym_expr(v) in lengths:
+            return full_len
+        return a
+
+    trims = dict(region.trims)
+    for n in region.nodes:
+        with graph.inserting_before(n):
+            new = graph.node_copy(n, remap)
+        for key in ("example_value", "val"):
+            new.meta.pop(key, None)
+        if n in trims:  # a static trim [..., :c] stops at the gathered length
+            index = list(new.args[1]) if isinstance(new.args[1], tuple) else [new.args[1]]
+            e = index[trims[n]]
+            index[trims[n]] = slice(e.start, full_len, e.step)
+            new.args = (new.args[0], tuple(index))
+        env[n] = new
+    with graph.inserting_after(env[last]):
+        out = graph.call_method("index_select", (env[last], region.out_dim, local))
+    out.meta.update({k: v for k, v in last.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    last.replace_all_uses_with(out)
+    for n in reversed(region.nodes):
+        graph.erase_node(n)
+    return out
