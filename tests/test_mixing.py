@@ -174,6 +174,10 @@ def test_listed_custom_op_is_per_token(world):
         ("chunked_scan", "matmul at mixer (node within)", "matmul contracts the sequence dim", "causal conv1d"),
         ("custom_scan", "cpcompile_tests::prefix_sum at mixer", "cannot see into it", "per_token_ops=("),
         ("custom_per_token", "cpcompile_tests::softsign at mixer", "cannot see into it", "per_token_ops=("),
+        # the dim of norm comes after p; msort sorts along the first dim (here the sequence); tril reads the index
+        ("norm_pool", "norm at mixer", "norm along the sequence", "cpcompile.gather"),
+        ("sort_tokens", "msort at mixer", "msort along the sequence", "run this model without context parallelism"),
+        ("tril_tokens", "tril at mixer", "by their index along the sequence", "positions"),
     ],
 )
 def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words):
@@ -186,6 +190,13 @@ def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words
     assert "Fix: " in message and fix_words in message, message
     assert counter_delta(before).get("mixing_refused", 0) >= 1
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
+
+
+def test_per_token_norm_sort_and_tril_are_not_mixing(world):
+    """The negative control of the three refusals above: the same ops over the features, the batch rows, or a
+    per-token matrix keep the tokens apart and are not reported."""
+    backend, out, _ = _compile_and_run(mixer_lm(mixer="token_norm"), world)
+    assert _actions(backend) == [LOSS] and torch.isfinite(out.logits).all()
 
 
 @pytest.mark.parametrize("mixer", ["chunked_scan", "mean_pool", "last_token"])

@@ -12,6 +12,8 @@ Names are those :func:`op_name` gives a Dynamo graph node: a ``call_method`` tar
   is a sequence dim (``"scan"`` kinds run forward: a causal prefix);
 * :data:`CONTRACTIONS`: matrix products, mixing when they contract a sequence dim;
 * :data:`CONVOLUTIONS`: mixing when a sequence dim is a spatial dim;
+* :data:`INDEX_MASKS`: ``tril``/``triu``, which read an element's (local) index: mixing when a sequence dim is one of
+  the last two;
 * :data:`LOSSES`: cross entropy and its kin over tokens (see :mod:`cpcompile.passes.mixing` for when a loss is a
   partial sum);
 * :data:`DISPATCH`: the ops transformers' MoE dispatch runs over ``tokens x top_k`` expert ids (sort, histogram):
@@ -50,6 +52,7 @@ __all__ = [
     "ELEMENTWISE",
     "FACTORIES",
     "FEATURE_REDUCTIONS",
+    "INDEX_MASKS",
     "FILL_ARGS",
     "FRESH_OPS",
     "LAYOUT",
@@ -70,8 +73,8 @@ __all__ = [
     "op_name",
 ]
 
-#: Element-wise ops (broadcasting): output element ``i`` from input elements at ``i`` (``tril``/``triu`` zero
-#: elements by their index, which keeps them apart too).
+#: Element-wise ops (broadcasting): output element ``i`` from input elements at ``i`` (no op here reads an
+#: element's index: ``tril``/``triu`` do, :data:`INDEX_MASKS`).
 ELEMENTWISE = frozenset({
     "add", "sub", "rsub", "mul", "truediv", "div", "floordiv", "floor_divide", "mod", "remainder", "fmod", "pow",
     "float_power", "neg", "pos", "abs", "absolute", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin",
@@ -86,7 +89,7 @@ ELEMENTWISE = frozenset({
     "erfinv", "nan_to_num", "isnan", "isinf", "isfinite", "deg2rad", "rad2deg", "dropout", "alpha_dropout",
     "feature_alpha_dropout", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
     "ixor", "not_", "truth", "type_as", "masked_fill_", "add_", "mul_", "sub_", "div_", "clamp_", "copy_",
-    "fill_", "zero_", "bernoulli", "_set_grad_enabled", "requires_grad_", "tril", "triu",
+    "fill_", "zero_", "bernoulli", "_set_grad_enabled", "requires_grad_",
 })  # fmt: skip
 
 #: Ops that only move dims, copy or cast: each token's elements stay its own.
@@ -123,12 +126,16 @@ DIM_REDUCTIONS: dict[str, tuple[int, str, object, str]] = {
     **{name: (0, "dim", "all", "reduction") for name in (
         "sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "any",
         "all", "count_nonzero", "logsumexp", "std", "var", "median", "nanmedian", "softmax", "log_softmax",
-        "norm", "aminmax", "var_mean", "std_mean",
+        "aminmax", "var_mean", "std_mean",
     )},
+    "norm": (1, "dim", "all", "reduction"),  # torch.norm(input, p, dim), x.norm(p, dim)
     **{name: (0, "dim", "all", "scan") for name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")},
-    **{name: (0, "dim", -1, "order") for name in ("sort", "argsort", "msort")},
+    **{name: (0, "dim", -1, "order") for name in ("sort", "argsort")},
+    "msort": (0, "dim", 0, "order"),  # along the first dim; no dim argument
     "topk": (1, "dim", -1, "order"), "kthvalue": (1, "dim", -1, "order"),
-    "unique": (0, "dim", "all", "order"), "unique_consecutive": (0, "dim", "all", "order"),
+    # unique(input, sorted, return_inverse, return_counts, dim), unique_consecutive(input, return_inverse,
+    # return_counts, dim); no dim: over the flattened input
+    "unique": (3, "dim", "all", "order"), "unique_consecutive": (2, "dim", "all", "order"),
     "flip": (0, "dims", "all", "shift"), "roll": (1, "dims", "all", "shift"), "diff": (1, "dim", -1, "shift"),
     "histc": (0, "dim", "all", "reduction"), "bincount": (0, "dim", "all", "reduction"),
 }  # fmt: skip
@@ -138,6 +145,11 @@ CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "einsum", "baddbmm", "addmm", "
 
 #: Convolutions (input ``[B, C, *spatial]``): mixing along a sequence dim among the spatial dims.
 CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "convolution"})
+
+#: Ops that zero elements by their index along the last two dims (``tril``, ``triu``): an element's index along a
+#: sequence dim is its local index on a CP rank, not its global position, so they keep the tokens apart only when
+#: no sequence dim is one of the last two.
+INDEX_MASKS = frozenset({"tril", "triu"})
 
 #: Losses over tokens: name -> position of their ``reduction`` argument after the input.
 LOSSES = {"cross_entropy": (5, "reduction"), "nll_loss": (5, "reduction"), "mse_loss": (3, "reduction"),
@@ -171,8 +183,6 @@ PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
 #: * the in-place ops left out: the pass looks an in-place op up by its out-of-place name (``add_`` as ``add``,
 #:   the ``operator`` ones by :data:`~cpcompile.passes.aliasing.INPLACE_OPERATORS`) and :data:`FRESH_OPS`,
 #:   built from this table, holds no op that returns its argument;
-#: * ``tril``/``triu`` left out: they zero an element by its index along the sequence, which is the local index
-#:   and not the global position;
 #: * ``type_as`` left out: a cast, in :data:`POSITION_LAYOUT`; it returns its input when the dtypes agree, so it
 #:   is not one of :data:`FRESH_OPS`;
 #: * the random ops left out (``dropout``, ``alpha_dropout``, ``feature_alpha_dropout``, ``bernoulli``): a draw
@@ -184,7 +194,7 @@ PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
 POSITION_ELEMENTWISE = (
     (ELEMENTWISE | {"outer", "ger"})
     - {name for name in ELEMENTWISE if aliasing.is_inplace(name)}
-    - {"tril", "triu", "type_as"}
+    - {"type_as"}
     - {"dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli"}
     - {"not_", "truth", "_set_grad_enabled"}
     - {"elu", "selu", "celu", "mish", "hardswish", "hardsigmoid", "hardtanh", "relu6", "leaky_relu", "softsign",
@@ -208,8 +218,6 @@ POSITION_NO_VALUES = NO_VALUES - {"_check_is_size", "sym_size_int"}
 #: (position of the dim argument after the tensor, keyword, default), :data:`DIM_REDUCTIONS` without its kind,
 #: with
 #:
-#: * ``norm`` reading its dim after ``p`` (``torch.norm(input, p, dim)``, ``x.norm(p, dim)``);
-#: * ``msort`` defaulting to every dim (it sorts along the first dim and takes no dim argument);
 #: * ``normalize`` added (``F.normalize(input, p, dim=1)``: a norm along ``dim``);
 #: * left out: ``histc`` and ``bincount`` (their arguments after the tensor are bins, a range or weights, not a
 #:   dim: the mixing pass reads them by a rule of its own) and ``aminmax``, ``var_mean``, ``std_mean`` (no rule in
@@ -220,8 +228,6 @@ POSITION_REDUCTIONS: dict[str, tuple[int, str, object]] = {
         for name, (pos, kw, default, _) in DIM_REDUCTIONS.items()
         if name not in {"histc", "bincount", "aminmax", "var_mean", "std_mean"}
     },
-    "norm": (1, "dim", "all"),
-    "msort": (0, "dim", "all"),
     "normalize": (1, "dim", 1),
 }
 

@@ -12,7 +12,12 @@ LM head; it takes a transformers causal LM's keyword arguments and returns a ``C
 * ``chunked_scan``: a linear recurrence in plain torch in the style of the gated delta rule: the sequence in
   chunks of 4, ``q k^T`` within chunks (causal), ``k^T v`` states summed over earlier chunks;
 * ``custom_per_token``: ``cpcompile_tests::softsign`` (a custom op, per token);
-* ``custom_scan``: ``cpcompile_tests::prefix_sum`` (a custom op, a cumulative sum over the sequence).
+* ``custom_scan``: ``cpcompile_tests::prefix_sum`` (a custom op, a cumulative sum over the sequence);
+* ``norm_pool``: adds the 2-norm over the sequence, ``x.norm(2, 1)`` (the dim after ``p``);
+* ``sort_tokens``: ``msort`` along the sequence (``msort`` sorts along the first dim and takes no dim argument);
+* ``tril_tokens``: adds ``x.tril()`` of ``[B, T, H]``, which zeroes elements by their (local) token index;
+* ``token_norm``: scales every token by its own 2-norm, ``x.norm(2, -1)``, and sorts the batch rows at every
+  token (``msort`` along the batch dim) and adds ``tril`` of per-token ``[H, H]`` outer products: per token.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import torch.nn.functional as F
 
 from tests.models.attention import Block, lm_output, seeded
 
-MIXERS = ("conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan")
+MIXERS = (
+    "conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan",
+    "norm_pool", "sort_tokens", "tril_tokens", "token_norm",
+)  # fmt: skip
 KERNEL = 3
 CHUNK = 4
 
@@ -102,8 +110,18 @@ class Mixer(nn.Module):
             return x + torch.ops.cpcompile_tests.softsign(self.mix(x))
         if self.form == "custom_scan":
             return x + torch.ops.cpcompile_tests.prefix_sum(self.mix(x), 1)
+        if self.form == "norm_pool":
+            return x + self.mix(x.norm(2, 1, keepdim=True))
+        if self.form == "sort_tokens":
+            return x + self.mix(torch.msort(x.transpose(0, 1)).transpose(0, 1))
+        if self.form == "tril_tokens":
+            return x + self.mix(x.tril())
+        if self.form == "token_norm":
+            outer = (x[..., :, None] * x[..., None, :]).tril()  # [B, T, H, H]: one matrix per token
+            return x / x.norm(2, -1, keepdim=True) + torch.msort(x) + self.mix(outer.sum(-1))
         q, k, v = self.qkv(x).view(B, T // CHUNK, CHUNK, 3, H).unbind(3)  # chunked_scan
-        within = (q @ k.transpose(-1, -2)).tril() @ v
+        causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).tril()  # a chunk's own causal mask
+        within = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0) @ v
         states = k.transpose(-1, -2) @ v  # [B, chunks, H, H]
         carried = states.cumsum(1) - states
         return x + (within + q @ carried).reshape(B, T, H)

@@ -80,6 +80,12 @@ def _fix(op: MixingOp) -> str:
             f'cpcompile.backend(cp_group, per_token_ops=("{op.op}",)); otherwise compute it with torch ops '
             "cpcompile can see, or run this model without context parallelism"
         )
+    if op.kind == "index":
+        return (
+            "build the mask from the global positions of the tokens (the position_ids cpcompile.shard passes, e.g. "
+            "position_ids[..., :, None] >= position_ids[..., None, :]) instead of an element's index, or run this "
+            "model without context parallelism"
+        )
     if op.kind in ("reduction", "loss", "selection"):
         return (
             "compute per-token outputs in the model and reduce them outside it over the whole sequence "

@@ -28,7 +28,8 @@ __all__ = ["MixingOp", "find_mixing_ops"]
 
 #: What an op does along the sequence.
 Kind = Literal[
-    "convolution", "scan", "shift", "reduction", "loss", "contraction", "order", "selection", "custom", "unknown"
+    "convolution", "scan", "shift", "reduction", "loss", "contraction", "order", "selection", "index", "custom",
+    "unknown",
 ]  # fmt: skip
 
 
@@ -168,6 +169,10 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         if name in g.per_token:
             return found("custom", f"the custom op {name}, listed as per-token", accounted="per_token")
         return found("custom", f"the custom op {name} takes sequence-sharded tensors and cpcompile cannot see into it")
+    if name in vocab.INDEX_MASKS:
+        if seq_dims & {len(tags) - 2, len(tags) - 1}:
+            return found("index", f"{name} zeroes elements by their index along the sequence (the local index)")
+        return None
     if name in vocab.ELEMENTWISE or name in vocab.LAYOUT or name in vocab.RESHAPE or name in vocab.SPLITS:
         if name in ("repeat", "tile") and n.args[0] is x:
             sizes = list(n.args[1:]) if not isinstance(n.args[1], (tuple, list)) else list(n.args[1])
