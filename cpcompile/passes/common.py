@@ -2,7 +2,8 @@
 
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
-(the fake value Dynamo recorded for a node), :func:`arg` (an argument by position or keyword),
+(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`dim_set` (a ``dim`` argument as
+a set of dims), :func:`arg` (an argument by position or keyword),
 :func:`node_where` (a node's layer and name, for messages), :func:`source_line` (the model code that made a
 node), :func:`finish` (the lint-and-recompile ending).
 """
@@ -20,7 +21,18 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.options import BackendOptions
 
-__all__ = ["PassContext", "arg", "counters", "finish", "graph_modules", "node_value", "node_where", "source_line"]
+__all__ = [
+    "PassContext",
+    "arg",
+    "counters",
+    "dim_set",
+    "finish",
+    "graph_modules",
+    "node_value",
+    "node_where",
+    "shape_of",
+    "source_line",
+]
 
 #: Rewrite statistics, summed over every graph any cpcompile backend compiled in this process. Attention pass:
 #: ``sdpa_found``, ``sdpa_rewritten``, ``sdpa_refused``, ``graphs``, ``graphs_without_sdpa``,
@@ -55,6 +67,24 @@ def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
 def node_value(n: object) -> object:
     """The example (fake) value Dynamo recorded for ``n`` (``example_value``, or ``val`` after AOT), or ``None``."""
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+def shape_of(n: object) -> tuple | None:
+    """The shape of a node's tensor value, or ``None``."""
+    v = node_value(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dim_set(dims: object, ndim: int) -> set[int] | None:
+    """A ``dim`` argument of an op on an ``ndim``-dim tensor as a set of non-negative dims; ``None`` for every
+    dim (``None``, ``"all"``, an empty tuple) or a value that is not a dim."""
+    if dims is None or dims == "all" or dims == () or dims == []:
+        return None
+    if isinstance(dims, int):
+        dims = (dims,)
+    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) for d in dims):
+        return None
+    return {d % ndim for d in dims} if ndim else set()
 
 
 def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:

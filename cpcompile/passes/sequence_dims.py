@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import arg, node_value
+from cpcompile.passes.common import arg, node_value, shape_of
 from cpcompile.passes.positions import SequenceLength
 
 __all__ = ["Tags", "is_nested", "sequence_dims", "shape_of", "size_hint"]
@@ -27,12 +27,6 @@ Tags = tuple  # per dim: True where the dim holds (part of) the sharded sequence
 
 def _val(n: object) -> object:
     return node_value(n)
-
-
-def shape_of(n: object) -> tuple | None:
-    """The shape of a node's tensor value, or ``None``."""
-    v = _val(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _expr(size: object) -> object:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import arg, graph_modules, source_line
+from cpcompile.passes.common import arg, dim_set, graph_modules, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
@@ -61,16 +61,6 @@ class MixingOp:
         return source_line(self.node)
 
 
-def _norm_dims(dims: object, ndim: int) -> set[int] | None:
-    if dims is None or dims == "all" or dims == () or dims == []:
-        return None
-    if isinstance(dims, int):
-        dims = (dims,)
-    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) for d in dims):
-        return None
-    return {d % ndim for d in dims} if ndim else set()
-
-
 def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
     pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
     tags = _seq_tags(x, g)
@@ -79,7 +69,7 @@ def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
     dims = arg(n, 1 + pos, kw, default)
     if name in ("max", "min") and len(n.args) > 1 and isinstance(n.args[1], fx.Node):
         return set()  # the element-wise form max(a, b)
-    reduced = _norm_dims(dims, len(tags))
+    reduced = dim_set(dims, len(tags))
     return {d for d, t in enumerate(tags) if t and (reduced is None or d in reduced)}
 
 
@@ -110,7 +100,7 @@ def _reduces_seq(n: fx.Node, name: str, tags: dict) -> bool:
     if not isinstance(t, tuple) or is_nested(t):
         return True
     pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
-    reduced = _norm_dims(arg(n, 1 + pos, kw, default), len(t))
+    reduced = dim_set(arg(n, 1 + pos, kw, default), len(t))
     return any(tagged and (reduced is None or d in reduced) for d, tagged in enumerate(t))
 
 
@@ -209,7 +199,7 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         pads = list(arg(n, 1, "pad", ()))
         padded = {len(tags) - 1 - p // 2 for p, v in enumerate(pads) if v != 0}
         return found("shift", "pads the sequence") if padded & seq_dims else None
-    if name in ("cat", "concat", "concatenate"):
+    if name in vocab.CONCATS:
         dim = arg(n, 1, "dim", 0)
         out_tags = _seq_tags(n, g)
         return found("shift", f"{name} along the sequence") if out_tags and out_tags[dim % len(out_tags)] else None

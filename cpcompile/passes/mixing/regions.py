@@ -130,7 +130,7 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
                 return f"a slice to the fixed length {stop}"
             trim = entry  # a static graph's trim to the local length
         return dim, start, trim
-    if name in ("cat", "concat", "concatenate"):
+    if name in vocab.CONCATS:
         tensors = n.args[0]
         cat_dim = arg(n, 1, "dim", 0)
         if not isinstance(cat_dim, int) or cat_dim % ndim != dim or cur not in tensors:

@@ -12,12 +12,8 @@ from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import op_name
 from cpcompile.passes.common import node_value as _val
+from cpcompile.passes.common import shape_of as shape_of
 from cpcompile.passes.positions.model import SequenceLength
-
-
-def shape_of(n: object) -> tuple | None:
-    v = _val(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def is_tensorish(n: object) -> bool:

@@ -15,6 +15,7 @@ from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
 from cpcompile.passes.common import arg as _arg
+from cpcompile.passes.common import dim_set
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.positions.graph import (
     is_tensorish,
@@ -28,17 +29,6 @@ from cpcompile.passes.positions.graph import (
 from cpcompile.passes.positions.model import GraphFacts, SequenceLength
 
 
-def _norm_dims(dims: object, ndim: int) -> set[int] | None:
-    """A dim argument as a set of non-negative dims; ``None`` for every dim."""
-    if dims is None or dims == () or dims == []:
-        return None
-    if isinstance(dims, int):
-        dims = (dims,)
-    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) for d in dims):
-        return None
-    return {d % ndim for d in dims} if ndim else set()
-
-
 def _check_reduce(u: fx.Node, t: fx.Node, name: str, seq: SequenceLength) -> str | None:
     shape = shape_of(t)
     if name in ("max", "min") and len(u.args) > 1 and isinstance(u.args[1], fx.Node) and is_tensorish(u.args[1]):
@@ -47,7 +37,7 @@ def _check_reduce(u: fx.Node, t: fx.Node, name: str, seq: SequenceLength) -> str
         return f"{name} takes the position-derived value as other than its input"
     pos, kw, default = vocab.POSITION_REDUCTIONS[name]
     dims = _arg(u, 1 + pos, kw, default)
-    reduced = _norm_dims(None if dims == "all" else dims, len(shape)) if shape is not None else None
+    reduced = dim_set(dims, len(shape)) if shape is not None else None
     along = set(seq_dims(t, seq))
     if reduced is None and along or (reduced is not None and reduced & along):
         return f"{name} mixes the values of different positions along the sequence"
