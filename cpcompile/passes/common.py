@@ -2,10 +2,10 @@
 
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
-(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`dim_set` (a ``dim`` argument as
-a set of dims), :func:`arg` (an argument by position or keyword),
-:func:`node_where` (a node's layer and name, for messages), :func:`source_line` (the model code that made a
-node), :func:`finish` (the lint-and-recompile ending).
+(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`dim_set` (a ``dim`` argument
+as a set of dims), :func:`arg` (an argument by position or keyword), :func:`node_where` and :class:`FoundAt` (a
+node's layer and name, for messages), :func:`source_line` (the model code that made a node), :func:`finish` (the
+lint-and-recompile ending).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from cpcompile import _compat
 from cpcompile.options import BackendOptions
 
 __all__ = [
+    "FoundAt",
     "PassContext",
     "arg",
     "counters",
@@ -97,6 +98,25 @@ def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
 def node_where(n: fx.Node) -> str:
     """A human-readable location of ``n``: the layer that made it and the graph node (``layers.0.conv (node x)``)."""
     return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
+
+
+class FoundAt:
+    """Where a found op is, for messages: a mixin of the dataclasses that hold a graph ``node`` and the ``layer``
+    (qualified module name) that made it."""
+
+    node: fx.Node
+    layer: str
+
+    @property
+    def where(self) -> str:
+        """The layer and the graph node: ``layers.0.conv (node x)``."""
+        return f"{self.layer or '<top level>'} (node {self.node.name})"
+
+    @property
+    def located(self) -> str:
+        """:attr:`where`, after the model's source line (``file:line (code)``) when the graph recorded it."""
+        line = source_line(self.node)
+        return f"{line}, {self.where}" if line else self.where
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes.aliasing import op_name
-from cpcompile.passes.common import graph_modules, node_value, source_line
+from cpcompile.passes.common import FoundAt, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
 
@@ -22,7 +22,7 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 
 
 @dataclasses.dataclass(frozen=True)
-class SDPASite:
+class SDPASite(FoundAt):
     """One ``scaled_dot_product_attention`` call found in a graph."""
 
     node: fx.Node
@@ -50,17 +50,6 @@ class SDPASite:
             return "is_causal" if self.is_causal is True else "none"
         m = self.meta(self.attn_mask)
         return "bool-mask" if m is not None and m.dtype == torch.bool else "float-mask"
-
-    @property
-    def where(self) -> str:
-        """A human-readable location: the layer name and the graph node."""
-        return f"{self.layer or '<top level>'} (node {self.node.name})"
-
-    @property
-    def located(self) -> str:
-        """:attr:`where`, after the model's source line (``file:line (code)``) when the graph recorded it."""
-        line = source_line(self.node)
-        return f"{line}, {self.where}" if line else self.where
 
 
 _HEAD_BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})

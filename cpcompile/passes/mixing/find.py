@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import arg, dim_set, graph_modules, source_line
+from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
@@ -34,7 +34,7 @@ Kind = Literal[
 
 
 @dataclasses.dataclass(frozen=True)
-class MixingOp:
+class MixingOp(FoundAt):
     """One op that reads a tensor with a sequence dim and combines (or moves) values of different tokens."""
 
     node: fx.Node
@@ -50,10 +50,6 @@ class MixingOp:
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
     problem: str = ""
-
-    @property
-    def where(self) -> str:
-        return f"{self.layer or '<top level>'} (node {self.node.name})"
 
     @property
     def source(self) -> str:

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.errors import UnsupportedPositionError
-from cpcompile.passes.common import source_line
+from cpcompile.passes.common import FoundAt
 
 #: What the pass does with a source: see :mod:`cpcompile.passes.positions`.
 Action = Literal["rewritten", "refused", "mask", "unchanged"]
@@ -125,7 +125,7 @@ class GraphFacts:
 
 
 @dataclasses.dataclass(frozen=True)
-class PositionSource:
+class PositionSource(FoundAt):
     """One value derived from the local sequence length and not from sharded data."""
 
     node: fx.Node
@@ -143,16 +143,6 @@ class PositionSource:
     entry: int = 0
     #: Why the source cannot be rewritten as found (``""``: it can, if its uses allow).
     problem: str = ""
-
-    @property
-    def where(self) -> str:
-        return f"{self.layer or '<top level>'} (node {self.node.name})"
-
-    @property
-    def located(self) -> str:
-        """:attr:`where`, after the model's source line when the graph recorded it."""
-        line = source_line(self.node)
-        return f"{line}, {self.where}" if line else self.where
 
 
 @dataclasses.dataclass(frozen=True)
