@@ -17,7 +17,10 @@ LM head; it takes a transformers causal LM's keyword arguments and returns a ``C
 * ``sort_tokens``: ``msort`` along the sequence (``msort`` sorts along the first dim and takes no dim argument);
 * ``tril_tokens``: adds ``x.tril()`` of ``[B, T, H]``, which zeroes elements by their (local) token index;
 * ``token_norm``: scales every token by its own 2-norm, ``x.norm(2, -1)``, and sorts the batch rows at every
-  token (``msort`` along the batch dim) and adds ``tril`` of per-token ``[H, H]`` outer products: per token.
+  token (``msort`` along the batch dim) and adds ``tril`` of per-token ``[H, H]`` outer products: per token;
+* ``feature_setitem``: zeroes the first features of every token in place, ``y[:, :, :8] = 0`` (an index that is a
+  slice, not a tensor): per token;
+* ``token_setitem``: zeroes the first tokens in place, ``y[:, :4] = 0`` (by their local index on a CP rank).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from tests.models.attention import Block, lm_output, seeded
 
 MIXERS = (
     "conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan",
-    "norm_pool", "sort_tokens", "tril_tokens", "token_norm",
+    "norm_pool", "sort_tokens", "tril_tokens", "token_norm", "feature_setitem",
+    "token_setitem",
 )  # fmt: skip
 KERNEL = 3
 CHUNK = 4
@@ -116,6 +120,13 @@ class Mixer(nn.Module):
             return x + self.mix(torch.msort(x.transpose(0, 1)).transpose(0, 1))
         if self.form == "tril_tokens":
             return x + self.mix(x.tril())
+        if self.form in ("feature_setitem", "token_setitem"):
+            y = self.mix(x)
+            if self.form == "feature_setitem":
+                y[:, :, :8] = 0.0
+            else:
+                y[:, :4] = 0.0
+            return x + y
         if self.form == "token_norm":
             outer = (x[..., :, None] * x[..., None, :]).tril()  # [B, T, H, H]: one matrix per token
             return x / x.norm(2, -1, keepdim=True) + torch.msort(x) + self.mix(outer.sum(-1))

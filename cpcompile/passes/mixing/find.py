@@ -108,6 +108,11 @@ def _sorts_for_dispatch(n: fx.Node, expert_ids: frozenset) -> bool:
     return all(vocab.op_name(u) == "getitem" and u.args[1] == 1 for u in n.users)
 
 
+def _is_node_in(index_arg: object, nodes: set) -> bool:
+    """Whether a setitem's index is one of ``nodes`` (an index may also be a slice, a tuple or a constant)."""
+    return isinstance(index_arg, fx.Node) and index_arg in nodes
+
+
 def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
     """Index tensors of the MoE dispatch: the permutation that sorts expert ids (``sort(ids)[1]``,
     ``argsort(ids)``), what element-wise arithmetic with constants makes of it (``perm // top_k``), and a tensor
@@ -129,7 +134,7 @@ def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
             elif name in vocab.ELEMENTWISE or name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS:
                 tensors = [i for i in n.all_input_nodes if isinstance(_val(i), torch.Tensor)]
                 found = bool(tensors) and all(i in index for i in tensors)
-            elif name == "setitem" and first is not None and len(n.args) > 1 and n.args[1] in index:
+            elif name == "setitem" and first is not None and len(n.args) > 1 and _is_node_in(n.args[1], index):
                 if first not in index:
                     index.add(first)
                     changed = True
@@ -244,8 +249,11 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
             if base not in g.data and name == "getitem":
                 return None  # a table (not data) looked up by per-token indices
             return found("selection", f"{name} of sharded data at indices along the sequence")
-        if name == "setitem":
-            return found("selection", "setitem into sharded data") if base in g.data and seq_dims else None
+        if name == "setitem" and (base not in g.data or not seq_dims):
+            return None
+        # slices and ints: the whole sequence dim keeps every token's elements its own (a write of some features
+        # of every token included); a part of it picks tokens by their local index
+        verb = "writes" if name == "setitem" else "picks"
         d, consumed = 0, sum(1 for e in entries if e is not None and e is not Ellipsis)
         for e in entries:
             if e is None:
@@ -258,10 +266,10 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
                 if isinstance(e, slice):
                     if not _full_slice(e, size):
                         if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
-                            return found("selection", f"picks tokens {_slice_text(e)} of the sequence")
+                            return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
                         return found("shift", f"slices the sequence dim with {_slice_text(e)}")
                 else:
-                    return found("selection", f"picks token {e!r} of the sequence")
+                    return found("selection", f"{verb} token {e!r} of the sequence")
             d += 1
         return None
     dim = arg(n, 1, "dim")
