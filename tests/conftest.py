@@ -17,6 +17,14 @@ def _fake_group(rank: int):
     dist.destroy_process_group()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Close the pooled test ranks when the session ends: an xdist worker may exit without running atexit hooks,
+    and its ranks would outlive it (idle, holding memory) through the rest of ``make test``."""
+    from tests.harness.dist import _close_pools
+
+    _close_pools()
+
+
 @pytest.fixture(scope="module")
 def world():
     """A fake default process group of size 2 for the module; this process is rank 0."""
