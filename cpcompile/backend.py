@@ -19,7 +19,7 @@ from cpcompile.passes.flex_cp import flex_cp_pass
 from cpcompile.passes.mixing import MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
-from cpcompile.runtime import check_group, current_plan, record_attention_free_graph
+from cpcompile.runtime import check_group, current_plan, meet_before_backward, record_attention_free_graph
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
@@ -159,8 +159,13 @@ class CPBackend:
         compiled = gm.forward if self.options.inner == "eager" else None
         if compiled is None:
             compiled = _compat.lookup_inner_backend(self.options.inner)(gm, example_inputs)
-        if self.cp_size > 1 and not any(r.action == "rewritten" for r in reports):
-            return _noting_attention_free(compiled, self.group_name, _frame_of(gm, graph_id))
+        if self.cp_size == 1:
+            return compiled
+        rewritten = any(r.action == "rewritten" for r in reports)
+        if not rewritten:
+            compiled = _noting_attention_free(compiled, self.group_name, _frame_of(gm, graph_id))
+        if rewritten or any(r.action == "gathered" for r in mixing):  # the graph's backward runs collectives
+            return _meeting_before_backward(compiled, self.group_name)
         return compiled
 
 
@@ -183,6 +188,18 @@ def _noting_attention_free(compiled, group_name: str, frame: str):
         return compiled(*args)
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo calls a boxed function with one list
+    return run
+
+
+def _meeting_before_backward(compiled, group_name: str):
+    """``compiled``, whose outputs hold the step's backward round (``runtime.meet_before_backward``)."""
+
+    def run(*args):
+        out = compiled(*args)
+        meet_before_backward(out, group_name)
+        return out
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
     return run
 
 

@@ -20,6 +20,7 @@ from cpcompile.runtime.context import (
     comm_stats,
     current_plan,
     gather,
+    meet_before_backward,
     real_tokens,
     record_attention_free_graph,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "mark_local_dynamic",
     "real_tokens",
     "record_attention_form",
+    "meet_before_backward",
     "record_attention_free_graph",
     "shard",
     "sync_grads",

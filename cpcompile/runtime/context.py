@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from cpcompile import failsafe
 from cpcompile.plan import CPPlan
 from cpcompile.runtime.comm import CommStats, gather_sequence
 
@@ -30,6 +31,7 @@ __all__ = [
     "current_plan",
     "ensure_inactive",
     "gather",
+    "meet_before_backward",
     "real_tokens",
     "record_attention_free_graph",
     "warn_if_no_attention",
@@ -44,6 +46,8 @@ class StepRecord:
     sites: int = 0
     #: Frames of the compiled graphs of this CP group that have no rewritten attention and ran in the step.
     attention_free: list[str] = dataclasses.field(default_factory=list)
+    #: The step's backward round was held (:func:`meet_before_backward`).
+    backward_met: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,35 @@ def record_attention_free_graph(group_name: str, frame: str) -> None:
     current = _STATE.active
     if current is not None and current.plan.group_name == group_name and frame not in current.ran.attention_free:
         current.ran.attention_free.append(frame)
+
+
+def meet_before_backward(outputs: object, group_name: str) -> None:
+    """Hold one control round when the backward of the step reaches a compiled graph with CP collectives.
+
+    Called by the backend with the outputs of every run of such a graph: a hook on the outputs that require grad
+    runs before the graph's backward, hence before its collectives (the reduce-scatter of the gathered K/V, the
+    backward of a sequence gather), and the first one to fire in the step holds the round. A rank that skipped
+    ``backward()`` and started the next step comes to that step's batch round in this turn instead: every rank
+    raises :class:`~cpcompile.RanksDivergedError` at once, naming where each one is, instead of one waiting in
+    backward's collective and the other in the next step until the peer timeout. One round per step.
+    """
+    current = _STATE.active
+    if current is None or current.group is None or current.plan.group_name != group_name:
+        return
+    if not torch.is_grad_enabled() or current.ran.backward_met:
+        return
+    seq = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    tensors = [t for t in seq if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return
+
+    def meet(_grad: torch.Tensor) -> None:
+        if current.ran.backward_met:
+            return
+        current.ran.backward_met = True
+        failsafe.agree(current.group, "backward", None, what="the backward of the CP step", stats=current.comm)
+
+    torch.autograd.graph.register_multi_grad_hook(tensors, meet, mode="any")
 
 
 #: (group name, frames) already warned about by :func:`warn_if_no_attention`.
