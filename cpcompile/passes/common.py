@@ -3,9 +3,9 @@
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
 (the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`dim_set` (a ``dim`` argument
-as a set of dims), :func:`arg` (an argument by position or keyword), :func:`node_where` and :class:`FoundAt` (a
-node's layer and name, for messages), :func:`source_line` (the model code that made a node), :func:`finish` (the
-lint-and-recompile ending).
+as a set of dims), :func:`index_dims` (the dim each entry of an index reads), :func:`arg` (an argument by
+position or keyword), :func:`node_where` and :class:`FoundAt` (a node's layer and name, for messages),
+:func:`source_line` (the model code that made a node), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -23,12 +24,14 @@ from cpcompile.options import BackendOptions
 
 __all__ = [
     "FoundAt",
+    "IndexDim",
     "PassContext",
     "arg",
     "counters",
     "dim_set",
     "finish",
     "graph_modules",
+    "index_dims",
     "node_value",
     "node_where",
     "shape_of",
@@ -86,6 +89,44 @@ def dim_set(dims: object, ndim: int) -> set[int] | None:
     if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) for d in dims):
         return None
     return {d % ndim for d in dims} if ndim else set()
+
+
+class IndexDim(NamedTuple):
+    """One dim of an index ``x[e0, e1, ...]`` (see :func:`index_dims`)."""
+
+    #: The index entry: a slice, an int, a tensor node, ``None`` (a new dim) or ``...``.
+    entry: object
+    #: Its place among the entries; ``None`` for the dims after the entries.
+    position: int | None
+    #: The dim of ``x`` it reads; ``None`` for a ``None`` entry.
+    dim: int | None
+    #: The dim of the result it becomes under basic indexing (a slice, ``...`` and ``None`` keep or make one);
+    #: ``None`` where the dim is dropped (an int, a tensor).
+    out: int | None
+
+
+def index_dims(entries: Sequence[object], ndim: int) -> list[IndexDim]:
+    """Which dim of an ``ndim``-dim tensor each entry of an index reads, in order, and where it lands.
+
+    ``...`` gives one row per dim it stands for (the dims no other entry reads), each with entry ``...``; an index
+    without ``...`` reads the dims after its entries as if it ended with one (``x[0]`` keeps every dim after the
+    first). Every entry but ``None`` and ``...`` reads one dim (a bool mask too)."""
+    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    implicit = [] if any(e is Ellipsis for e in entries) else [(None, Ellipsis)]
+    rows, d, o = [], 0, 0
+    for position, e in [*enumerate(entries), *implicit]:
+        if e is None:
+            rows.append(IndexDim(e, position, None, o))
+            o += 1
+        elif e is Ellipsis:
+            for _ in range(ndim - consumed):
+                rows.append(IndexDim(e, position, d, o))
+                d, o = d + 1, o + 1
+        else:
+            kept = isinstance(e, slice)
+            rows.append(IndexDim(e, position, d, o if kept else None))
+            d, o = d + 1, o + kept
+    return rows
 
 
 def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:

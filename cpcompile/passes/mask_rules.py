@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes.aliasing import mutated, op_name, viewed_bases
-from cpcompile.passes.common import graph_modules, node_value, node_where, source_line
+from cpcompile.passes.common import graph_modules, index_dims, node_value, node_where, source_line
 
 __all__ = ["MaskProof", "outer_arguments", "prove_mask"]
 
@@ -450,23 +450,10 @@ class _Prover:
 def _kept_dim(entries: tuple, shape: tuple, dim: int) -> int | None:
     """The output dim of input dim ``dim`` of ``x[entries]`` (basic indexing) when the dim is kept whole, else
     ``None`` (selected, sliced or indexed by an int)."""
-    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
-    d = o = 0
-    for e in entries:
-        if e is None:
-            o += 1
-            continue
-        if e is Ellipsis:
-            k = len(shape) - consumed
-            if d <= dim < d + k:
-                return o + dim - d
-            d, o = d + k, o + k
-            continue
+    for e, _, d, o in index_dims(entries, len(shape)):
         if d == dim:
-            return o if isinstance(e, slice) and _full_slice(e, shape[d]) else None
-        o += 1 if isinstance(e, slice) else 0
-        d += 1
-    return o + dim - d  # not indexed: after the entries
+            return o if e is Ellipsis or (isinstance(e, slice) and _full_slice(e, shape[d])) else None
+    return None
 
 
 def _full_slice(e: object, size: object) -> bool:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, source_line
+from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
@@ -254,23 +254,15 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
         # slices and ints: the whole sequence dim keeps every token's elements its own (a write of some features
         # of every token included); a part of it picks tokens by their local index
         verb = "writes" if name == "setitem" else "picks"
-        d, consumed = 0, sum(1 for e in entries if e is not None and e is not Ellipsis)
-        for e in entries:
-            if e is None:
+        for e, _, d, _ in index_dims(entries, len(tags)):
+            if e is Ellipsis or d not in seq_dims:
                 continue
-            if e is Ellipsis:
-                d += len(tags) - consumed
-                continue
-            if d in seq_dims:
-                size = shape_of(base)[d]
-                if isinstance(e, slice):
-                    if not _full_slice(e, size):
-                        if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
-                            return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
-                        return found("shift", f"slices the sequence dim with {_slice_text(e)}")
-                else:
-                    return found("selection", f"{verb} token {e!r} of the sequence")
-            d += 1
+            if not isinstance(e, slice):
+                return found("selection", f"{verb} token {e!r} of the sequence")
+            if not _full_slice(e, shape_of(base)[d]):
+                if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
+                    return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
+                return found("shift", f"slices the sequence dim with {_slice_text(e)}")
         return None
     dim = arg(n, 1, "dim")
     index = arg(n, 2, "index")
