@@ -22,7 +22,7 @@ from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
 from cpcompile.passes.positions import SequenceLength, graph_facts
-from cpcompile.passes.sequence_dims import is_nested, sequence_dims, shape_of
+from cpcompile.passes.sequence_dims import Tags, is_nested, sequence_dims, shape_of
 
 __all__ = ["MixingOp", "find_mixing_ops"]
 
@@ -57,9 +57,10 @@ class MixingOp(FoundAt):
         return source_line(self.node)
 
 
-def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
+def _reduced_seq_dims(n: fx.Node, name: str, tags: Tags) -> set[int]:
+    """The sequence dims (by ``tags``, of its input) that ``n``, one of the ops of
+    :data:`~cpcompile.passes.vocabulary.DIM_REDUCTIONS`, runs along."""
     pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
-    tags = _seq_tags(x, g)
     if name in ("histc", "bincount"):
         return {d for d, t in enumerate(tags) if t}
     dims = arg(n, 1 + pos, kw, default)
@@ -71,33 +72,28 @@ def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
 
 # -- MoE dispatch: expert ids and the index tensors that move rows by them -------------------------------------
 def _expert_ids(g: fx.GraphModule, seq: SequenceLength, tags: dict) -> frozenset:
-    """Nodes holding MoE expert ids: the indices of a ``topk``/``argmax`` over a dim that is not a sequence dim,
-    and what reshapes, casts and sorts (values) make of them."""
+    """Nodes holding MoE expert ids: the indices of a ``topk``/``argmax`` over a dim that is not a sequence dim
+    (of an input whose dims are known), and what reshapes, casts and sorts (values) make of them."""
+
+    def reduces_seq(n: fx.Node, name: str) -> bool:
+        t = tags.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+        return not isinstance(t, tuple) or is_nested(t) or bool(_reduced_seq_dims(n, name, t))
+
     ids: set[fx.Node] = set()
     for n in g.graph.nodes:
         name = vocab.op_name(n) if n.op in ("call_function", "call_method") else ""
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         if name == "getitem" and first is not None and isinstance(n.args[1], int):
             src = vocab.op_name(first) if first.op in ("call_function", "call_method") else ""
-            if src == "topk" and n.args[1] == 1 and not _reduces_seq(first, "topk", tags):
+            if src == "topk" and n.args[1] == 1 and not reduces_seq(first, "topk"):
                 ids.add(n)
             elif src in ("sort",) and n.args[1] == 0 and first.args and first.args[0] in ids:
                 ids.add(n)
-        elif name in ("argmax", "argmin") and not _reduces_seq(n, name, tags):
+        elif name in ("argmax", "argmin") and not reduces_seq(n, name):
             ids.add(n)
         elif (name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS) and first in ids:
             ids.add(n)
     return frozenset(ids)
-
-
-def _reduces_seq(n: fx.Node, name: str, tags: dict) -> bool:
-    x = n.args[0] if n.args else None
-    t = tags.get(x) if isinstance(x, fx.Node) else None
-    if not isinstance(t, tuple) or is_nested(t):
-        return True
-    pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
-    reduced = dim_set(arg(n, 1 + pos, kw, default), len(t))
-    return any(tagged and (reduced is None or d in reduced) for d, tagged in enumerate(t))
 
 
 def _sorts_for_dispatch(n: fx.Node, expert_ids: frozenset) -> bool:
@@ -179,7 +175,7 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return _check_loss(n, name, found)
     if name in vocab.DIM_REDUCTIONS:
         _, _, _, kind = vocab.DIM_REDUCTIONS[name]
-        if not _reduced_seq_dims(n, name, x, g):
+        if not _reduced_seq_dims(n, name, tags):
             return None
         if name in vocab.DISPATCH and x in g.expert_ids:
             return found("order", f"{name} of MoE expert ids over tokens x top_k", accounted="dispatch")
