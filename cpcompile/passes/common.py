@@ -2,7 +2,8 @@
 
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
-(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`dim_set` (a ``dim`` argument
+(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`size_hint` (a size's value at
+this compilation), :func:`dim_set` (a ``dim`` argument
 as a set of dims), :func:`index_dims` (the dim each entry of an index reads), :func:`arg` (an argument by
 position or keyword), :func:`node_where` and :class:`FoundAt` (a node's layer and name, for messages),
 :func:`source_line` (the model code that made a node), :func:`finish` (the lint-and-recompile ending).
@@ -35,6 +36,7 @@ __all__ = [
     "node_value",
     "node_where",
     "shape_of",
+    "size_hint",
     "source_line",
 ]
 
@@ -77,6 +79,15 @@ def shape_of(n: object) -> tuple | None:
     """The shape of a node's tensor value, or ``None``."""
     v = node_value(n)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def size_hint(size: object, *, strict: bool = False) -> int:
+    """The value of a (possibly symbolic) size at this compilation. A size without one (a data-dependent size) is
+    ``-1``, or with ``strict`` a :class:`ValueError`."""
+    value = size if isinstance(size, int) else _compat.sym_hint(size)
+    if value is None and strict:
+        raise ValueError(f"size {size} has no value at this compilation (a data-dependent size)")
+    return -1 if value is None else int(value)
 
 
 def dim_set(dims: object, ndim: int) -> set[int] | None:

@@ -24,7 +24,7 @@ from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.passes.aliasing import last_write
-from cpcompile.passes.common import PassContext, counters, finish, source_line
+from cpcompile.passes.common import PassContext, counters, finish, size_hint, source_line
 from cpcompile.passes.mask_rules import outer_arguments
 from cpcompile.passes.sdpa_check import (
     _config_reason,
@@ -36,7 +36,7 @@ from cpcompile.passes.sdpa_check import (
     site_window,
 )
 from cpcompile.passes.sdpa_check import mask_proof as mask_proof
-from cpcompile.passes.sdpa_report import SiteReport, _hint, _refused_report, _report
+from cpcompile.passes.sdpa_report import SiteReport, _refused_report, _report
 from cpcompile.passes.sdpa_sites import SDPASite, find_non_sdpa_attention, find_sdpa_sites, kv_source
 from cpcompile.runtime.workload import record_attention_form
 
@@ -166,7 +166,7 @@ def _exchange(site: SDPASite, ctx: PassContext, window: int | None) -> dict:
         return {}
     slots = MAX_RUNS * (window - 1)
     k = site.meta(site.key)
-    local_len = _hint(k.shape[2]) if k is not None else 0
+    local_len = size_hint(k.shape[2], strict=True) if k is not None else 0
     if slots >= (ctx.cp_size - 1) * local_len:
         return {}
     return {"exchange": "halo", "halo_slots": slots}

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from cpcompile import _compat, ops
+from cpcompile import ops
+from cpcompile.passes.common import size_hint
 from cpcompile.passes.sdpa_sites import SDPASite, kv_source
 
 __all__ = ["SiteReport"]
@@ -101,17 +102,11 @@ def _heads_first_meta(t: torch.Tensor | None, layout: str) -> torch.Tensor | Non
     return t.transpose(1, 2) if t is not None and layout == "bthd" else t
 
 
-def _hint(size: object) -> int:
-    """The value of a (possibly symbolic) size at this compilation."""
-    value = _compat.sym_hint(size)
-    if value is None:
-        raise ValueError(f"size {size} has no value at this compilation (a data-dependent size)")
-    return value
-
-
 def _sizes(*tensors: torch.Tensor | None) -> tuple[tuple[str, int], ...]:
     """``(symbol, value)`` of the symbolic sizes of ``tensors`` at this compilation."""
-    found = {str(s): _hint(s) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)}
+    found = {
+        str(s): size_hint(s, strict=True) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)
+    }
     return tuple(sorted(found.items()))
 
 
@@ -120,7 +115,9 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", spec: 
     src = kv_source(site)
     gk, gv = (_heads_first_meta(site.meta(n), src.layout) for n in (src.key, src.value))
     gathered = (gk, gv) if spec is not None and spec.cp_size > 1 and spec.exchange == "all_gather" else ()
-    gather_bytes = sum((spec.cp_size - 1) * _hint(math.prod(t.shape)) * t.element_size() for t in gathered)
+    gather_bytes = sum(
+        (spec.cp_size - 1) * size_hint(math.prod(t.shape), strict=True) * t.element_size() for t in gathered
+    )
     return SiteReport(
         graph_id=graph_id,
         node=site.node.name,

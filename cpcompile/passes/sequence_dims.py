@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import arg, index_dims, node_value, shape_of
+from cpcompile.passes.common import arg, index_dims, node_value, shape_of, size_hint
 from cpcompile.passes.positions import SequenceLength
 
 __all__ = ["Tags", "is_nested", "sequence_dims", "shape_of", "size_hint"]
@@ -31,12 +31,6 @@ def _val(n: object) -> object:
 
 def _expr(size: object) -> object:
     return sympy.Integer(size) if isinstance(size, int) else _compat.sym_expr(size)
-
-
-def size_hint(size: object) -> int:
-    """The value of a (possibly symbolic) size at this compilation (``-1`` when it has none)."""
-    value = size if isinstance(size, int) else _compat.sym_hint(size)
-    return -1 if value is None else int(value)
 
 
 def _size_is_seq(size: object, seq: SequenceLength) -> bool:
