@@ -28,7 +28,6 @@ The tensors the mods read (``mask_mod``/``score_mod`` closures) are mapped to gl
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import numbers
 import operator
@@ -41,7 +40,7 @@ from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.kernels.flex_mods import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
-from cpcompile.passes.sdpa_cp import SiteReport
+from cpcompile.passes.sdpa_report import SiteReport, site_report, site_spec
 from cpcompile.runtime.workload import record_attention_form
 
 __all__ = ["FlexSite", "find_flex_sites", "check_site", "rewrite_site", "flex_cp_pass"]
@@ -355,19 +354,14 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 
 def _report(site: FlexSite, graph_id: int, action: str, reason: str = "", spec: ops.SiteSpec | None = None):
     q, k, v = (node_value(n) for n in (site.query, site.key, site.value))
-
-    def shape(t):
-        return () if not isinstance(t, torch.Tensor) else tuple(s if isinstance(s, int) else str(s) for s in t.shape)
-
     form = "mask_mod" + (", score_mod" if site.score_mod is not None else "")
-    return SiteReport(
-        graph_id=graph_id,
-        node=site.node.name,
-        layer=site.layer,
-        q_shape=shape(q),
-        k_shape=shape(k),
-        v_shape=shape(v),
-        dtype=str(q.dtype).removeprefix("torch.") if isinstance(q, torch.Tensor) else "?",
+    return site_report(
+        graph_id,
+        site.node,
+        site.layer,
+        q,
+        k,
+        v,
         mask_form=f"flex ({form})",
         enable_gqa=bool(isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.shape[1] != k.shape[1]),
         q_heads=int(q.shape[1]) if isinstance(q, torch.Tensor) else 0,
@@ -381,22 +375,16 @@ def _report(site: FlexSite, graph_id: int, action: str, reason: str = "", spec: 
 
 
 def _site_spec(site: FlexSite, ctx: PassContext) -> ops.SiteSpec:
-    """The site's description and id (deterministic, like the SDPA sites': prefix, place, digest)."""
+    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`, as the SDPA sites')."""
     k, v = (node_value(n) for n in (site.key, site.value))
-    spec = ops.SiteSpec(
-        site="",
+    return site_spec(
+        ctx,
+        site.node,
         layer=site.layer,
-        group_name=ctx.group_name,
-        cp_size=ctx.cp_size,
-        cp_rank=ctx.cp_rank,
         documents=False,
         window=None,
         kernel="block",
         needs_grad=bool(k.requires_grad or v.requires_grad),
-    )
-    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
-    return dataclasses.replace(
-        spec, site=f"{ctx.site_prefix}:{site.layer or '<top level>'} (node {site.node.name})#{digest}"
     )
 
 

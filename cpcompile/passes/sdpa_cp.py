@@ -15,9 +15,6 @@ This module holds the rewrite and the entry point; every name of ``__all__`` is 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-
 import torch.fx as fx
 
 from cpcompile import _compat, ops
@@ -36,7 +33,7 @@ from cpcompile.passes.sdpa_check import (
     site_window,
 )
 from cpcompile.passes.sdpa_check import mask_proof as mask_proof
-from cpcompile.passes.sdpa_report import SiteReport, _refused_report, _report
+from cpcompile.passes.sdpa_report import SiteReport, _refused_report, _report, site_spec
 from cpcompile.passes.sdpa_sites import SDPASite, find_non_sdpa_attention, find_sdpa_sites, kv_source
 from cpcompile.runtime.workload import record_attention_form
 
@@ -173,23 +170,18 @@ def _exchange(site: SDPASite, ctx: PassContext, window: int | None) -> dict:
 
 
 def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str) -> ops.SiteSpec:
-    """The site's description; its id is ``<prefix>:<layer> (node <name>)#<digest of the description>``, the
-    same in every run for the same graph and options (dumps are deterministic) and different for any change."""
+    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`)."""
     k_meta, v_meta = (site.meta(n) for n in (kv_source(site).key, kv_source(site).value))
-    spec = ops.SiteSpec(
-        site="",
+    return site_spec(
+        ctx,
+        site.node,
         layer=site.layer,
-        group_name=ctx.group_name,
-        cp_size=ctx.cp_size,
-        cp_rank=ctx.cp_rank,
         documents=site.attn_mask is not None,
         window=window,
         kernel=kernel,
         needs_grad=bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad)),
         **_exchange(site, ctx, window),
     )
-    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
-    return dataclasses.replace(spec, site=f"{ctx.site_prefix}:{site.where}#{digest}")
 
 
 def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
