@@ -28,6 +28,9 @@ here from a shared one with the differences and why: :data:`POSITION_ELEMENTWISE
 :data:`POSITION_CONTRACTIONS`; and the tables only it needs: :data:`FACTORIES`, :data:`SIZE_ARGS`,
 :data:`FILL_ARGS`, :data:`SHAPE_ONLY_ARGS`, :data:`CONCATS` and :data:`FRESH_OPS`.
 
+The mask prover (:mod:`cpcompile.passes.mask_rules`) reads the ops that hand a mask's or a position's values on
+through tables defined here the same way: :data:`MASK_LAYOUT` and :data:`MASK_RESHAPE`.
+
 PyTorch's DTensor sharding rules were considered as this vocabulary: they are registered for ATen ops, while the
 pass reads Dynamo graphs of ``torch`` functions and ``Tensor`` methods before AOTAutograd, where a ``Shard(seq)``
 strategy cannot be looked up by name; these tables follow the same split (ops that propagate a shard of a dim,
@@ -57,6 +60,8 @@ __all__ = [
     "FRESH_OPS",
     "LAYOUT",
     "LOSSES",
+    "MASK_LAYOUT",
+    "MASK_RESHAPE",
     "NO_VALUES",
     "PER_TOKEN_OPS",
     "POSITION_CONTRACTIONS",
@@ -275,6 +280,38 @@ FRESH_OPS = frozenset(
     | CONCATS
     | {"stack", "clone", "embedding", "index_select", "gather"}
 )
+
+
+# -- the mask prover ---------------------------------------------------------------------------------------------
+# The prover reads the subgraph that builds an attention mask as a formula over query and key positions; a value
+# built from positions that meets an op it has no rule for is refused.
+
+#: Ops that hand a value on with every element in its place, counted from the last dim (the prover tells a token's
+#: dim by its place from the right): :data:`LAYOUT` with ``type_as`` (a cast, as ``to``) and ``alias`` added, and
+#: left out
+#:
+#: * the dim moves (``transpose``, ``permute``, ``movedim``, ``moveaxis``, ``swapaxes``, ``swapdims``, ``t``):
+#:   they move a token's dim; ``unsqueeze`` and ``squeeze`` are read as reshapes (:data:`MASK_RESHAPE`);
+#: * ``repeat`` and ``tile``: they copy elements along a dim;
+#: * the casts to ``double``, ``half``, ``bfloat16``, ``short``, ``char``, ``byte``, the moves to ``cpu`` and
+#:   ``cuda``, and ``_assert_tensor_metadata``: no rule in the prover.
+MASK_LAYOUT = (LAYOUT | {"type_as", "alias"}) - {
+    "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze",
+    "repeat", "tile",
+    "double", "half", "bfloat16", "short", "char", "byte", "cpu", "cuda", "_assert_tensor_metadata",
+}  # fmt: skip
+
+#: Reshapes the prover checks to keep a token's dim whole (the same size, the same number of elements after it):
+#: :data:`RESHAPE` with ``unsqueeze`` and ``squeeze`` added (a dim of size 1 in or out), without ``flatten``,
+#: ``unflatten`` and ``ravel`` (no rule in the prover) and ``view_as_complex``, ``view_as_real`` (they change the
+#: element type: a mask or a position is not complex).
+MASK_RESHAPE = (RESHAPE | {"unsqueeze", "squeeze"}) - {
+    "flatten",
+    "unflatten",
+    "ravel",
+    "view_as_complex",
+    "view_as_real",
+}
 
 
 def op_name(n: fx.Node) -> str:
