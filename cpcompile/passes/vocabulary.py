@@ -97,12 +97,15 @@ ELEMENTWISE = frozenset({
     "fill_", "zero_", "bernoulli", "_set_grad_enabled", "requires_grad_",
 })  # fmt: skip
 
-#: Ops that only move dims, copy or cast: each token's elements stay its own.
+#: Ops that only move dims, copy or cast: each token's elements stay its own. ``repeat``, ``tile`` and
+#: ``repeat_interleave`` copy elements along the dims they repeat: they keep the tokens apart along the other dims
+#: only (GQA's ``k.repeat_interleave(n, dim=1)`` of ``[B, H, T, D]`` K/V heads), and the passes check those dims
+#: (``repeat_interleave(input, repeats, dim=None)`` without a dim flattens its input).
 LAYOUT = frozenset({
     "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze", "expand",
     "broadcast_to", "expand_as", "contiguous", "clone", "detach", "to", "type", "float", "double", "half",
     "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "repeat", "tile",
-    "_assert_tensor_metadata",
+    "repeat_interleave", "_assert_tensor_metadata",
 })  # fmt: skip
 
 #: Reshapes: regrouping dims. A reshape that splits a sequence dim keeps every piece a sequence dim.
@@ -207,9 +210,10 @@ POSITION_ELEMENTWISE = (
 )  # fmt: skip
 
 #: Layout ops on position-derived values: :data:`LAYOUT`, with ``type_as`` added (a cast, as ``to``), and left
-#: out ``repeat``/``tile`` (along the sequence they repeat positions: the pass checks ``repeat``'s sizes by a rule
-#: of its own and refuses ``tile``) and ``_assert_tensor_metadata`` (no rule in the positions pass).
-POSITION_LAYOUT = (LAYOUT | {"type_as"}) - {"repeat", "tile", "_assert_tensor_metadata"}
+#: out ``repeat``/``tile``/``repeat_interleave`` (along the sequence they repeat positions: the pass checks
+#: ``repeat``'s sizes and ``repeat_interleave``'s dim by rules of its own and refuses ``tile``) and
+#: ``_assert_tensor_metadata`` (no rule in the positions pass).
+POSITION_LAYOUT = (LAYOUT | {"type_as"}) - {"repeat", "tile", "repeat_interleave", "_assert_tensor_metadata"}
 
 #: Reshapes of position-derived values (each checked to keep every position's elements together):
 #: :data:`RESHAPE` without ``ravel`` (no rule in the positions pass).
@@ -292,12 +296,12 @@ FRESH_OPS = frozenset(
 #:
 #: * the dim moves (``transpose``, ``permute``, ``movedim``, ``moveaxis``, ``swapaxes``, ``swapdims``, ``t``):
 #:   they move a token's dim; ``unsqueeze`` and ``squeeze`` are read as reshapes (:data:`MASK_RESHAPE`);
-#: * ``repeat`` and ``tile``: they copy elements along a dim;
+#: * ``repeat``, ``tile`` and ``repeat_interleave``: they copy elements along a dim;
 #: * the casts to ``double``, ``half``, ``bfloat16``, ``short``, ``char``, ``byte``, the moves to ``cpu`` and
 #:   ``cuda``, and ``_assert_tensor_metadata``: no rule in the prover.
 MASK_LAYOUT = (LAYOUT | {"type_as", "alias"}) - {
     "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze",
-    "repeat", "tile",
+    "repeat", "tile", "repeat_interleave",
     "double", "half", "bfloat16", "short", "char", "byte", "cpu", "cuda", "_assert_tensor_metadata",
 }  # fmt: skip
 

@@ -166,6 +166,8 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
             lead = len(sizes) - len(tags)
             if any(sizes[lead + d] != 1 for d in seq_dims if lead + d >= 0):
                 return found("shift", f"{name} repeats the sequence")
+        if name == "repeat_interleave":
+            return _check_repeat_interleave(n, name, x, operands, tags, found)
         return None
     if name in vocab.FEATURE_REDUCTIONS:
         return _check_feature(n, name, x, tags, found)
@@ -224,6 +226,18 @@ def _check_feature(n, name, x, tags, found) -> MixingOp | None:
     if n.args[0] is x and not any(d >= len(tags) - k for d in seq_dims):
         return None
     return found("reduction", f"{name} normalises over the sequence dim")
+
+
+def _check_repeat_interleave(n, name, x, operands, tags, found) -> MixingOp | None:
+    """``repeat_interleave(input, repeats, dim=None)`` keeps the tokens apart along a dim that is not a sequence
+    dim (K/V heads); along the sequence (or with per-token ``repeats``) it moves every token after the first
+    repeated one, and without a dim it flattens the sequence."""
+    dim = arg(n, 2, "dim")
+    if not isinstance(dim, int):
+        return found("selection", f"{name} without a dim flattens the sequence")
+    if arg(n, 0, "input") is not x or len(operands) > 1 or tags[dim % len(tags)]:
+        return found("selection", f"{name} repeats tokens along the sequence, which moves the tokens after them")
+    return None
 
 
 def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
