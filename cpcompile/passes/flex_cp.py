@@ -40,6 +40,7 @@ from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.kernels.flex_mods import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
+from cpcompile.passes.sdpa_check import qkv_reason
 from cpcompile.passes.sdpa_report import SiteReport, site_report, site_spec
 from cpcompile.runtime.workload import record_attention_form
 
@@ -203,15 +204,9 @@ def _plan_buffers(args: tuple, mod: fx.GraphModule | None, local_len: object, wh
 def check_site(site: FlexSite) -> str | None:
     """``None`` when the site can be rewritten exactly, else a one-line reason saying what to do."""
     q, k, v = (node_value(n) for n in (site.query, site.key, site.value))
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "query/key/value have no recorded shapes (not a Dynamo graph?)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"expected 4-D [B, H, T, D] query/key/value, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D"
-    if not _compat.statically_true(q.shape[2] == k.shape[2]):
-        return (
-            f"query length {q.shape[2]} differs from key length {k.shape[2]} (cross-attention or a KV cache); "
-            "call the model without a KV cache, self-attention only"
-        )
+    reason = qkv_reason(q, k, v, "call the model without a KV cache, self-attention only")
+    if reason is not None:
+        return reason
     if not isinstance(site.scale, numbers.Number):
         return "the softmax scale is a run-time value; cpcompile needs a constant scale"
     if site.mask_mod is None:
