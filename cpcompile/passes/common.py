@@ -5,8 +5,9 @@ Main API: :class:`PassContext` (what a pass knows about one compilation besides 
 (the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`size_hint` (a size's value at
 this compilation), :func:`dim_set` (a ``dim`` argument
 as a set of dims), :func:`index_dims` (the dim each entry of an index reads), :func:`arg` (an argument by
-position or keyword), :func:`node_where` and :class:`FoundAt` (a node's layer and name, for messages),
-:func:`source_line` (the model code that made a node), :func:`finish` (the lint-and-recompile ending).
+position or keyword), :func:`node_where`, :func:`node_located` and :class:`FoundAt` (a node's layer and name,
+after its model code, for messages), :func:`source_line` (the model code that made a node), :func:`finish` (the
+lint-and-recompile ending).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "finish",
     "graph_modules",
     "index_dims",
+    "node_located",
     "node_value",
     "node_where",
     "shape_of",
@@ -152,6 +154,14 @@ def node_where(n: fx.Node) -> str:
     return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
 
 
+def node_located(n: fx.Node, where: str | None = None) -> str:
+    """``where`` (default :func:`node_where`) after the model's source line that made ``n`` when the graph recorded
+    it: ``file:line (code), layers.0.conv (node x)``."""
+    where = node_where(n) if where is None else where
+    line = source_line(n)
+    return f"{line}, {where}" if line else where
+
+
 class FoundAt:
     """Where a found op is, for messages: a mixin of the dataclasses that hold a graph ``node`` and the ``layer``
     (qualified module name) that made it."""
@@ -167,8 +177,7 @@ class FoundAt:
     @property
     def located(self) -> str:
         """:attr:`where`, after the model's source line (``file:line (code)``) when the graph recorded it."""
-        line = source_line(self.node)
-        return f"{line}, {self.where}" if line else self.where
+        return node_located(self.node, self.where)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

@@ -37,7 +37,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import mutated, op_name, viewed_bases
-from cpcompile.passes.common import graph_modules, index_dims, node_value, node_where, shape_of, source_line
+from cpcompile.passes.common import graph_modules, index_dims, node_located, node_value, shape_of
 
 __all__ = ["MaskProof", "outer_arguments", "prove_mask"]
 
@@ -54,8 +54,7 @@ class MaskProof:
 
 class _Unproven(Exception):
     def __init__(self, node: fx.Node, what: str) -> None:
-        line = source_line(node)
-        super().__init__(f"{what} at {line + ', ' if line else ''}{node_where(node)}")
+        super().__init__(f"{what} at {node_located(node)}")
 
 
 @dataclasses.dataclass(frozen=True)

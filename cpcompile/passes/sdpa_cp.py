@@ -21,7 +21,7 @@ from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.passes.aliasing import last_write
-from cpcompile.passes.common import PassContext, counters, finish, size_hint, source_line
+from cpcompile.passes.common import PassContext, counters, finish, node_located, size_hint
 from cpcompile.passes.mask_rules import outer_arguments
 from cpcompile.passes.sdpa_check import (
     _config_reason,
@@ -216,12 +216,7 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         for node, layer, what in find_non_sdpa_attention(gm):
             counters["non_sdpa_attention"] += 1
             reason = _non_sdpa_reason(node, what, config)
-            line = source_line(node)
-            refuse(
-                f"{line + ', ' if line else ''}{layer or '<top level>'} (node {node.name})",
-                reason,
-                _refused_report(ctx.graph_id, node.name, layer, reason),
-            )
+            refuse(node_located(node), reason, _refused_report(ctx.graph_id, node.name, layer, reason))
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports
