@@ -3,11 +3,10 @@
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
 (the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`size_hint` (a size's value at
-this compilation), :func:`dim_set` (a ``dim`` argument
-as a set of dims), :func:`index_dims` (the dim each entry of an index reads), :func:`arg` (an argument by
-position or keyword), :func:`node_where`, :func:`node_located` and :class:`FoundAt` (a node's layer and name,
-after its model code, for messages), :func:`source_line` (the model code that made a node), :func:`finish` (the
-lint-and-recompile ending).
+this compilation), :func:`dim_set` (a ``dim`` argument as a set of dims), :func:`index_dims` (the dim each entry
+of an index reads), :func:`arg` (an argument by position or keyword), :func:`node_where`, :func:`node_located`
+and :class:`FoundAt` (a node's layer and name, after its model code, for messages), :func:`source_line` (the
+model code that made a node), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
