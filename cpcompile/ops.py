@@ -478,10 +478,15 @@ def emit_site_plan(
     graph: fx.Graph, k: fx.Node, v: fx.Node, model_mask: fx.Node | None, spec: SiteSpec
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Insert ``cpcompile::site_plan`` at the current insertion point; returns the (q_pos, kv_pos, docs) nodes."""
+    return _emit_plan_call(graph, torch.ops.cpcompile.site_plan.default, k, v, model_mask, spec.site)
+
+
+def _emit_plan_call(graph: fx.Graph, op: object, k: fx.Node, v: fx.Node, *args: object) -> tuple[fx.Node, ...]:
+    """Insert ``op(k.detach(), v.detach(), *args)``, a plan op of a site (it reads K and V for their shapes and
+    device, never for a gradient), and the getitems of its three outputs; returns them."""
     refs = [graph.call_method("detach", (n,)) for n in (k, v)]
-    out = graph.call_function(torch.ops.cpcompile.site_plan.default, (*refs, model_mask, spec.site))
-    q_pos, kv_pos, docs = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
-    return q_pos, kv_pos, docs
+    out = graph.call_function(op, (*refs, *args))
+    return tuple(graph.call_function(operator.getitem, (out, i)) for i in range(3))
 
 
 def emit_halo_exchange(graph: fx.Graph, k: fx.Node, v: fx.Node, spec: SiteSpec) -> tuple[fx.Node, fx.Node]:
@@ -550,9 +555,7 @@ def _(k, v, site):
 
 def emit_flex_site_plan(graph: fx.Graph, k: fx.Node, v: fx.Node, spec: SiteSpec) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Insert ``cpcompile::flex_site_plan`` at the current insertion point; returns (q_pos, kv_pos, seq_len)."""
-    refs = [graph.call_method("detach", (n,)) for n in (k, v)]
-    out = graph.call_function(torch.ops.cpcompile.flex_site_plan.default, (*refs, spec.site))
-    return tuple(graph.call_function(operator.getitem, (out, i)) for i in range(3))
+    return _emit_plan_call(graph, torch.ops.cpcompile.flex_site_plan.default, k, v, spec.site)
 
 
 def emit_buffer_gather(graph: fx.Graph, t: fx.Node, dim: int, spec: SiteSpec) -> fx.Node:

@@ -172,6 +172,8 @@ def test_listed_custom_op_is_per_token(world):
         ("sort_tokens", "msort at mixer", "msort along the sequence", "run this model without context parallelism"),
         ("tril_tokens", "tril at mixer", "by their index along the sequence", "positions"),
         ("token_setitem", "setitem at mixer", "writes tokens [:4] of the sequence", "cpcompile.gather"),
+        # repeat_interleave(2, 1): the dim read at its place after repeats
+        ("token_repeat", "repeat_interleave at mixer", "repeats tokens along the sequence", "cpcompile.gather"),
     ],
 )
 def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words):
@@ -186,11 +188,11 @@ def test_refused_at_compile_time(world, mixer, op_words, reason_words, fix_words
     assert isinstance(info.value, RuntimeError)  # torch.compile passed it through unchanged
 
 
-@pytest.mark.parametrize("mixer", ["token_norm", "feature_setitem"])
-def test_per_token_norm_sort_tril_and_writes_are_not_mixing(world, mixer):
-    """The counterparts of the four refusals above: the same ops over the features, the batch rows or a per-token
-    matrix, and a write of some features of every token, keep the tokens apart and are not reported (exact:
-    tests/test_mixing_parity.py)."""
+@pytest.mark.parametrize("mixer", ["token_norm", "feature_setitem", "head_repeat"])
+def test_per_token_norm_sort_tril_writes_and_repeats_are_not_mixing(world, mixer):
+    """The counterparts of the six refusals above: the same ops over the features, the batch rows, the heads or a
+    per-token matrix, and a write of some features of every token, keep the tokens apart and are not reported
+    (exact: tests/test_mixing_parity.py)."""
     backend, out, _ = _compile_and_run(mixer_lm(mixer=mixer), world)
     assert _actions(backend) == [LOSS] and torch.isfinite(out.logits).all()
 

@@ -16,8 +16,8 @@ The negative control of every kind of region (conv, shift, scan) and of LFM2 com
 The 4 processes run CP=2 on ranks {0, 1} (contiguous layout, ``inner="eager"``, with the controls) and on {2, 3}
 (the conv model with inductor: the new all-gather and op compiled for real through AOTAutograd; the conv model
 in a static graph, ``shard(dynamic=False)``, where the trim ``[..., :T]`` is a constant; the per-token forms the
-mixing pass accepts next to refused ones of the same ops: ``token_norm``, ``feature_setitem``) side by side, then CP=4
-on all four under the balanced layout (each rank holds several runs of tokens).
+mixing pass accepts next to refused ones of the same ops: ``token_norm``, ``feature_setitem``, ``head_repeat``)
+side by side, then CP=4 on all four under the balanced layout (each rank holds several runs of tokens).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ EXPECTED = {
     "shift": (("pad", "gathered"), LOSS),
     "mask_cumsum": (("cumsum", "gathered"), LOSS),
     "lfm2": (("conv1d", "gathered"), LOSS),
-    # per token: a norm over the features, msort over the batch rows, tril of per-token matrices, a feature write
+    # per token: a norm over the features, msort over the batch rows, tril of per-token matrices, a feature write,
+    # repeat_interleave along a heads dim
     "token_norm": (LOSS,),
     "feature_setitem": (LOSS,),
+    "head_repeat": (LOSS,),
 }
 
 
@@ -58,7 +60,13 @@ def _case(name: str, inner: str = "eager", layout: str = "contiguous", dynamic: 
 
 
 PAIR0 = [_case(m) for m in ("conv", "shift", "mask_cumsum", "lfm2")]
-PAIR1 = [_case("conv", inner="inductor"), _case("conv", dynamic=False), _case("token_norm"), _case("feature_setitem")]
+PAIR1 = [
+    _case("conv", inner="inductor"),
+    _case("conv", dynamic=False),
+    _case("token_norm"),
+    _case("feature_setitem"),
+    _case("head_repeat"),
+]
 CP4 = [_case(m, layout="balanced") for m in ("conv", "shift", "mask_cumsum", "lfm2")]
 
 

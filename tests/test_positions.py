@@ -170,6 +170,12 @@ def test_refused_at_compile_time(world, form, node_words, reason_words):
         ("table_tail", "(return self.wpe.weight[-T:])", "a slice at an offset", "table[-T:]"),
         ("partial_slice", "(return torch.cat((e[-(T - 1) :]", "slice(neg, None, None) (a shift", "index the whole"),
         ("ellipsis_contraction", 'einsum("...f -> f"', "einsum contracts the sequence dim", "this product sums"),
+        (
+            "repeated_positions",
+            "(return self.wpe(t.repeat_interleave(2)[:T]))",
+            "repeat_interleave repeats positions along the sequence (or flattens it)",
+            "take its positions as an input",
+        ),
     ],
 )
 def test_near_misses_refused_at_their_source_line(world, form, line_words, reason_words, fix_words):

@@ -2,10 +2,11 @@
 
 Main API: :class:`PassContext` (what a pass knows about one compilation besides the graph), :data:`counters`
 (rewrite statistics of every pass), :func:`graph_modules` (a graph and its nested graphs), :func:`node_value`
-(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`dim_set` (a ``dim`` argument
-as a set of dims), :func:`arg` (an argument by position or keyword), :func:`node_where` and :class:`FoundAt` (a
-node's layer and name, for messages), :func:`source_line` (the model code that made a node), :func:`finish` (the
-lint-and-recompile ending).
+(the fake value Dynamo recorded for a node), :func:`shape_of` (its shape), :func:`size_hint` (a size's value at
+this compilation), :func:`dim_set` (a ``dim`` argument as a set of dims), :func:`index_dims` (the dim each entry
+of an index reads), :func:`arg` (an argument by position or keyword), :func:`node_where`, :func:`node_located`
+and :class:`FoundAt` (a node's layer and name, after its model code, for messages), :func:`source_line` (the
+model code that made a node), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -23,15 +25,19 @@ from cpcompile.options import BackendOptions
 
 __all__ = [
     "FoundAt",
+    "IndexDim",
     "PassContext",
     "arg",
     "counters",
     "dim_set",
     "finish",
     "graph_modules",
+    "index_dims",
+    "node_located",
     "node_value",
     "node_where",
     "shape_of",
+    "size_hint",
     "source_line",
 ]
 
@@ -76,6 +82,15 @@ def shape_of(n: object) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def size_hint(size: object, *, strict: bool = False) -> int:
+    """The value of a (possibly symbolic) size at this compilation. A size without one (a data-dependent size) is
+    ``-1``, or with ``strict`` a :class:`ValueError`."""
+    value = size if isinstance(size, int) else _compat.sym_hint(size)
+    if value is None and strict:
+        raise ValueError(f"size {size} has no value at this compilation (a data-dependent size)")
+    return -1 if value is None else int(value)
+
+
 def dim_set(dims: object, ndim: int) -> set[int] | None:
     """A ``dim`` argument of an op on an ``ndim``-dim tensor as a set of non-negative dims; ``None`` for every
     dim (``None``, ``"all"``, an empty tuple) or a value that is not a dim."""
@@ -88,6 +103,44 @@ def dim_set(dims: object, ndim: int) -> set[int] | None:
     return {d % ndim for d in dims} if ndim else set()
 
 
+class IndexDim(NamedTuple):
+    """One dim of an index ``x[e0, e1, ...]`` (see :func:`index_dims`)."""
+
+    #: The index entry: a slice, an int, a tensor node, ``None`` (a new dim) or ``...``.
+    entry: object
+    #: Its place among the entries; ``None`` for the dims after the entries.
+    position: int | None
+    #: The dim of ``x`` it reads; ``None`` for a ``None`` entry.
+    dim: int | None
+    #: The dim of the result it becomes under basic indexing (a slice, ``...`` and ``None`` keep or make one);
+    #: ``None`` where the dim is dropped (an int, a tensor).
+    out: int | None
+
+
+def index_dims(entries: Sequence[object], ndim: int) -> list[IndexDim]:
+    """Which dim of an ``ndim``-dim tensor each entry of an index reads, in order, and where it lands.
+
+    ``...`` gives one row per dim it stands for (the dims no other entry reads), each with entry ``...``; an index
+    without ``...`` reads the dims after its entries as if it ended with one (``x[0]`` keeps every dim after the
+    first). Every entry but ``None`` and ``...`` reads one dim (a bool mask too)."""
+    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    implicit = [] if any(e is Ellipsis for e in entries) else [(None, Ellipsis)]
+    rows, d, o = [], 0, 0
+    for position, e in [*enumerate(entries), *implicit]:
+        if e is None:
+            rows.append(IndexDim(e, position, None, o))
+            o += 1
+        elif e is Ellipsis:
+            for _ in range(ndim - consumed):
+                rows.append(IndexDim(e, position, d, o))
+                d, o = d + 1, o + 1
+        else:
+            kept = isinstance(e, slice)
+            rows.append(IndexDim(e, position, d, o if kept else None))
+            d, o = d + 1, o + kept
+    return rows
+
+
 def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
     """The argument of ``n`` passed as keyword ``name`` or at position ``pos``, else ``default``."""
     if name in n.kwargs:
@@ -98,6 +151,14 @@ def arg(n: fx.Node, pos: int, name: str, default: object = None) -> object:
 def node_where(n: fx.Node) -> str:
     """A human-readable location of ``n``: the layer that made it and the graph node (``layers.0.conv (node x)``)."""
     return f"{_compat.node_module_path(n) or '<top level>'} (node {n.name})"
+
+
+def node_located(n: fx.Node, where: str | None = None) -> str:
+    """``where`` (default :func:`node_where`) after the model's source line that made ``n`` when the graph recorded
+    it: ``file:line (code), layers.0.conv (node x)``."""
+    where = node_where(n) if where is None else where
+    line = source_line(n)
+    return f"{line}, {where}" if line else where
 
 
 class FoundAt:
@@ -115,8 +176,7 @@ class FoundAt:
     @property
     def located(self) -> str:
         """:attr:`where`, after the model's source line (``file:line (code)``) when the graph recorded it."""
-        line = source_line(self.node)
-        return f"{line}, {self.where}" if line else self.where
+        return node_located(self.node, self.where)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

@@ -28,7 +28,6 @@ The tensors the mods read (``mask_mod``/``score_mod`` closures) are mapped to gl
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import numbers
 import operator
@@ -41,7 +40,8 @@ from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.kernels.flex_mods import FlexMods
 from cpcompile.passes.aliasing import last_write, mutated, viewed_bases
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, node_value, source_line
-from cpcompile.passes.sdpa_cp import SiteReport
+from cpcompile.passes.sdpa_check import qkv_reason
+from cpcompile.passes.sdpa_report import SiteReport, site_report, site_spec
 from cpcompile.runtime.workload import record_attention_form
 
 __all__ = ["FlexSite", "find_flex_sites", "check_site", "rewrite_site", "flex_cp_pass"]
@@ -204,15 +204,9 @@ def _plan_buffers(args: tuple, mod: fx.GraphModule | None, local_len: object, wh
 def check_site(site: FlexSite) -> str | None:
     """``None`` when the site can be rewritten exactly, else a one-line reason saying what to do."""
     q, k, v = (node_value(n) for n in (site.query, site.key, site.value))
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "query/key/value have no recorded shapes (not a Dynamo graph?)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"expected 4-D [B, H, T, D] query/key/value, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D"
-    if not _compat.statically_true(q.shape[2] == k.shape[2]):
-        return (
-            f"query length {q.shape[2]} differs from key length {k.shape[2]} (cross-attention or a KV cache); "
-            "call the model without a KV cache, self-attention only"
-        )
+    reason = qkv_reason(q, k, v, "call the model without a KV cache, self-attention only")
+    if reason is not None:
+        return reason
     if not isinstance(site.scale, numbers.Number):
         return "the softmax scale is a run-time value; cpcompile needs a constant scale"
     if site.mask_mod is None:
@@ -355,19 +349,14 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 
 def _report(site: FlexSite, graph_id: int, action: str, reason: str = "", spec: ops.SiteSpec | None = None):
     q, k, v = (node_value(n) for n in (site.query, site.key, site.value))
-
-    def shape(t):
-        return () if not isinstance(t, torch.Tensor) else tuple(s if isinstance(s, int) else str(s) for s in t.shape)
-
     form = "mask_mod" + (", score_mod" if site.score_mod is not None else "")
-    return SiteReport(
-        graph_id=graph_id,
-        node=site.node.name,
-        layer=site.layer,
-        q_shape=shape(q),
-        k_shape=shape(k),
-        v_shape=shape(v),
-        dtype=str(q.dtype).removeprefix("torch.") if isinstance(q, torch.Tensor) else "?",
+    return site_report(
+        graph_id,
+        site.node,
+        site.layer,
+        q,
+        k,
+        v,
         mask_form=f"flex ({form})",
         enable_gqa=bool(isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.shape[1] != k.shape[1]),
         q_heads=int(q.shape[1]) if isinstance(q, torch.Tensor) else 0,
@@ -381,22 +370,16 @@ def _report(site: FlexSite, graph_id: int, action: str, reason: str = "", spec: 
 
 
 def _site_spec(site: FlexSite, ctx: PassContext) -> ops.SiteSpec:
-    """The site's description and id (deterministic, like the SDPA sites': prefix, place, digest)."""
+    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`, as the SDPA sites')."""
     k, v = (node_value(n) for n in (site.key, site.value))
-    spec = ops.SiteSpec(
-        site="",
+    return site_spec(
+        ctx,
+        site.node,
         layer=site.layer,
-        group_name=ctx.group_name,
-        cp_size=ctx.cp_size,
-        cp_rank=ctx.cp_rank,
         documents=False,
         window=None,
         kernel="block",
         needs_grad=bool(k.requires_grad or v.requires_grad),
-    )
-    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
-    return dataclasses.replace(
-        spec, site=f"{ctx.site_prefix}:{site.layer or '<top level>'} (node {site.node.name})#{digest}"
     )
 
 

@@ -35,8 +35,9 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat
+from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import mutated, op_name, viewed_bases
-from cpcompile.passes.common import graph_modules, node_value, node_where, source_line
+from cpcompile.passes.common import graph_modules, index_dims, node_located, node_value, shape_of
 
 __all__ = ["MaskProof", "outer_arguments", "prove_mask"]
 
@@ -53,8 +54,7 @@ class MaskProof:
 
 class _Unproven(Exception):
     def __init__(self, node: fx.Node, what: str) -> None:
-        line = source_line(node)
-        super().__init__(f"{what} at {line + ', ' if line else ''}{node_where(node)}")
+        super().__init__(f"{what} at {node_located(node)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,6 @@ class _Rule:
 _PLAIN = None
 _ONES = "ones"  # a plain tensor of ones (``ones(T, T)``), a marker among plain values
 
-_LAYOUT = {
-    "to", "type", "type_as", "contiguous", "clone", "detach", "bool", "long", "int", "float", "expand",
-    "expand_as", "broadcast_to", "alias",
-}  # fmt: skip
-_RESHAPE = {"view", "reshape", "view_as", "reshape_as"}
 _COMPARE = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne"}
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
@@ -114,11 +109,6 @@ _SHAPE_ONLY = {
     "size", "dim", "numel", "sym_size", "new_ones", "new_zeros", "new_empty", "new_full", "ones_like", "zeros_like",
     "empty_like", "full_like",
 }  # fmt: skip
-
-
-def _shape(n: object) -> tuple | None:
-    v = node_value(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _same(a: object, b: object) -> bool:
@@ -188,9 +178,9 @@ class _Prover:
             return self._plain(n, name)
         if name == "getitem":
             return self._getitem(n)
-        if name in _LAYOUT:
+        if name in vocab.MASK_LAYOUT:
             return self.value(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else _PLAIN
-        if name in _RESHAPE or name in ("unsqueeze", "squeeze"):
+        if name in vocab.MASK_RESHAPE:
             return self._reshape(n, name)
         if name in ("add", "sub", "iadd", "isub"):
             return self._add(n, name)
@@ -219,7 +209,7 @@ class _Prover:
     def _input(self, n: fx.Node) -> object:
         if n in self.outer:  # a nested graph's input: read where the calling graph makes it
             return self.value(self.outer[n])
-        shape = _shape(n)
+        shape = shape_of(n)
         if shape is None or _compat.is_module_state(n):
             return _PLAIN
         dims = [d for d, s in enumerate(shape) if _same(s, self.length) or self._hinted(s)]
@@ -239,7 +229,7 @@ class _Prover:
     def _plain(self, n: fx.Node, name: str) -> object:
         """A value computed from plain values only: an arange of the local length is the token index."""
         if name == "arange":
-            shape = _shape(n)
+            shape = shape_of(n)
             if shape is not None and len(shape) == 1 and _same(shape[0], self.length):
                 start = n.args[0] if len(n.args) > 1 else n.kwargs.get("start", 0)
                 step = n.args[2] if len(n.args) > 2 else n.kwargs.get("step", 1)
@@ -262,7 +252,7 @@ class _Prover:
             return self._keeps_last_two(n, b, entries)
         if not isinstance(b, _Tokens):
             raise _Unproven(n, "indexing of a value built from token positions")
-        shape, out = _shape(base), _shape(n)
+        shape, out = shape_of(base), shape_of(n)
         kept = _kept_dim(entries, shape, len(shape) - b.rdim)
         if kept is None:
             # some tokens' values (the first position of a row, transformers' packed-sequence detection): per-row
@@ -274,7 +264,7 @@ class _Prover:
         """``table[b_idx, t_idx]``: a per-token table read at the token positions (advanced indexing)."""
         if not isinstance(table, _Tokens):
             raise _Unproven(n, "a table or buffer looked up at token positions (its values are not in the graph)")
-        shape = _shape(n.args[0])
+        shape = shape_of(n.args[0])
         seq = len(shape) - table.rdim
         if any(e is None or e is Ellipsis or isinstance(e, slice) for e in entries) or len(entries) <= seq:
             raise _Unproven(n, "a lookup of token positions with slices or new dims between its indices")
@@ -292,7 +282,7 @@ class _Prover:
 
     def _reshape(self, n: fx.Node, name: str) -> object:
         v = self.value(n.args[0])
-        shape, out = _shape(n.args[0]), _shape(n)
+        shape, out = shape_of(n.args[0]), shape_of(n)
         if shape is None or out is None:
             raise _Unproven(n, f"{name} of a value built from token positions without a recorded shape")
         if isinstance(v, _Rule):
@@ -313,7 +303,7 @@ class _Prover:
         raise _Unproven(n, f"{name} from {list(shape)} to {list(out)} moves token positions across dims")
 
     def _keeps_last_two(self, n: fx.Node, rule: _Rule, entries: tuple) -> _Rule:
-        shape, out = _shape(n.args[0]), _shape(n)
+        shape, out = shape_of(n.args[0]), shape_of(n)
         if shape is not None and out is not None and len(shape) >= 2:
             q, k = _kept_dim(entries, shape, len(shape) - 2), _kept_dim(entries, shape, len(shape) - 1)
             if q == len(out) - 2 and k == len(out) - 1:
@@ -450,23 +440,10 @@ class _Prover:
 def _kept_dim(entries: tuple, shape: tuple, dim: int) -> int | None:
     """The output dim of input dim ``dim`` of ``x[entries]`` (basic indexing) when the dim is kept whole, else
     ``None`` (selected, sliced or indexed by an int)."""
-    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
-    d = o = 0
-    for e in entries:
-        if e is None:
-            o += 1
-            continue
-        if e is Ellipsis:
-            k = len(shape) - consumed
-            if d <= dim < d + k:
-                return o + dim - d
-            d, o = d + k, o + k
-            continue
+    for e, _, d, o in index_dims(entries, len(shape)):
         if d == dim:
-            return o if isinstance(e, slice) and _full_slice(e, shape[d]) else None
-        o += 1 if isinstance(e, slice) else 0
-        d += 1
-    return o + dim - d  # not indexed: after the entries
+            return o if e is Ellipsis or (isinstance(e, slice) and _full_slice(e, shape[d])) else None
+    return None
 
 
 def _full_slice(e: object, size: object) -> bool:
@@ -478,7 +455,7 @@ def _full_slice(e: object, size: object) -> bool:
 
 
 def _pairwise(n: object, length: object) -> bool:
-    shape = _shape(n)
+    shape = shape_of(n)
     return shape is not None and len(shape) >= 2 and _same(shape[-1], length) and _same(shape[-2], length)
 
 

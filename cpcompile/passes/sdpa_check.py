@@ -27,6 +27,19 @@ from cpcompile.passes.sdpa_sites import SDPASite
 __all__ = ["check_site", "mask_proof", "graph_windows", "config_window", "site_window"]
 
 
+def qkv_reason(q: object, k: object, v: object, fix: str) -> str | None:
+    """Why the query, key and value (recorded values) of an attention call, SDPA or flex_attention, cannot be
+    rewritten, or ``None``: each must be a 4-D ``[B, H, T, D]`` tensor and the query as long as the key (``fix``:
+    what to do about cross-attention or a KV cache)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "query/key/value have no recorded shapes (not a Dynamo graph?)"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"expected 4-D [B, H, T, D] query/key/value, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D"
+    if not _compat.statically_true(q.shape[2] == k.shape[2]):
+        return f"query length {q.shape[2]} differs from key length {k.shape[2]} (cross-attention or a KV cache); {fix}"
+    return None
+
+
 def check_site(site: SDPASite) -> str | None:
     """``None`` when the site can be rewritten exactly, else a one-line reason saying what to do."""
     no_dropout = "set the model's attention_dropout to 0.0" if site.transformers else "pass dropout_p=0.0"
@@ -53,16 +66,10 @@ def check_site(site: SDPASite) -> str | None:
     if site.scale is not None and not isinstance(site.scale, numbers.Number):
         return "the softmax scale is a run-time value; cpcompile needs a constant scale"
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
-    if q is None or k is None or v is None:
-        return "query/key/value have no recorded shapes (not a Dynamo graph?)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"expected 4-D [B, H, T, D] query/key/value, got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D"
-    if not _compat.statically_true(q.shape[2] == k.shape[2]):
-        fix = "call the model with use_cache=False" if site.transformers else "call the model without a KV cache"
-        return (
-            f"query length {q.shape[2]} differs from key length {k.shape[2]} (cross-attention or a KV cache); "
-            f"{fix} and self-attention only"
-        )
+    fix = "call the model with use_cache=False" if site.transformers else "call the model without a KV cache"
+    reason = qkv_reason(q, k, v, f"{fix} and self-attention only")
+    if reason is not None:
+        return reason
     if site.attn_mask is None:
         if site.is_causal is not True:
             return (

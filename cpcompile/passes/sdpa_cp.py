@@ -15,16 +15,13 @@ This module holds the rewrite and the entry point; every name of ``__all__`` is 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-
 import torch.fx as fx
 
 from cpcompile import _compat, ops
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.passes.aliasing import last_write
-from cpcompile.passes.common import PassContext, counters, finish, source_line
+from cpcompile.passes.common import PassContext, counters, finish, node_located, size_hint
 from cpcompile.passes.mask_rules import outer_arguments
 from cpcompile.passes.sdpa_check import (
     _config_reason,
@@ -36,7 +33,7 @@ from cpcompile.passes.sdpa_check import (
     site_window,
 )
 from cpcompile.passes.sdpa_check import mask_proof as mask_proof
-from cpcompile.passes.sdpa_report import SiteReport, _hint, _refused_report, _report
+from cpcompile.passes.sdpa_report import SiteReport, _refused_report, _report, site_spec
 from cpcompile.passes.sdpa_sites import SDPASite, find_non_sdpa_attention, find_sdpa_sites, kv_source
 from cpcompile.runtime.workload import record_attention_form
 
@@ -166,30 +163,25 @@ def _exchange(site: SDPASite, ctx: PassContext, window: int | None) -> dict:
         return {}
     slots = MAX_RUNS * (window - 1)
     k = site.meta(site.key)
-    local_len = _hint(k.shape[2]) if k is not None else 0
+    local_len = size_hint(k.shape[2], strict=True) if k is not None else 0
     if slots >= (ctx.cp_size - 1) * local_len:
         return {}
     return {"exchange": "halo", "halo_slots": slots}
 
 
 def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str) -> ops.SiteSpec:
-    """The site's description; its id is ``<prefix>:<layer> (node <name>)#<digest of the description>``, the
-    same in every run for the same graph and options (dumps are deterministic) and different for any change."""
+    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`)."""
     k_meta, v_meta = (site.meta(n) for n in (kv_source(site).key, kv_source(site).value))
-    spec = ops.SiteSpec(
-        site="",
+    return site_spec(
+        ctx,
+        site.node,
         layer=site.layer,
-        group_name=ctx.group_name,
-        cp_size=ctx.cp_size,
-        cp_rank=ctx.cp_rank,
         documents=site.attn_mask is not None,
         window=window,
         kernel=kernel,
         needs_grad=bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad)),
         **_exchange(site, ctx, window),
     )
-    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
-    return dataclasses.replace(spec, site=f"{ctx.site_prefix}:{site.where}#{digest}")
 
 
 def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
@@ -224,12 +216,7 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         for node, layer, what in find_non_sdpa_attention(gm):
             counters["non_sdpa_attention"] += 1
             reason = _non_sdpa_reason(node, what, config)
-            line = source_line(node)
-            refuse(
-                f"{line + ', ' if line else ''}{layer or '<top level>'} (node {node.name})",
-                reason,
-                _refused_report(ctx.graph_id, node.name, layer, reason),
-            )
+            refuse(node_located(node), reason, _refused_report(ctx.graph_id, node.name, layer, reason))
     if not sites:
         counters["graphs_without_sdpa"] += 1
         return reports

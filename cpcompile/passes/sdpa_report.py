@@ -1,15 +1,20 @@
 """What the SDPA pass did with each site: :class:`SiteReport` (``backend.reports``, ``cpcompile inspect``, dumps;
 the flex_attention pass reports its sites with it too) and the builders that fill it from a site and the
-:class:`cpcompile.ops.SiteSpec` of its rewrite (shapes, the K/V exchanged, bytes per call)."""
+:class:`cpcompile.ops.SiteSpec` of its rewrite (shapes, the K/V exchanged, bytes per call). The builders both
+passes share: :func:`site_report` (a report's shapes and dtype from the query, key and value) and
+:func:`site_spec` (a rewrite's spec and its site id)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import torch
+import torch.fx as fx
 
-from cpcompile import _compat, ops
+from cpcompile import ops
+from cpcompile.passes.common import PassContext, node_where, size_hint
 from cpcompile.passes.sdpa_sites import SDPASite, kv_source
 
 __all__ = ["SiteReport"]
@@ -93,25 +98,44 @@ class SiteReport:
         return out
 
 
-def _shape(t: torch.Tensor | None) -> tuple:
-    return () if t is None else tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
+def _shape(t: object) -> tuple:
+    """A shape as a report holds it: ints, the symbol's name where a size is symbolic; ``()`` for no tensor."""
+    return tuple(s if isinstance(s, int) else str(s) for s in t.shape) if isinstance(t, torch.Tensor) else ()
+
+
+def site_report(graph_id: int, node: fx.Node, layer: str, q: object, k: object, v: object, **fields) -> SiteReport:
+    """The :class:`SiteReport` of the attention call ``node``: the shapes of its query, key and value (recorded
+    values, ``None`` where there is none) and the query's dtype, with ``fields``."""
+    return SiteReport(
+        graph_id=graph_id,
+        node=node.name,
+        layer=layer,
+        q_shape=_shape(q),
+        k_shape=_shape(k),
+        v_shape=_shape(v),
+        dtype=str(q.dtype).removeprefix("torch.") if isinstance(q, torch.Tensor) else "?",
+        **fields,
+    )
+
+
+def site_spec(ctx: PassContext, node: fx.Node, **fields) -> ops.SiteSpec:
+    """The :class:`~cpcompile.ops.SiteSpec` of a site rewritten in ``ctx``'s CP group, ``fields`` describing it;
+    its id is ``<prefix>:<layer> (node <name>)#<digest of the description>``, the same in every run for the same
+    graph and options (dumps are deterministic) and different for any change."""
+    spec = ops.SiteSpec(site="", group_name=ctx.group_name, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank, **fields)
+    digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
+    return dataclasses.replace(spec, site=f"{ctx.site_prefix}:{node_where(node)}#{digest}")
 
 
 def _heads_first_meta(t: torch.Tensor | None, layout: str) -> torch.Tensor | None:
     return t.transpose(1, 2) if t is not None and layout == "bthd" else t
 
 
-def _hint(size: object) -> int:
-    """The value of a (possibly symbolic) size at this compilation."""
-    value = _compat.sym_hint(size)
-    if value is None:
-        raise ValueError(f"size {size} has no value at this compilation (a data-dependent size)")
-    return value
-
-
 def _sizes(*tensors: torch.Tensor | None) -> tuple[tuple[str, int], ...]:
     """``(symbol, value)`` of the symbolic sizes of ``tensors`` at this compilation."""
-    found = {str(s): _hint(s) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)}
+    found = {
+        str(s): size_hint(s, strict=True) for t in tensors if t is not None for s in t.shape if not isinstance(s, int)
+    }
     return tuple(sorted(found.items()))
 
 
@@ -120,15 +144,16 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", spec: 
     src = kv_source(site)
     gk, gv = (_heads_first_meta(site.meta(n), src.layout) for n in (src.key, src.value))
     gathered = (gk, gv) if spec is not None and spec.cp_size > 1 and spec.exchange == "all_gather" else ()
-    gather_bytes = sum((spec.cp_size - 1) * _hint(math.prod(t.shape)) * t.element_size() for t in gathered)
-    return SiteReport(
-        graph_id=graph_id,
-        node=site.node.name,
-        layer=site.layer,
-        q_shape=_shape(q),
-        k_shape=_shape(k),
-        v_shape=_shape(v),
-        dtype=str(q.dtype).removeprefix("torch.") if q is not None else "?",
+    gather_bytes = sum(
+        (spec.cp_size - 1) * size_hint(math.prod(t.shape), strict=True) * t.element_size() for t in gathered
+    )
+    return site_report(
+        graph_id,
+        site.node,
+        site.layer,
+        q,
+        k,
+        v,
         mask_form=site.mask_form,
         enable_gqa=bool(site.enable_gqa),
         q_heads=int(q.shape[1]) if q is not None and q.dim() == 4 else 0,

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import arg, node_value, shape_of
+from cpcompile.passes.common import arg, index_dims, node_value, shape_of, size_hint
 from cpcompile.passes.positions import SequenceLength
 
 __all__ = ["Tags", "is_nested", "sequence_dims", "shape_of", "size_hint"]
@@ -31,12 +31,6 @@ def _val(n: object) -> object:
 
 def _expr(size: object) -> object:
     return sympy.Integer(size) if isinstance(size, int) else _compat.sym_expr(size)
-
-
-def size_hint(size: object) -> int:
-    """The value of a (possibly symbolic) size at this compilation (``-1`` when it has none)."""
-    value = size if isinstance(size, int) else _compat.sym_hint(size)
-    return -1 if value is None else int(value)
 
 
 def _size_is_seq(size: object, seq: SequenceLength) -> bool:
@@ -152,21 +146,11 @@ def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, 
         isinstance(e, (list, torch.Tensor)) for e in entries
     ):
         return _involved(out, seq)
-    res, d = [], 0
-    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
-    for e in entries:
-        if e is None:
-            res.append(False)
-        elif e is Ellipsis:
-            k = len(base_tags) - consumed
-            res += base_tags[d : d + k]
-            d += k
-        elif isinstance(e, slice):
-            res.append(base_tags[d] if d < len(base_tags) else False)
-            d += 1
-        else:
-            d += 1
-    res += base_tags[d:]
+    res = [
+        base_tags[d] if d is not None and d < len(base_tags) else False
+        for _, _, d, o in index_dims(entries, len(base_tags))
+        if o is not None
+    ]
     return tuple(res) if len(res) == len(out) else _involved(out, seq)
 
 

@@ -28,6 +28,9 @@ here from a shared one with the differences and why: :data:`POSITION_ELEMENTWISE
 :data:`POSITION_CONTRACTIONS`; and the tables only it needs: :data:`FACTORIES`, :data:`SIZE_ARGS`,
 :data:`FILL_ARGS`, :data:`SHAPE_ONLY_ARGS`, :data:`CONCATS` and :data:`FRESH_OPS`.
 
+The mask prover (:mod:`cpcompile.passes.mask_rules`) reads the ops that hand a mask's or a position's values on
+through tables defined here the same way: :data:`MASK_LAYOUT` and :data:`MASK_RESHAPE`.
+
 PyTorch's DTensor sharding rules were considered as this vocabulary: they are registered for ATen ops, while the
 pass reads Dynamo graphs of ``torch`` functions and ``Tensor`` methods before AOTAutograd, where a ``Shard(seq)``
 strategy cannot be looked up by name; these tables follow the same split (ops that propagate a shard of a dim,
@@ -57,6 +60,8 @@ __all__ = [
     "FRESH_OPS",
     "LAYOUT",
     "LOSSES",
+    "MASK_LAYOUT",
+    "MASK_RESHAPE",
     "NO_VALUES",
     "PER_TOKEN_OPS",
     "POSITION_CONTRACTIONS",
@@ -92,12 +97,15 @@ ELEMENTWISE = frozenset({
     "fill_", "zero_", "bernoulli", "_set_grad_enabled", "requires_grad_",
 })  # fmt: skip
 
-#: Ops that only move dims, copy or cast: each token's elements stay its own.
+#: Ops that only move dims, copy or cast: each token's elements stay its own. ``repeat``, ``tile`` and
+#: ``repeat_interleave`` copy elements along the dims they repeat: they keep the tokens apart along the other dims
+#: only (GQA's ``k.repeat_interleave(n, dim=1)`` of ``[B, H, T, D]`` K/V heads), and the passes check those dims
+#: (``repeat_interleave(input, repeats, dim=None)`` without a dim flattens its input).
 LAYOUT = frozenset({
     "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze", "expand",
     "broadcast_to", "expand_as", "contiguous", "clone", "detach", "to", "type", "float", "double", "half",
     "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "repeat", "tile",
-    "_assert_tensor_metadata",
+    "repeat_interleave", "_assert_tensor_metadata",
 })  # fmt: skip
 
 #: Reshapes: regrouping dims. A reshape that splits a sequence dim keeps every piece a sequence dim.
@@ -202,9 +210,10 @@ POSITION_ELEMENTWISE = (
 )  # fmt: skip
 
 #: Layout ops on position-derived values: :data:`LAYOUT`, with ``type_as`` added (a cast, as ``to``), and left
-#: out ``repeat``/``tile`` (along the sequence they repeat positions: the pass checks ``repeat``'s sizes by a rule
-#: of its own and refuses ``tile``) and ``_assert_tensor_metadata`` (no rule in the positions pass).
-POSITION_LAYOUT = (LAYOUT | {"type_as"}) - {"repeat", "tile", "_assert_tensor_metadata"}
+#: out ``repeat``/``tile``/``repeat_interleave`` (along the sequence they repeat positions: the pass checks
+#: ``repeat``'s sizes and ``repeat_interleave``'s dim by rules of its own and refuses ``tile``) and
+#: ``_assert_tensor_metadata`` (no rule in the positions pass).
+POSITION_LAYOUT = (LAYOUT | {"type_as"}) - {"repeat", "tile", "repeat_interleave", "_assert_tensor_metadata"}
 
 #: Reshapes of position-derived values (each checked to keep every position's elements together):
 #: :data:`RESHAPE` without ``ravel`` (no rule in the positions pass).
@@ -275,6 +284,38 @@ FRESH_OPS = frozenset(
     | CONCATS
     | {"stack", "clone", "embedding", "index_select", "gather"}
 )
+
+
+# -- the mask prover ---------------------------------------------------------------------------------------------
+# The prover reads the subgraph that builds an attention mask as a formula over query and key positions; a value
+# built from positions that meets an op it has no rule for is refused.
+
+#: Ops that hand a value on with every element in its place, counted from the last dim (the prover tells a token's
+#: dim by its place from the right): :data:`LAYOUT` with ``type_as`` (a cast, as ``to``) and ``alias`` added, and
+#: left out
+#:
+#: * the dim moves (``transpose``, ``permute``, ``movedim``, ``moveaxis``, ``swapaxes``, ``swapdims``, ``t``):
+#:   they move a token's dim; ``unsqueeze`` and ``squeeze`` are read as reshapes (:data:`MASK_RESHAPE`);
+#: * ``repeat``, ``tile`` and ``repeat_interleave``: they copy elements along a dim;
+#: * the casts to ``double``, ``half``, ``bfloat16``, ``short``, ``char``, ``byte``, the moves to ``cpu`` and
+#:   ``cuda``, and ``_assert_tensor_metadata``: no rule in the prover.
+MASK_LAYOUT = (LAYOUT | {"type_as", "alias"}) - {
+    "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "unsqueeze", "squeeze",
+    "repeat", "tile", "repeat_interleave",
+    "double", "half", "bfloat16", "short", "char", "byte", "cpu", "cuda", "_assert_tensor_metadata",
+}  # fmt: skip
+
+#: Reshapes the prover checks to keep a token's dim whole (the same size, the same number of elements after it):
+#: :data:`RESHAPE` with ``unsqueeze`` and ``squeeze`` added (a dim of size 1 in or out), without ``flatten``,
+#: ``unflatten`` and ``ravel`` (no rule in the prover) and ``view_as_complex``, ``view_as_real`` (they change the
+#: element type: a mask or a position is not complex).
+MASK_RESHAPE = (RESHAPE | {"unsqueeze", "squeeze"}) - {
+    "flatten",
+    "unflatten",
+    "ravel",
+    "view_as_complex",
+    "view_as_real",
+}
 
 
 def op_name(n: fx.Node) -> str:

@@ -20,7 +20,11 @@ LM head; it takes a transformers causal LM's keyword arguments and returns a ``C
   token (``msort`` along the batch dim) and adds ``tril`` of per-token ``[H, H]`` outer products: per token;
 * ``feature_setitem``: zeroes the first features of every token in place, ``y[:, :, :8] = 0`` (an index that is a
   slice, not a tensor): per token;
-* ``token_setitem``: zeroes the first tokens in place, ``y[:, :4] = 0`` (by their local index on a CP rank).
+* ``token_setitem``: zeroes the first tokens in place, ``y[:, :4] = 0`` (by their local index on a CP rank);
+* ``head_repeat``: GQA's expansion of 2 groups of features to 4 heads, ``torch.repeat_interleave(g, 2, dim=2)``
+  of ``[B, T, 2, H/2]``, summed in pairs of heads: per token;
+* ``token_repeat``: the first half of the sequence with every token twice, ``y.repeat_interleave(2, 1)[:, :T]``
+  (token ``i`` becomes token ``i // 2``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from tests.models.attention import Block, lm_output, seeded
 MIXERS = (
     "conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan",
     "norm_pool", "sort_tokens", "tril_tokens", "token_norm", "feature_setitem",
-    "token_setitem",
+    "token_setitem", "head_repeat", "token_repeat",
 )  # fmt: skip
 KERNEL = 3
 CHUNK = 4
@@ -127,6 +131,12 @@ class Mixer(nn.Module):
             else:
                 y[:, :4] = 0.0
             return x + y
+        if self.form == "head_repeat":
+            g = self.mix(x).view(B, T, 2, H // 2)
+            heads = torch.repeat_interleave(g, 2, dim=2)  # [B, T, 4, H/2]: heads 0, 1 of group 0, heads 2, 3 of 1
+            return x + heads.reshape(B, T, 2, H).sum(2)
+        if self.form == "token_repeat":
+            return x + self.mix(x).repeat_interleave(2, 1)[:, :T]
         if self.form == "token_norm":
             outer = (x[..., :, None] * x[..., None, :]).tril()  # [B, T, H, H]: one matrix per token
             return x / x.norm(2, -1, keepdim=True) + torch.msort(x) + self.mix(outer.sum(-1))

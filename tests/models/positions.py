@@ -276,6 +276,7 @@ POSITION_ONLY_REFUSED = (
     "partial_slice",  # outer(arange(T), inv_freq)[-(T - 1):]: a shift
     "ellipsis_contraction",  # einsum("...f -> f", outer(arange(T), inv_freq)): a sum over positions
     "cache_written",  # RoPE rows written into a buffer on a call that finds it short (cached[:T] = freqs), read
+    "repeated_positions",  # wpe(arange(T).repeat_interleave(2)[:T]): every position twice, the first half
 )
 
 
@@ -373,6 +374,8 @@ class PositionOnlyLM(nn.Module):
                 self.cached[:T] = torch.cat((freqs, freqs), -1).cos()
                 self.cached_rows = T
             return self.cached[:T]
+        if self.form == "repeated_positions":
+            return self.wpe(t.repeat_interleave(2)[:T])
         if self.form == "ellipsis_contraction":
             return torch.einsum("...f -> f", freqs).repeat(2)[None, :].expand(T, -1) / 64
         raise AssertionError(self.form)

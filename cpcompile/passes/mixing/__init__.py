@@ -58,7 +58,7 @@ import math
 import torch
 import torch.fx as fx
 
-from cpcompile.passes.common import PassContext, counters, finish, graph_modules
+from cpcompile.passes.common import PassContext, counters, finish, graph_modules, size_hint
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.check import Action as Action
 from cpcompile.passes.mixing.check import _refusal, check_op
@@ -67,7 +67,6 @@ from cpcompile.passes.mixing.find import MixingOp, find_mixing_ops
 from cpcompile.passes.mixing.regions import CausalRegion, rewrite_region
 from cpcompile.passes.mixing.regions import causal_region as causal_region
 from cpcompile.passes.positions import graph_facts, sequence_length
-from cpcompile.passes.sequence_dims import size_hint
 
 __all__ = [
     "CausalRegion",

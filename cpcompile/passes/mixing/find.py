@@ -17,12 +17,12 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, source_line
+from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
 from cpcompile.passes.positions import SequenceLength, graph_facts
-from cpcompile.passes.sequence_dims import is_nested, sequence_dims, shape_of
+from cpcompile.passes.sequence_dims import Tags, is_nested, sequence_dims, shape_of
 
 __all__ = ["MixingOp", "find_mixing_ops"]
 
@@ -57,9 +57,10 @@ class MixingOp(FoundAt):
         return source_line(self.node)
 
 
-def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
+def _reduced_seq_dims(n: fx.Node, name: str, tags: Tags) -> set[int]:
+    """The sequence dims (by ``tags``, of its input) that ``n``, one of the ops of
+    :data:`~cpcompile.passes.vocabulary.DIM_REDUCTIONS`, runs along."""
     pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
-    tags = _seq_tags(x, g)
     if name in ("histc", "bincount"):
         return {d for d, t in enumerate(tags) if t}
     dims = arg(n, 1 + pos, kw, default)
@@ -71,33 +72,28 @@ def _reduced_seq_dims(n: fx.Node, name: str, x: fx.Node, g: _Graph) -> set[int]:
 
 # -- MoE dispatch: expert ids and the index tensors that move rows by them -------------------------------------
 def _expert_ids(g: fx.GraphModule, seq: SequenceLength, tags: dict) -> frozenset:
-    """Nodes holding MoE expert ids: the indices of a ``topk``/``argmax`` over a dim that is not a sequence dim,
-    and what reshapes, casts and sorts (values) make of them."""
+    """Nodes holding MoE expert ids: the indices of a ``topk``/``argmax`` over a dim that is not a sequence dim
+    (of an input whose dims are known), and what reshapes, casts and sorts (values) make of them."""
+
+    def reduces_seq(n: fx.Node, name: str) -> bool:
+        t = tags.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+        return not isinstance(t, tuple) or is_nested(t) or bool(_reduced_seq_dims(n, name, t))
+
     ids: set[fx.Node] = set()
     for n in g.graph.nodes:
         name = vocab.op_name(n) if n.op in ("call_function", "call_method") else ""
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         if name == "getitem" and first is not None and isinstance(n.args[1], int):
             src = vocab.op_name(first) if first.op in ("call_function", "call_method") else ""
-            if src == "topk" and n.args[1] == 1 and not _reduces_seq(first, "topk", tags):
+            if src == "topk" and n.args[1] == 1 and not reduces_seq(first, "topk"):
                 ids.add(n)
             elif src in ("sort",) and n.args[1] == 0 and first.args and first.args[0] in ids:
                 ids.add(n)
-        elif name in ("argmax", "argmin") and not _reduces_seq(n, name, tags):
+        elif name in ("argmax", "argmin") and not reduces_seq(n, name):
             ids.add(n)
         elif (name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS) and first in ids:
             ids.add(n)
     return frozenset(ids)
-
-
-def _reduces_seq(n: fx.Node, name: str, tags: dict) -> bool:
-    x = n.args[0] if n.args else None
-    t = tags.get(x) if isinstance(x, fx.Node) else None
-    if not isinstance(t, tuple) or is_nested(t):
-        return True
-    pos, kw, default, _ = vocab.DIM_REDUCTIONS[name]
-    reduced = dim_set(arg(n, 1 + pos, kw, default), len(t))
-    return any(tagged and (reduced is None or d in reduced) for d, tagged in enumerate(t))
 
 
 def _sorts_for_dispatch(n: fx.Node, expert_ids: frozenset) -> bool:
@@ -170,6 +166,8 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
             lead = len(sizes) - len(tags)
             if any(sizes[lead + d] != 1 for d in seq_dims if lead + d >= 0):
                 return found("shift", f"{name} repeats the sequence")
+        if name == "repeat_interleave":
+            return _check_repeat_interleave(n, name, x, operands, tags, found)
         return None
     if name in vocab.FEATURE_REDUCTIONS:
         return _check_feature(n, name, x, tags, found)
@@ -179,7 +177,7 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return _check_loss(n, name, found)
     if name in vocab.DIM_REDUCTIONS:
         _, _, _, kind = vocab.DIM_REDUCTIONS[name]
-        if not _reduced_seq_dims(n, name, x, g):
+        if not _reduced_seq_dims(n, name, tags):
             return None
         if name in vocab.DISPATCH and x in g.expert_ids:
             return found("order", f"{name} of MoE expert ids over tokens x top_k", accounted="dispatch")
@@ -230,6 +228,18 @@ def _check_feature(n, name, x, tags, found) -> MixingOp | None:
     return found("reduction", f"{name} normalises over the sequence dim")
 
 
+def _check_repeat_interleave(n, name, x, operands, tags, found) -> MixingOp | None:
+    """``repeat_interleave(input, repeats, dim=None)`` keeps the tokens apart along a dim that is not a sequence
+    dim (K/V heads); along the sequence (or with per-token ``repeats``) it moves every token after the first
+    repeated one, and without a dim it flattens the sequence."""
+    dim = arg(n, 2, "dim")
+    if not isinstance(dim, int):
+        return found("selection", f"{name} without a dim flattens the sequence")
+    if arg(n, 0, "input") is not x or len(operands) > 1 or tags[dim % len(tags)]:
+        return found("selection", f"{name} repeats tokens along the sequence, which moves the tokens after them")
+    return None
+
+
 def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
     """Indexing and row moves: whole slices keep tokens apart; a partial slice of the sequence is a shift; rows
     moved by MoE dispatch indices are bookkeeping; anything else indexed along the sequence is a selection."""
@@ -254,23 +264,15 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
         # slices and ints: the whole sequence dim keeps every token's elements its own (a write of some features
         # of every token included); a part of it picks tokens by their local index
         verb = "writes" if name == "setitem" else "picks"
-        d, consumed = 0, sum(1 for e in entries if e is not None and e is not Ellipsis)
-        for e in entries:
-            if e is None:
+        for e, _, d, _ in index_dims(entries, len(tags)):
+            if e is Ellipsis or d not in seq_dims:
                 continue
-            if e is Ellipsis:
-                d += len(tags) - consumed
-                continue
-            if d in seq_dims:
-                size = shape_of(base)[d]
-                if isinstance(e, slice):
-                    if not _full_slice(e, size):
-                        if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
-                            return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
-                        return found("shift", f"slices the sequence dim with {_slice_text(e)}")
-                else:
-                    return found("selection", f"{verb} token {e!r} of the sequence")
-            d += 1
+            if not isinstance(e, slice):
+                return found("selection", f"{verb} token {e!r} of the sequence")
+            if not _full_slice(e, shape_of(base)[d]):
+                if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
+                    return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
+                return found("shift", f"slices the sequence dim with {_slice_text(e)}")
         return None
     dim = arg(n, 1, "dim")
     index = arg(n, 2, "index")

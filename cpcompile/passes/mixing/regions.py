@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from cpcompile import _compat, ops
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import PassContext, arg
+from cpcompile.passes.common import PassContext, arg, index_dims
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.positions import SequenceLength
@@ -109,16 +109,10 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
         entries = _index_entries(n)
         if any(not (isinstance(e, slice) or e is Ellipsis) for e in entries) or n.args[0] is not cur:
             return "only slices run on the whole sequence"
-        d, consumed, e_dim, entry = 0, len([e for e in entries if e is not Ellipsis]), None, None
-        for i, e in enumerate(entries):
-            if e is Ellipsis:
-                d += ndim - consumed
-                continue
-            if d == dim:
-                e_dim, entry = e, i
-            d += 1
-        if e_dim is None:
-            return dim, 0, None
+        row = next((r for r in index_dims(entries, ndim) if r.dim == dim), None)
+        if row is None or row.entry is Ellipsis:
+            return dim, 0, None  # the sequence dim is not indexed
+        e_dim, entry = row.entry, row.position
         if e_dim.step not in (None, 1) or not (e_dim.start is None or isinstance(e_dim.start, int)):
             return "a slice with a step or a run-time start"
         start = e_dim.start or 0

@@ -12,7 +12,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.passes.aliasing import op_name
 from cpcompile.passes.common import arg as _arg
-from cpcompile.passes.common import source_line
+from cpcompile.passes.common import node_located
 from cpcompile.passes.mask_rules import prove_mask
 from cpcompile.passes.positions.graph import leaves_graph, pairwise, shape_of, value_inputs
 from cpcompile.passes.positions.model import GraphFacts, PositionCheck, PositionSource
@@ -123,9 +123,7 @@ def check_source(src: PositionSource) -> PositionCheck:
                 continue
             reason = check_use(u, t, facts, tainted)
             if reason is not None:
-                where = f"{_compat.node_module_path(u) or '<top level>'} (node {u.name})"
-                line = source_line(u)
-                return PositionCheck("refuse", f"its use at {line + ', ' if line else ''}{where}: {reason}")
+                return PositionCheck("refuse", f"its use at {node_located(u)}: {reason}")
             if u not in facts.data and not leaves_graph(u) and u not in tainted:
                 tainted.add(u)
                 queue.append(u)

@@ -15,7 +15,7 @@ from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import INPLACE_OPERATORS, is_inplace, mutated, op_name, viewed_bases
 from cpcompile.passes.common import arg as _arg
-from cpcompile.passes.common import dim_set
+from cpcompile.passes.common import dim_set, index_dims
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.positions.graph import (
     is_tensorish,
@@ -137,20 +137,14 @@ def _check_getitem(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> s
     shape = shape_of(base)
     if shape is None:
         return "indexing of a position-derived value without a recorded shape"
-    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
-    d = 0
-    for e in entries:
-        if e is None:
-            continue
-        if e is Ellipsis:
-            d += len(shape) - consumed
+    for e, _, d, _ in index_dims(entries, len(shape)):
+        if e is None or e is Ellipsis:
             continue
         if d < len(shape) and seq.involves(shape[d]):
             if not _is_full_slice(e, shape[d]):
                 return f"indexes the sequence dim of a position-derived value with {e!r} (a shift or a selection)"
         if isinstance(e, fx.Node) and isinstance(_val(e), torch.Tensor) and _val(e).dtype == torch.bool:
             return "indexes a position-derived value with a boolean mask"
-        d += 1
     return None
 
 
