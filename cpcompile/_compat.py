@@ -37,6 +37,7 @@ __all__ = [
     "all_gather_seq",
     "all_gather_start",
     "all_gather_wait",
+    "pending_collectives",
     "fake_process_group",
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
@@ -137,6 +138,13 @@ def all_gather_seq(t: torch.Tensor, dim: int, cp_size: int, group_name: str) -> 
     out = _all_gather_op()(moved, cp_size, group_name)
     out = torch.ops._c10d_functional.wait_tensor(out) if _tracing() else _fc._maybe_wrap_tensor(out)
     return out.movedim(0, dim)
+
+
+def pending_collectives() -> int:
+    """How many functional collectives of this process were issued and not yet waited for (torch 2.11-2.13: the
+    private ``_get_work_registry_size`` of c10d's work registry, the count behind the "unwaited collective calls"
+    warning at exit)."""
+    return torch._C._distributed_c10d._get_work_registry_size()
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -87,10 +87,13 @@ __all__ = [
     "emit_gather_start",
     "emit_halo_exchange",
     "emit_sequence_gather",
+    "emit_site_check",
     "emit_site_plan",
     "emit_token_positions",
     "token_positions",
+    "last_of",
     "register_site",
+    "site_check",
     "sequence_order",
     "site_spec",
 ]
@@ -164,30 +167,49 @@ def site_spec(site: str) -> SiteSpec:
         ) from None
 
 
-# -- cpcompile::site_plan ---------------------------------------------------------------------------------
+# -- cpcompile::site_check and cpcompile::site_plan --------------------------------------------------------
+@torch.library.custom_op("cpcompile::site_check", mutates_args=())
+def site_check(like: torch.Tensor, model_mask: torch.Tensor | None, site: str) -> torch.Tensor:
+    """The checks of the site ``site``, run before its K/V exchange is issued; returns an empty tensor that the
+    site's plan op takes (so the check stays in the graph, ahead of the exchange).
+
+    ``like`` is the first of the site's K and V to be final (detached; only its rows and local length are read).
+    The active shard context must be the one the site was compiled for, and the site's control round runs
+    (:func:`_check_site`): when ``model_mask`` (the mask the model built on its local inputs) is given, it is
+    compared with :meth:`CPPlan.local_rule_mask` on every new batch and :class:`MaskMismatchError` is raised when
+    they differ. A check that fails raises on every rank with none of the site's collectives in flight, and a
+    peer that failed elsewhere is seen in the round instead of in a collective.
+    """
+    spec = site_spec(site)
+    _check_site(spec, _site_context(spec, like), model_mask)
+    return like.new_empty((0,))
+
+
+@site_check.register_fake
+def _(like, model_mask, site):
+    return like.new_empty((0,))
+
+
 @torch.library.custom_op("cpcompile::site_plan", mutates_args=())
 def site_plan(
-    k: torch.Tensor, v: torch.Tensor, model_mask: torch.Tensor | None, site: str
+    k: torch.Tensor, v: torch.Tensor, checked: torch.Tensor, site: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_pos [c], kv_pos [N*c], doc_ids [B, T_pad])`` of the active plan for the site ``site``.
 
-    ``k``/``v`` are the local tensors the site all-gathers (detached; only their sizes are read: the local
-    length, and the bytes counted in :func:`cpcompile.comm_stats`). ``q_pos`` are this rank's global token
-    indices, ``kv_pos`` the global index of every gathered slot, ``doc_ids`` the plan's document ids (all zeros
-    when the site has no document condition). When ``model_mask`` (the mask the model built on its local
-    inputs) is given, it is compared with :meth:`CPPlan.local_rule_mask` on every new batch (:func:`_check_site`)
-    and :class:`MaskMismatchError` is raised when they differ.
+    ``k``/``v`` are the local tensors the site exchanges (detached; only their sizes are read: the local
+    length, and the bytes counted in :func:`cpcompile.comm_stats`); ``checked`` is the output of the site's
+    :func:`site_check`. ``q_pos`` are this rank's global token indices, ``kv_pos`` the global index of every
+    gathered slot, ``doc_ids`` the plan's document ids (all zeros when the site has no document condition).
     """
     spec = site_spec(site)
     context = _site_context(spec, k)
     context.ran.sites += 1
     _count_collectives(context, spec, k, v)
-    _check_site(spec, context, model_mask)
     return _site_positions(context.plan, spec)
 
 
 @site_plan.register_fake
-def _(k, v, model_mask, site):
+def _(k, v, checked, site):
     spec = site_spec(site)
     c = k.shape[2]
     keys = c + exchange_slots(spec, c) if spec.exchange in EXCHANGES_OF_NEEDED_KEYS else c * spec.cp_size
@@ -474,11 +496,33 @@ def emit_gather_start(graph: fx.Graph, t: fx.Node, spec: SiteSpec, ready: fx.Nod
         return graph.call_function(_compat.all_gather_start, (t, spec.cp_size, spec.group_name))
 
 
+def last_of(nodes: list[fx.Node]) -> fx.Node:
+    """The last of ``nodes`` in their graph's order."""
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return max(nodes, key=order.__getitem__)
+
+
+def emit_site_check(
+    graph: fx.Graph, ready: list[tuple[fx.Node, fx.Node]], model_mask: fx.Node | None, spec: SiteSpec
+) -> fx.Node:
+    """Insert ``cpcompile::site_check`` as early as it can run: right after the first of the site's K and V to be
+    final (``ready``: each with the node after which it is; K and V may be one tensor) and the model's mask;
+    returns its output, which the site's exchange must come after (:func:`emit_gather_start` with
+    ``ready=last_of([..., check])``) and its plan op takes."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first, final = min(ready, key=lambda pair: order[pair[1]])
+    after = last_of([final] + ([model_mask] if isinstance(model_mask, fx.Node) else []))
+    with graph.inserting_after(_after_placeholders(graph, after)):
+        ref = graph.call_method("detach", (first,))
+    with graph.inserting_after(ref):
+        return graph.call_function(torch.ops.cpcompile.site_check.default, (ref, model_mask, spec.site))
+
+
 def emit_site_plan(
-    graph: fx.Graph, k: fx.Node, v: fx.Node, model_mask: fx.Node | None, spec: SiteSpec
+    graph: fx.Graph, k: fx.Node, v: fx.Node, checked: fx.Node, spec: SiteSpec
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Insert ``cpcompile::site_plan`` at the current insertion point; returns the (q_pos, kv_pos, docs) nodes."""
-    return _emit_plan_call(graph, torch.ops.cpcompile.site_plan.default, k, v, model_mask, spec.site)
+    return _emit_plan_call(graph, torch.ops.cpcompile.site_plan.default, k, v, checked, spec.site)
 
 
 def _emit_plan_call(graph: fx.Graph, op: object, k: fx.Node, v: fx.Node, *args: object) -> tuple[fx.Node, ...]:
@@ -532,30 +576,33 @@ def emit_attention(
 
 # -- flex_attention sites (cpcompile.passes.flex_cp) --------------------------------------------------------
 @torch.library.custom_op("cpcompile::flex_site_plan", mutates_args=())
-def flex_site_plan(k: torch.Tensor, v: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flex_site_plan(
+    k: torch.Tensor, v: torch.Tensor, checked: torch.Tensor, site: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_pos [c], kv_pos [N*c], seq_len [])`` of the active plan for the flex site ``site``: the positions of
-    :func:`site_plan` (same checks, counts and control rounds; no model mask to compare) and the batch's
+    :func:`site_plan` (same counts; its :func:`site_check` has no model mask to compare) and the batch's
     unpadded length, past which the kernel masks every index (padding)."""
     spec = site_spec(site)
     context = _site_context(spec, k)
     context.ran.sites += 1
     _count_collectives(context, spec, k, v)
-    _check_site(spec, context, None)
     q_pos, kv_pos, _ = _site_positions(context.plan, spec)
     return q_pos, kv_pos, torch.tensor(context.plan.seq_len, dtype=torch.long, device=q_pos.device)
 
 
 @flex_site_plan.register_fake
-def _(k, v, site):
+def _(k, v, checked, site):
     spec = site_spec(site)
     c = k.shape[2]
     long = dict(dtype=torch.long)
     return k.new_empty((c,), **long), k.new_empty((c * spec.cp_size,), **long), k.new_empty((), **long)
 
 
-def emit_flex_site_plan(graph: fx.Graph, k: fx.Node, v: fx.Node, spec: SiteSpec) -> tuple[fx.Node, fx.Node, fx.Node]:
+def emit_flex_site_plan(
+    graph: fx.Graph, k: fx.Node, v: fx.Node, checked: fx.Node, spec: SiteSpec
+) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Insert ``cpcompile::flex_site_plan`` at the current insertion point; returns (q_pos, kv_pos, seq_len)."""
-    return _emit_plan_call(graph, torch.ops.cpcompile.flex_site_plan.default, k, v, spec.site)
+    return _emit_plan_call(graph, torch.ops.cpcompile.flex_site_plan.default, k, v, checked, spec.site)
 
 
 def emit_buffer_gather(graph: fx.Graph, t: fx.Node, dim: int, spec: SiteSpec) -> fx.Node:

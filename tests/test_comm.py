@@ -63,8 +63,13 @@ def test_gather_issued_early_and_waited_at_attention(family):
             assert wait.target is _compat.all_gather_wait
             start = wait.args[0]
             src = start.args[0]
-            # issued right after its input exists ...
-            assert start.prev is src, f"{start.name} issued after {start.prev.name}, not right after {src.name}"
+            # issued right after its input exists (the first one after the site's check, which comes as early as
+            # the first of K and V exists) ...
+            prev = start.prev
+            if prev.target is torch.ops.cpcompile.site_check.default:
+                assert prev.args[0].args[0] is src, f"{start.name}: the site's check does not follow {src.name}"
+                prev = prev.prev.prev  # the check and the detached input it reads
+            assert prev is src, f"{start.name} issued after {prev.name}, not right after {src.name}"
             # ... waited only just before attention (only the other wait and the mask op may stand between)
             between = [n for n in gm.graph.nodes if order[wait] < order[n] < order[sdpa]]
             allowed = (_compat.all_gather_wait, visible_mask)

@@ -124,7 +124,7 @@ def _mask_checks(group, rank: int) -> dict:
             )
             site = ops.register_site(spec)
             try:
-                torch.ops.cpcompile.site_plan(q, q, model_mask, site)
+                torch.ops.cpcompile.site_check(q, model_mask, site)
             except cpcompile.MaskMismatchError as e:
                 return "MaskMismatchError: " + str(e)
             return "none"

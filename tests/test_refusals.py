@@ -273,7 +273,7 @@ def test_model_mask_check_covers_every_block_of_rows(world):
                 kernel="dense",
                 needs_grad=False,
             )
-            return torch.ops.cpcompile.site_plan(k, k, mask, ops.register_site(spec))
+            return torch.ops.cpcompile.site_check(k, mask, ops.register_site(spec))
 
         check("good", good)
         difference = rf"row 1, local query {c - 1}, key 0: model False, expected True"

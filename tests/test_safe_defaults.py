@@ -126,6 +126,8 @@ def test_mask_is_checked_on_every_new_batch(results, mask):
         assert got["mask_mismatch"], f"rank {rank}: {got}"
         assert "differs from the global causal same-document mask" in got["message"]
         assert got["seconds"] < AT_ONCE_S + SLACK_S
+        # the check runs before the site's K/V all-gathers are issued: nothing is left in flight to warn at exit
+        assert res["pending_after_mismatch"] == 0, f"rank {rank}: {res['pending_after_mismatch']} unwaited"
 
 
 def test_attention_hidden_from_the_backend_is_warned_once(results):

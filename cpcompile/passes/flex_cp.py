@@ -247,9 +247,10 @@ def rewrite_site(
 
     After::
 
-        k_h = all_gather_start(k); v_h = all_gather_start(v)          # right after k, v exist
+        ok = cpcompile::site_check(k, None, site)                      # right after the first of k, v exists
+        k_h = all_gather_start(k); v_h = all_gather_start(v)          # right after k, v exist and the check
         doc_all = sequence_gather(doc)                                 # per-token buffers, global token order
-        q_pos, kv_pos, seq_len = cpcompile::flex_site_plan(k, v, site)
+        q_pos, kv_pos, seq_len = cpcompile::flex_site_plan(k, v, ok, site)
         out, lse_e = cpcompile::flex_cp_attention(q, all_gather_wait(k_h), all_gather_wait(v_h), q_pos,
                                                   kv_pos, seq_len, [doc_all, ...], [...], site, scale, block)
         lse = lse_e / ln(2), -inf where no key is visible              # flex's own logsumexp convention
@@ -258,7 +259,9 @@ def rewrite_site(
     """
     graph = site.node.graph
     gather = spec.cp_size > 1
-    started = [ops.emit_gather_start(graph, t, spec, last_write(t)) for t in (site.key, site.value)] if gather else []
+    ready = [(t, last_write(t)) for t in (site.key, site.value)]  # K and V may be one tensor
+    checked = ops.emit_site_check(graph, ready, None, spec)
+    started = [ops.emit_gather_start(graph, t, spec, ops.last_of([w, checked])) for t, w in ready] if gather else []
     with graph.inserting_before(site.node):
         tensors = []
         for t, dim in buffers.tensors:
@@ -266,7 +269,7 @@ def rewrite_site(
                 tensors.append(t)
             else:
                 tensors.append(ops.emit_buffer_gather(graph, t, dim, spec))
-        q_pos, kv_pos, seq_len = ops.emit_flex_site_plan(graph, site.key, site.value, spec)
+        q_pos, kv_pos, seq_len = ops.emit_flex_site_plan(graph, site.key, site.value, checked, spec)
         if gather:
             k_all, v_all = (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
         else:

@@ -61,10 +61,11 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
 
     After::
 
+        ok = cpcompile::site_check(v_src (detached), local_mask | None, site)  # right after the first of K/V
+        v_h = all_gather_start(v_src)          # right after v_src exists and the check passed
         k_h = all_gather_start(k_src)          # right after k_src exists: overlaps with the work until attention
-        v_h = all_gather_start(v_src)          # right after v_src exists
         ...                                    # e.g. q/k norms and RoPE
-        q_pos, kv_pos, docs = cpcompile::site_plan(k_src, v_src (detached), local_mask | None, site)
+        q_pos, kv_pos, docs = cpcompile::site_plan(k_src, v_src (detached), ok, site)
         k_all = all_gather_wait(k_h)           # [B, Hkv, N*c, D]; backward: reduce-scatter of dK
         v_all = all_gather_wait(v_h)
         out = sdpa(q, k_all, v_all, attn_mask=visible_mask(q_pos, kv_pos, docs, window), scale=s,
@@ -76,10 +77,11 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     ``k_all = cat([k_src, halo_exchange(k_src, ...)], dim=2)``, likewise for V.
 
     K/V are gathered with their KV heads (``enable_gqa=True`` replaces ``repeat_kv``) when both come from
-    ``repeat_kv``; otherwise the tensors SDPA received are gathered. The collectives are issued before
-    ``site_plan`` checks the active plan: a call outside a shard context on every rank still fails on every
-    rank (the gathers complete, the op raises). ``regather_kv_in_backward`` tags the gathers for recomputation
-    in backward, so only the local K/V are kept between forward and backward. With ``cp_size == 1`` (block
+    ``repeat_kv``; otherwise the tensors SDPA received are gathered. ``site_check`` (the active plan, the mask
+    check, the site's control round) comes before the site's collectives are issued, as early as the first of K
+    and V and the model's mask exist: a check that fails raises on every rank with nothing in flight.
+    ``regather_kv_in_backward`` tags the gathers for recomputation in backward, so only the local K/V are kept
+    between forward and backward. With ``cp_size == 1`` (block
     kernel only) nothing is gathered.
     """
     node = site.node
@@ -87,9 +89,11 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     src = kv_source(site)
     k_src, v_src = (_heads_first(graph, t, src.layout) for t in (src.key, src.value))
     gather = spec.cp_size > 1 and spec.exchange == "all_gather"
-    started = [ops.emit_gather_start(graph, t, spec, last_write(t)) for t in (k_src, v_src)] if gather else []
+    ready = [(t, last_write(t)) for t in (k_src, v_src)]  # K and V may be one tensor
+    checked = ops.emit_site_check(graph, ready, site.attn_mask, spec)
+    started = [ops.emit_gather_start(graph, t, spec, ops.last_of([w, checked])) for t, w in ready] if gather else []
     with graph.inserting_before(node):
-        positions = ops.emit_site_plan(graph, k_src, v_src, site.attn_mask, spec)
+        positions = ops.emit_site_plan(graph, k_src, v_src, checked, spec)
         if gather:
             k_all, v_all = (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
         elif spec.exchange in ops.EXCHANGES_OF_NEEDED_KEYS:

@@ -146,6 +146,7 @@ def _model_step(cm, batch, group, *, backward=True, **kw) -> float:
 def disagree_worker(rank: int, world_size: int) -> dict:
     """Ranks given different batches or options, and ranks that take different paths; ``{case: outcome}``."""
     import cpcompile
+    from cpcompile import _compat
     from cpcompile.testing import packed_batch
     from tests.harness.workers import _fail_model
 
@@ -244,6 +245,7 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     out["attention_warnings"] = _warnings_of(lambda: _model_step(cm, one_doc, group))  # attention compiled: none
     _short(group)
     out["mask_causal_packed"] = _outcome(lambda: _model_step(cm, batch, group))
+    out["pending_after_mismatch"] = _compat.pending_collectives()  # the check ran before the K/V exchange
     group = _group(world_size)
     cm = _compiled(MaskLM("prefix"), group)
     no_prefix = dict(one_doc, prefix=torch.zeros(2, 16, dtype=torch.bool))

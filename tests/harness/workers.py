@@ -224,7 +224,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
                 kernel="dense",
                 needs_grad=False,
             )
-            return lambda: torch.ops.cpcompile.site_plan(q, q, model_mask, ops.register_site(spec))
+            return lambda: torch.ops.cpcompile.site_check(q, model_mask, ops.register_site(spec))
 
         out["window_right"] = _error_of(site("right", 3))
         out["window_wrong"] = _error_of(site("wrong", 4))
