@@ -6,8 +6,9 @@ ops read the active :func:`cpcompile.shard` context through :func:`cpcompile.run
 
 Ops and graph calls of a site whose keys are all-gathered (``spec.exchange == "all_gather"``)::
 
+    ok = cpcompile::site_check(first_of_k_v.detach(), model_mask | None, site)   # before any exchange
     k_h = all_gather_start(k_src)        # _compat: functional all-gather (autograd: reduce-scatter in backward)
-    q_pos, kv_pos, docs = cpcompile::site_plan(k_src.detach(), v_src.detach(), model_mask | None, site)
+    q_pos, kv_pos, docs = cpcompile::site_plan(k_src.detach(), v_src.detach(), ok, site)
     k_all = all_gather_wait(k_h)         # [B, Hkv, N*c, D], rank-major slots: global indices kv_pos
     # dense path                                      # block path
     mask = visible_mask(q_pos, kv_pos, docs, window)  out = cpcompile::cp_attention(q, k_all, v_all, q_pos,
@@ -21,11 +22,11 @@ that exchanges only the keys its queries see (``spec.exchange == "selective"``, 
     k_all = cat([k_src, cpcompile::halo_exchange(k_src, send_slots, counts, site)], dim=2)   # [B, Hkv, c+S, D]
     ...                                                      # attention as above
 
-``cpcompile::site_plan`` does four separate things, each a named function here: find and check the active plan
-(:func:`_site_context`), count the site's all-gathers (:func:`_count_collectives`), hold the site's control
-rounds: its first call, and the model's own mask against the plan's local rule on every new batch
-(:func:`_check_site`), and hand out the positions
-(:func:`_site_positions`). ``cpcompile::cp_attention`` is the block kernel (:mod:`cpcompile.kernels`).
+``cpcompile::site_check`` runs what can fail, before the site's exchange is issued: find and check the active plan
+(:func:`_site_context`) and hold the site's control rounds: its first call, and the model's own mask against the
+plan's local rule on every new batch (:func:`_check_site`). ``cpcompile::site_plan`` counts the site's all-gathers
+(:func:`_count_collectives`) and hands out the positions (:func:`_site_positions`). ``cpcompile::cp_attention``
+is the block kernel (:mod:`cpcompile.kernels`).
 
 Why the halo is an all-to-all inside an op: which keys a rank needs depends on the batch (the layout, and
 where documents start), so the sizes of a functional collective would be data-dependent and recompile or need
@@ -55,7 +56,7 @@ all-gathered along the sequence into global token order, and this rank's token i
 ``cpcompile::token_positions`` serves :mod:`cpcompile.passes.positions`: the global index of every token this
 rank holds, for position sources (``arange`` of the local length, tables sliced by it) the model computes itself.
 
-Why one module of about 700 lines: every op sits next to its fake implementation and the ``emit_*`` helper that
+Why one module of about 750 lines: every op sits next to its fake implementation and the ``emit_*`` helper that
 inserts it, so what the pass puts in a graph and what runs at run time are read, and changed, together.
 """
 
