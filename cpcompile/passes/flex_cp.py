@@ -25,7 +25,7 @@ The tensors the mods read (``mask_mod``/``score_mod`` closures) are mapped to gl
   a BlockMask without a ``mask_mod`` (``BlockMask.from_kv_blocks``: its mask lives only in its block tables).
 
 Why one module of about 430 lines: finding, checking and rewriting a flex site all work on one table, the
-tensors its mods read and how each maps to global indices (:class:`FlexSite`); the reports and site ids it
+tensors its mods read and how each maps to global indices (``_Buffers``); the reports and site ids it
 shares with the SDPA pass (:mod:`cpcompile.passes.sdpa_report`).
 """
 
