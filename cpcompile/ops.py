@@ -512,7 +512,7 @@ def emit_site_check(
     ``ready=last_of([..., check])``) and its plan op takes."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     first, final = min(ready, key=lambda pair: order[pair[1]])
-    after = last_of([final] + ([model_mask] if isinstance(model_mask, fx.Node) else []))
+    after = max([final] + ([model_mask] if isinstance(model_mask, fx.Node) else []), key=order.__getitem__)
     with graph.inserting_after(_after_placeholders(graph, after)):
         ref = graph.call_method("detach", (first,))
     with graph.inserting_after(ref):
