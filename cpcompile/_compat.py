@@ -2,7 +2,7 @@
 
 Each helper names the torch releases it was checked against.
 
-Why one module of about 530 lines: a torch upgrade is checked by reading this file alone; splitting it would
+Why one module of about 570 lines: a torch upgrade is checked by reading this file alone; splitting it would
 scatter the private APIs the package depends on.
 """
 
@@ -42,6 +42,7 @@ __all__ = [
     "flatten_mesh",
     "forbid_eager_fallback_on_recompile_limit",
     "group_name_of",
+    "guard_equal",
     "group_timeout_s",
     "is_comm_error",
     "is_peer_exit_error",
@@ -313,6 +314,34 @@ def statically_true(expr: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(expr))
+
+
+def guard_equal(a: object, b: object) -> bool:
+    """Make the graph being compiled serve only calls in which the sizes ``a`` and ``b`` (ints or SymInts of its
+    inputs' shapes) are equal, when they are equal at this compilation: a shape guard ``a == b`` (a call where
+    they differ recompiles). True when the equality holds from now on for every call of the graph; False when no
+    guard can say so: the sizes differ here, a size has no value here (unbacked), or the shape env defers such
+    checks to run time instead of guarding (export) or takes no more guards (frozen).
+
+    Must run while the backend compiles: Dynamo turns the shape env's guards into the graph's guards after the
+    backend returns. torch 2.11-2.13: ``torch._check`` of a SymBool over backed symbols adds a guard
+    (``SymNode.expect_true`` -> ``guard_bool``); ``ShapeEnv.prefer_deferred_runtime_asserts_over_guards`` and
+    ``ShapeEnv.frozen``; ``free_unbacked_symbols``.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if statically_true(a == b):
+        return True
+    sym = next((x for x in (a, b) if isinstance(x, torch.SymInt)), None)
+    if sym is None or sym_hint(a) is None or sym_hint(a) != sym_hint(b):
+        return False
+    if free_unbacked_symbols(a) or free_unbacked_symbols(b):
+        return False
+    env = sym.node.shape_env
+    if env is None or env.prefer_deferred_runtime_asserts_over_guards or getattr(env, "frozen", False):
+        return False
+    torch._check(a == b)
+    return statically_true(a == b)
 
 
 @contextlib.contextmanager

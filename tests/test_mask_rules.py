@@ -14,6 +14,8 @@ control showing the window matters on that batch), and chunked attention refused
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,7 +26,7 @@ from cpcompile.passes.sdpa_cp import find_sdpa_sites, graph_windows
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.graphs import dynamo_graph, run_pass
-from tests.harness.parity import ParityCase, check_case, reference_step
+from tests.harness.parity import ParityCase, assert_controls, check_case, reference_step
 from tests.models.attention import LONG_WINDOW, attention_lm
 
 # T = 37 (c = 19 at CP=2 < LONG_WINDOW = 24 < T); a 30-token document, so the window cuts keys off globally.
@@ -190,6 +192,96 @@ def test_transformers_masks_are_proved():
         assert [(r.action, r.window) for r in run_pass(gm)] == [("rewritten", window)] * 2, family
 
 
+# -- position ids looked up at the token index, in a dynamic graph (Jamba) -------------------------------------
+class _PositionLookupModel(nn.Module):
+    """Jamba's mask in a few lines: transformers' packed-sequence mask reads the position ids and the document ids
+    at the token index (``position_ids[batch_idx, q_idx]``), and the model reads ``position_ids`` nowhere else (no
+    RoPE), so Dynamo gives their length a symbol of its own, apart from the hidden states' length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, position_ids):
+        B, T = x.shape[:2]
+        idx = torch.arange(T, device=x.device)
+        b, q_idx, kv_idx = torch.arange(B)[:, None, None, None], idx[None, None, :, None], idx[None, None, None, :]
+        doc = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        mask = (position_ids[b, kv_idx] <= position_ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])
+        h = self.proj(x)[:, None]
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+def _lookup_inputs(T: int, positions: int) -> dict:
+    """Hidden states of ``T`` tokens and ``positions`` position ids (two documents), each length marked dynamic
+    as ``cpcompile.shard`` marks every per-token input."""
+    x, position_ids = torch.randn(2, T, 8), packed_batch([[positions // 2, positions - positions // 2]] * 2)
+    position_ids = position_ids["position_ids"]
+    for t in (x, position_ids):
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+    return {"x": x, "position_ids": position_ids}
+
+
+def _lookup_pass(T: int = 16, positions: int = 16) -> tuple[list, tuple]:
+    """The attention pass on the graph of :class:`_PositionLookupModel`, run while Dynamo compiles it (as the
+    backend runs it: a guard can be added then, not once the compilation is over); the reports, and the lengths
+    of the queries and of the position ids as traced."""
+    from cpcompile import _compat
+
+    got = []
+
+    def backend(gm, example_inputs):
+        [site] = find_sdpa_sites(gm)
+        ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and "position_ids" in n.name)
+        lengths = site.meta(site.query).shape[-2], ids.meta["example_value"].shape[1]
+        separate = not _compat.statically_true(lengths[0] == lengths[1])
+        traced = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # runs without the shard context the pass needs
+        got.append((run_pass(gm), (separate, _compat.statically_true(lengths[0] == lengths[1]))))
+        return traced.forward
+
+    torch._dynamo.reset()
+    torch.compile(_PositionLookupModel(), backend=backend)(**_lookup_inputs(T, positions))
+    return got[0]
+
+
+def test_position_ids_looked_up_at_the_token_index_are_proved():
+    """Refused before as 'a table or buffer looked up at token positions': the position ids' length is another
+    symbol than the queries' (what Jamba's graph has and Llama's, whose RoPE relates them, does not). Proved, with
+    the two lengths guarded equal: the proof holds for every call of the graph."""
+    reports, (separate, equal_after) = _lookup_pass()
+    assert [(r.action, r.window) for r in reports] == [("rewritten", None)], reports
+    assert separate and equal_after
+
+
+def test_position_ids_of_another_length_looked_up_are_refused():
+    """Negative control: position ids longer than the tokens (24 for 16 tokens), looked up at the token index.
+    Each rank would read the first entries of the table, which are not its own tokens' positions."""
+    with pytest.raises(UnsupportedAttentionError) as e:
+        _lookup_pass(16, 24)
+    assert "looked up at token positions" in str(e.value) and "test_mask_rules.py:" in str(e.value), str(e.value)
+
+
+def test_position_ids_proved_at_an_equal_length_guard_it():
+    """The proof guards the two lengths equal: a call whose position ids are longer than its tokens does not
+    reuse the graph proved for equal lengths (it would read a prefix of the position ids), it recompiles, and
+    the new graph is refused."""
+    from cpcompile.passes.sdpa_cp import mask_proof
+
+    proofs = []
+
+    def backend(gm, example_inputs):
+        proofs.extend(mask_proof(s) for s in find_sdpa_sites(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_PositionLookupModel(), backend=backend)
+    compiled(**_lookup_inputs(16, 16))
+    compiled(**_lookup_inputs(12, 12))
+    assert [p.reason for p in proofs] == [""], proofs
+    compiled(**_lookup_inputs(12, 20))
+    assert len(proofs) == 2 and "looked up at token positions" in proofs[1].reason, proofs
+
+
 # -- CP = 2: parity of the difference-spelled window, chunked attention refused on every rank ------------------
 def _worker(rank, world_size):
     import torch.distributed as dist
@@ -199,6 +291,8 @@ def _worker(rank, world_size):
     group = dist.group.WORLD
     case = ParityCase(model="attn:window_diff", doc_lens=DOCS, expected_form=("bool-mask", False))
     summary = check_case(case, group)
+    lookup = ParityCase(model="attn:position_lookup", doc_lens=DOCS, expected_form=("bool-mask", False))
+    lookup_summary = check_case(lookup, group, controls=("merge_documents", "plan_merges_documents"))
     model = attention_lm("chunked")
     batch = packed_batch([[16]])  # c = 8: each rank's block is one chunk, which looks causal from inside
     compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
@@ -208,14 +302,18 @@ def _worker(rank, world_size):
         chunked = ("none", "")
     except Exception as e:  # noqa: BLE001 - the test asserts which error
         chunked = (type(e).__name__, str(e))
-    return summary, chunked
+    return summary, lookup_summary, chunked
 
 
 @pytest.mark.timeout(400)
 def test_cp2_window_difference_exact_and_chunked_refused():
+    """Also Jamba's mask (``attn:position_lookup``: position ids read by the mask alone, at the token index):
+    exact at CP=2, and its negative controls caught (documents merged on the CP side: parity fails; the plan's
+    documents merged under the model's own: the mask check refuses)."""
     results = run_distributed(_worker, 2, timeout_s=360)
-    for rank, (summary, chunked) in enumerate(results):
-        assert summary["cp"] == 2, summary
+    for rank, (summary, lookup, chunked) in enumerate(results):
+        assert summary["cp"] == 2 and lookup["cp"] == 2, (summary, lookup)
+        assert_controls([lookup])
         kind, msg = chunked
         assert kind == "UnsupportedAttentionError" and "floordiv" in msg, f"rank {rank}: {kind}: {msg}"
 

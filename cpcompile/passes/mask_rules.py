@@ -17,11 +17,13 @@ as a formula over query and key positions, and every condition must be one the r
   (transformers' document ids from ``diff(position_ids) != 1``, a ``document_ids`` input);
 * per-token conditions on inputs (a padding mask), combined with ``&``.
 
-Positions are the local ``arange`` of the sequence length and per-token inputs (``position_ids``), moved by
-layout ops, offsets by int constants and lookups at other positions (``position_ids[b, q_idx]``, the batch dim
-told apart from the sequence dim). Anything else a position goes through before it reaches the mask (``//``,
-``%``, ``*``, a comparison with a constant, a table lookup), and a mask combined with ``|`` or negated as a whole,
-read from a buffer or written in place, is refused with the model's source line.
+Positions are the local ``arange`` of the sequence length and per-token inputs (``position_ids``: an input dim
+of the queries' length, or of another symbol with the same value at this compilation, which the proof then guards
+equal to it), moved by layout ops, offsets by int constants and lookups at other positions
+(``position_ids[b, q_idx]``, the batch dim told apart from the sequence dim). Anything else a position goes through
+before it reaches the mask (``//``, ``%``, ``*``, a comparison with a constant, a table lookup), and a mask
+combined with ``|`` or negated as a whole, read from a buffer or written in place, is refused with the model's
+source line.
 
 Why one module of about 500 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
 spelling accepted in one place and refused in another is the error this module exists to prevent.
@@ -150,6 +152,9 @@ class _Prover:
         self.outer = outer or {}
         self.values: dict[fx.Node, object] = {}
         self.windows: set[int] = set()
+        #: Sizes of inputs read as the token dim because they equal the length at this compilation only (see
+        #: :meth:`_is_length`); :func:`prove_mask` guards them equal to it.
+        self.guarded: list[object] = []
 
     # -- values ------------------------------------------------------------------------------------------
     def value(self, x: object) -> object:
@@ -212,7 +217,7 @@ class _Prover:
         shape = shape_of(n)
         if shape is None or _compat.is_module_state(n):
             return _PLAIN
-        dims = [d for d, s in enumerate(shape) if _same(s, self.length) or self._hinted(s)]
+        dims = [d for d, s in enumerate(shape) if self._is_length(s)]
         v = node_value(n)
         if v.dtype == torch.bool and len(shape) >= 3 and dims[-2:] == [len(shape) - 2, len(shape) - 1]:
             return _Rule()  # a [.., T, T] mask made elsewhere: the runtime compares it with the plan's rule
@@ -221,10 +226,24 @@ class _Prover:
         d = 1 if len(shape) >= 2 and 1 in dims else dims[-1]  # [B, T, ...]: the sequence is dim 1
         return _Tokens(len(shape) - d, "data")
 
-    def _hinted(self, size: object) -> bool:
-        """A symbolic input size traced at the mask's constant length (FSDP2's root graph builds transformers'
-        mask with the chunk length as a constant while its inputs have a symbolic length)."""
-        return isinstance(size, torch.SymInt) and type(self.length) is int and _compat.sym_hint(size) == self.length
+    def _is_length(self, size: object) -> bool:
+        """Whether an input's size is the mask's length: the same size, or
+
+        * a symbolic input size traced at the mask's constant length (FSDP2's root graph builds transformers'
+          mask with the chunk length as a constant while its inputs have a symbolic length);
+        * another symbol of the same value at this compilation: ``shard`` marks the sequence dim of every
+          per-token input dynamic, and Dynamo gives each its own symbol unless the model's code relates them.
+          Llama's RoPE broadcasts ``position_ids`` against the queries, which makes them one symbol; a model that
+          reads ``position_ids`` only in its mask (Jamba: no RoPE) keeps two. The proof then holds only while the
+          sizes are equal, so :func:`prove_mask` guards them equal (a call where they differ recompiles).
+        """
+        if _same(size, self.length):
+            return True
+        if not isinstance(size, torch.SymInt) or _compat.sym_hint(size) != _compat.sym_hint(self.length):
+            return False
+        if type(self.length) is not int:
+            self.guarded.append(size)
+        return True
 
     def _plain(self, n: fx.Node, name: str) -> object:
         """A value computed from plain values only: an arange of the local length is the token index."""
@@ -480,4 +499,11 @@ def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> Mask
         )
     if isinstance(value, _Tokens) and value.kind == "index":
         return MaskProof(reason="the mask is a per-token index, not a [.., T, T] mask of queries and keys")
+    for size in prover.guarded:
+        if not _compat.guard_equal(size, length):
+            return MaskProof(
+                reason=f"the mask reads per-token inputs of length {size}, which Dynamo traced apart from the "
+                f"length {length} of the queries, and cpcompile cannot guard them equal; pass inputs that the "
+                "model relates to the tokens, or run this attention without context parallelism"
+            )
     return MaskProof(windows=frozenset(prover.windows))

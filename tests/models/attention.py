@@ -25,6 +25,10 @@ Attention forms (``ATTENTION_FORMS``):
   of indices, ``(q - k) < LONG_WINDOW``: rewritten with that window.
 * ``chunked``: causal, same document, and chunked attention (Llama-4 style) ``k // CHUNK == q // CHUNK``: refused
   (attention within fixed blocks of absolute indices is not a rule cpcompile applies).
+* ``position_lookup``: transformers' packed-sequence mask as Jamba builds it: causal order of the position ids and
+  equal document ids, both looked up at the token index (``position_ids[batch_idx, q_idx]``), in a model without
+  learned positions, so that ``position_ids`` reach the mask alone and Dynamo traces their length as a symbol of
+  its own (rewritten).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ ATTENTION_FORMS = (
     "document_ids",
     "window_diff",
     "chunked",
+    "position_lookup",
 )
 
 
@@ -103,6 +108,12 @@ class Attention(nn.Module):
             elif self.form == "head_windows":  # head h sees the 2 + h tokens up to itself
                 window = torch.arange(2, 2 + self.heads, device=x.device)[None, :, None, None]
                 mask = mask & causal & (idx[None, None, None, :] > idx[None, None, :, None] - window)
+            kwargs = {"attn_mask": mask}
+        elif self.form == "position_lookup":
+            b = torch.arange(B, device=x.device)[:, None, None, None]
+            q_idx, kv_idx = idx[None, None, :, None], idx[None, None, None, :]
+            doc = _doc_ids(position_ids)
+            mask = (position_ids[b, kv_idx] <= position_ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])
             kwargs = {"attn_mask": mask}
         elif self.form == "float_bias":
             bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
@@ -155,7 +166,8 @@ def seeded(cls, *args, seed: int = 0, **kwargs) -> nn.Module:
 
 
 class TinyAttentionLM(nn.Module):
-    """Embedding + learned positions + ``layers`` blocks whose attention uses ``form`` + LM head.
+    """Embedding + learned positions (none with the ``position_lookup`` form) + ``layers`` blocks whose attention
+    uses ``form`` + LM head.
 
     The attention modules are ``layers.<i>.attn`` (the names cpcompile reports).
     """
@@ -175,7 +187,7 @@ class TinyAttentionLM(nn.Module):
         if form not in ATTENTION_FORMS:
             raise ValueError(f"unknown attention form {form!r}; known: {ATTENTION_FORMS}")
         self.embed = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(max_positions, hidden)
+        self.pos = None if form == "position_lookup" else nn.Embedding(max_positions, hidden)
         self.layers = nn.ModuleList(Block(form, hidden, heads, kv_heads) for _ in range(layers))
         self.head = nn.Linear(hidden, vocab, bias=False)
 
@@ -191,7 +203,9 @@ class TinyAttentionLM(nn.Module):
     ):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed(input_ids) + self.pos(position_ids)
+        x = self.embed(input_ids)
+        if self.pos is not None:
+            x = x + self.pos(position_ids)
         # the attention reads documents from position_ids, or from document_ids when the model is given them
         position_ids = position_ids if document_ids is None else document_ids
         for layer in self.layers:
