@@ -196,10 +196,12 @@ def test_transformers_masks_are_proved():
 class _PositionLookupModel(nn.Module):
     """Jamba's mask in a few lines: transformers' packed-sequence mask reads the position ids and the document ids
     at the token index (``position_ids[batch_idx, q_idx]``), and the model reads ``position_ids`` nowhere else (no
-    RoPE), so Dynamo gives their length a symbol of its own, apart from the hidden states' length."""
+    RoPE), so Dynamo gives their length a symbol of its own, apart from the hidden states' length.
+    ``documents=False`` drops the document condition: the order of the position ids alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, documents: bool = True) -> None:
         super().__init__()
+        self.documents = documents
         self.proj = nn.Linear(8, 8)
 
     def forward(self, x, position_ids):
@@ -207,7 +209,9 @@ class _PositionLookupModel(nn.Module):
         idx = torch.arange(T, device=x.device)
         b, q_idx, kv_idx = torch.arange(B)[:, None, None, None], idx[None, None, :, None], idx[None, None, None, :]
         doc = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
-        mask = (position_ids[b, kv_idx] <= position_ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])
+        mask = position_ids[b, kv_idx] <= position_ids[b, q_idx]
+        if self.documents:
+            mask = mask & (doc[b, q_idx] == doc[b, kv_idx])
         h = self.proj(x)[:, None]
         return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
 
@@ -222,7 +226,7 @@ def _lookup_inputs(T: int, positions: int) -> dict:
     return {"x": x, "position_ids": position_ids}
 
 
-def _lookup_pass(T: int = 16, positions: int = 16) -> tuple[list, tuple]:
+def _lookup_pass(T: int = 16, positions: int = 16, documents: bool = True) -> tuple[list, tuple]:
     """The attention pass on the graph of :class:`_PositionLookupModel`, run while Dynamo compiles it (as the
     backend runs it: a guard can be added then, not once the compilation is over); the reports, and the lengths
     of the queries and of the position ids as traced."""
@@ -240,7 +244,7 @@ def _lookup_pass(T: int = 16, positions: int = 16) -> tuple[list, tuple]:
         return traced.forward
 
     torch._dynamo.reset()
-    torch.compile(_PositionLookupModel(), backend=backend)(**_lookup_inputs(T, positions))
+    torch.compile(_PositionLookupModel(documents), backend=backend)(**_lookup_inputs(T, positions))
     return got[0]
 
 
@@ -259,6 +263,39 @@ def test_position_ids_of_another_length_looked_up_are_refused():
     with pytest.raises(UnsupportedAttentionError) as e:
         _lookup_pass(16, 24)
     assert "looked up at token positions" in str(e.value) and "test_mask_rules.py:" in str(e.value), str(e.value)
+
+
+def test_order_of_position_ids_without_documents_is_refused():
+    """Negative control: the order of the position ids alone, without the document condition (proved as causal
+    order before), in the graph above and in a graph whose lengths are one symbol."""
+
+    class _Broadcast(nn.Module):  # position_ids broadcast against the tokens: one symbol, as Llama's RoPE makes it
+        def forward(self, x, position_ids):
+            mask = (position_ids[:, None, :] <= position_ids[:, :, None])[:, None]
+            return F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], attn_mask=mask)
+
+    with pytest.raises(UnsupportedAttentionError) as e:
+        _lookup_pass(documents=False)
+    assert "without a same-document condition" in str(e.value) and "test_mask_rules.py:" in str(e.value), str(e.value)
+    batch = packed_batch([[8, 8]])
+    with pytest.raises(UnsupportedAttentionError, match="without a same-document condition"):
+        run_pass(dynamo_graph(_Broadcast(), x=torch.randn(1, 16, 8), position_ids=batch["position_ids"]))
+
+
+def test_order_of_position_ids_alone_is_wrong_under_cp():
+    """Why it is refused: position ids restart at 0 in every document. With documents that end at the chunk edge
+    (CP=2, c=16), every rank's block of the order mask equals the plan's local rule, so the step check passes,
+    while on the whole sequence a query sees the keys of the other document at lower positions (after it too)."""
+    from cpcompile.plan import build_plan
+
+    batch = packed_batch([[16, 16], [32]])
+    pid = batch["position_ids"]
+    whole = (pid[:, None, :] <= pid[:, :, None])[:, None]  # the model's mask on the whole sequence
+    for rank in range(2):
+        plan = build_plan(batch, 2, rank)
+        local = plan.local(plan.position_ids)
+        assert torch.equal((local[:, None, :] <= local[:, :, None])[:, None], plan.local_rule_mask(documents=True))
+        assert not torch.equal(whole[:, :, plan.token_indices()], plan.mask(documents=True))
 
 
 def test_position_ids_proved_at_an_equal_length_guard_it():

@@ -17,6 +17,10 @@ as a formula over query and key positions, and every condition must be one the r
   (transformers' document ids from ``diff(position_ids) != 1``, a ``document_ids`` input);
 * per-token conditions on inputs (a padding mask), combined with ``&``.
 
+Causal order and windows of per-token positions (``position_ids[b, k] <= position_ids[b, q]``, transformers'
+packed-sequence mask) hold within a document only, since positions restart at 0 in every one: a mask that orders
+them without a same-document condition is refused.
+
 Positions are the local ``arange`` of the sequence length and per-token inputs (``position_ids``: an input dim
 of the queries' length, or of another symbol with the same value at this compilation, which the proof then guards
 equal to it), moved by layout ops, offsets by int constants and lookups at other positions
@@ -25,7 +29,7 @@ before it reaches the mask (``//``, ``%``, ``*``, a comparison with a constant, 
 combined with ``|`` or negated as a whole, read from a buffer or written in place, is refused with the model's
 source line.
 
-Why one module of about 500 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
+Why one module of about 540 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
 spelling accepted in one place and refused in another is the error this module exists to prevent.
 """
 
@@ -82,6 +86,8 @@ class _Difference:
 
     sign: int
     offset: int
+    #: A difference of per-token positions (``"data"``), not of the token index.
+    data: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,14 @@ class _Rule:
     """A bool pairwise mask proved to be causal order, same document and the windows ``windows`` (or fewer)."""
 
     windows: frozenset = frozenset()
+    #: The node of an order or distance of per-token positions (``position_ids[k] <= position_ids[q]``) among its
+    #: conditions: causal order and windows within a document only, since positions restart at 0 in every one.
+    ordered: fx.Node | None = None
+    #: A same-document condition (equal per-token labels) among its conditions.
+    documents: bool = False
+
+    def __and__(self, other: _Rule) -> _Rule:
+        return _Rule(self.windows | other.windows, self.ordered or other.ordered, self.documents or other.documents)
 
 
 #: Not computed from token positions (constants, sizes, module state, the batch index).
@@ -341,7 +355,7 @@ class _Prover:
                 raise _Unproven(n, "a difference of token positions along unexpected dims")
             if va.offset is None or vb.offset is None:
                 raise _Unproven(n, f"{name} of positions moved by a value known only at run time")
-            return _Difference(1 if q_first else -1, va.offset - vb.offset)
+            return _Difference(1 if q_first else -1, va.offset - vb.offset, data=va.kind == "data")
         tokens, other = (va, b) if isinstance(va, _Tokens) else (vb, a)
         if isinstance(tokens, _Tokens) and self.value(other) is _PLAIN:
             k = _int(other)
@@ -354,7 +368,7 @@ class _Prover:
             offset = None if tokens.offset is None else tokens.offset + sign * k
             return dataclasses.replace(tokens, offset=offset, bare=False)
         if isinstance(va, _Difference) and self.value(b) is _PLAIN and _int(b) is not None:
-            return _Difference(va.sign, va.offset + sign * _int(b))
+            return _Difference(va.sign, va.offset + sign * _int(b), va.data)
         raise _Unproven(n, f"{name} of values built from token positions")
 
     def _compare(self, n: fx.Node, op: str) -> object:
@@ -369,7 +383,7 @@ class _Prover:
             k = _int(b)
             if vb is not _PLAIN or k is None:
                 raise _Unproven(n, "a difference of token positions compared with a value known only at run time")
-            return self._bound(n, op, va.sign, k - va.offset)
+            return self._bound(n, op, va.sign, k - va.offset, va.data)
         tokens = va if isinstance(va, _Tokens) else vb
         if isinstance(tokens, _Tokens) and (va is _PLAIN or vb is _PLAIN):
             if tokens.kind == "index":
@@ -387,7 +401,7 @@ class _Prover:
             va, vb, op = vb, va, _FLIP[op]
         if op == "eq":
             if va.kind == "data" and vb.kind == "data" and va.offset == vb.offset:
-                return _Rule()  # same document
+                return _Rule(documents=True)  # same document
             raise _Unproven(n, "an equality of token indices (not a document condition)")
         if op == "ne":
             raise _Unproven(n, "ne of query and key positions")
@@ -396,10 +410,12 @@ class _Prover:
         if va.offset is None or vb.offset is None:
             raise _Unproven(n, f"{op} of positions moved by a value known only at run time")
         # k + a op q + b  <=>  (q - k) flip(op) (a - b)
-        return self._bound(n, _FLIP[op], 1, va.offset - vb.offset)
+        return self._bound(n, _FLIP[op], 1, va.offset - vb.offset, va.kind == "data")
 
-    def _bound(self, n: fx.Node, op: str, sign: int, k: int) -> _Rule:
-        """The condition ``sign * (q - k) op k`` as causal order or a window; refused otherwise."""
+    def _bound(self, n: fx.Node, op: str, sign: int, k: int, data: bool = False) -> _Rule:
+        """The condition ``sign * (q - k) op k`` as causal order or a window; refused otherwise. ``data``: of
+        per-token positions, which the mask must also keep within a document (:meth:`within_documents`)."""
+        ordered = n if data else None
         if sign == -1:
             op, k = _FLIP[op], -k
         d = "q - k"
@@ -408,12 +424,12 @@ class _Prover:
             if window < 1:
                 raise _Unproven(n, f"the condition {d} < {window}, which no key satisfies,")
             self.windows.add(window)
-            return _Rule(frozenset({window}))
+            return _Rule(frozenset({window}), ordered)
         if op in ("gt", "ge"):
             lowest = k + 1 if op == "gt" else k
             if lowest != 0:
                 raise _Unproven(n, f"the condition {d} >= {lowest}, which is not causal order,")
-            return _Rule()
+            return _Rule(ordered=ordered)
         raise _Unproven(n, f"{op} of query and key positions")
 
     def _and(self, n: fx.Node, name: str) -> object:
@@ -425,17 +441,27 @@ class _Prover:
             if all(v.kind == "data" for v in values):
                 return dataclasses.replace(values[0], bare=False) if values[0].rdim == values[1].rdim else _Rule()
             raise _Unproven(n, f"{name} of token positions")
-        windows: set = set()
+        rule = _Rule()
         for a, v in zip(n.args[:2], values):
             if isinstance(v, _Rule):
-                windows |= v.windows
+                rule &= v
             elif isinstance(v, _Tokens) and v.kind == "data":
                 continue  # a per-token condition on inputs (padding)
             elif v is _PLAIN and not _pairwise(a, self.length):
                 continue  # a scalar or a constant
             elif v != _ONES:
                 raise _Unproven(n, f"{name} of a mask with a value not built from token positions (a buffer?)")
-        return _Rule(frozenset(windows))
+        return rule
+
+    def within_documents(self, value: object) -> None:
+        """Refuse a mask that orders per-token positions without a same-document condition: position ids restart
+        at 0 in every packed document, so ``position_ids[k] <= position_ids[q]`` alone lets a query see the keys of
+        other documents at lower positions, after it as well as before it. A rank's block that holds no document
+        boundary looks causal (the step check passes) while the whole sequence's mask is not."""
+        if isinstance(value, _Rule) and value.ordered is not None and not value.documents:
+            raise _Unproven(
+                value.ordered, "an order of per-token positions (position ids) without a same-document condition"
+            )
 
     def _tril(self, n: fx.Node, name: str) -> _Rule:
         v = self.value(n.args[0])
@@ -489,6 +515,7 @@ def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> Mask
     prover = _Prover(length, outer)
     try:
         value = prover.value(mask)
+        prover.within_documents(value)
     except _Unproven as e:
         return MaskProof(
             reason=f"the mask is built from token positions through {e}, which cpcompile cannot prove to be "
