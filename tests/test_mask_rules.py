@@ -319,6 +319,28 @@ def test_position_ids_proved_at_an_equal_length_guard_it():
     assert len(proofs) == 2 and "looked up at token positions" in proofs[1].reason, proofs
 
 
+def test_jamba_mask_is_proved():
+    """Jamba itself (the tiny config of ``benchmarks/mixing_forms.py``), its inputs marked dynamic as ``shard``
+    marks them: the mask of its attention layer is proved (it was refused as a table lookup). The model is still
+    refused under CP, at its Mamba layer's scan (the survey in BENCHMARKS.md)."""
+    from benchmarks.mixing_forms import build
+    from cpcompile.passes.sdpa_cp import mask_proof
+    from cpcompile.runtime import mark_local_dynamic
+
+    proofs = []
+
+    def backend(gm, example_inputs):
+        proofs.extend(mask_proof(s) for s in find_sdpa_sites(gm))
+        return gm.forward
+
+    batch = packed_batch([[10, 22], [5, 27]])
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    mark_local_dynamic(inputs, 32)
+    torch._dynamo.reset()
+    torch.compile(build("jamba"), backend=backend)(**inputs, use_cache=False)
+    assert [p.reason for p in proofs] == [""], proofs
+
+
 # -- CP = 2: parity of the difference-spelled window, chunked attention refused on every rank ------------------
 def _worker(rank, world_size):
     import torch.distributed as dist
