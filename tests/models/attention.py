@@ -29,6 +29,8 @@ Attention forms (``ATTENTION_FORMS``):
   equal document ids, both looked up at the token index (``position_ids[batch_idx, q_idx]``), in a model without
   learned positions, so that ``position_ids`` reach the mask alone and Dynamo traces their length as a symbol of
   its own (rewritten).
+* ``causal_mask``: a bool mask of causal order alone, ``k <= q`` of ``arange(T)`` (a hand-written causal mask): no
+  document condition, so attention crosses packed documents, as with ``causal_gqa`` (rewritten without one).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ ATTENTION_FORMS = (
     "window_diff",
     "chunked",
     "position_lookup",
+    "causal_mask",
 )
 
 
@@ -115,6 +118,8 @@ class Attention(nn.Module):
             doc = _doc_ids(position_ids)
             mask = (position_ids[b, kv_idx] <= position_ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])
             kwargs = {"attn_mask": mask}
+        elif self.form == "causal_mask":
+            kwargs = {"attn_mask": causal[None, None]}
         elif self.form == "float_bias":
             bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
             kwargs = {"attn_mask": bias}
