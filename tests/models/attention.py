@@ -31,6 +31,8 @@ Attention forms (``ATTENTION_FORMS``):
   its own (rewritten).
 * ``causal_mask``: a bool mask of causal order alone, ``k <= q`` of ``arange(T)`` (a hand-written causal mask): no
   document condition, so attention crosses packed documents, as with ``causal_gqa`` (rewritten without one).
+* ``causal_window``: ``causal_mask`` within ``WINDOW`` tokens, ``(k <= q) & (k > q - WINDOW)`` of ``arange(T)``:
+  a sliding window across packed documents (rewritten with that window and without documents).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ ATTENTION_FORMS = (
     "chunked",
     "position_lookup",
     "causal_mask",
+    "causal_window",
 )
 
 
@@ -120,6 +123,8 @@ class Attention(nn.Module):
             kwargs = {"attn_mask": mask}
         elif self.form == "causal_mask":
             kwargs = {"attn_mask": causal[None, None]}
+        elif self.form == "causal_window":
+            kwargs = {"attn_mask": (causal & (idx[None, :] > idx[:, None] - WINDOW))[None, None]}
         elif self.form == "float_bias":
             bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
             kwargs = {"attn_mask": bias}
