@@ -27,7 +27,8 @@ from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.graphs import dynamo_graph, run_pass
 from tests.harness.parity import ParityCase, assert_controls, check_case, reference_step
-from tests.models.attention import LONG_WINDOW, attention_lm
+from tests.harness.workers import BALANCED_WORKLOAD
+from tests.models.attention import LONG_WINDOW, WINDOW, attention_lm
 
 # T = 37 (c = 19 at CP=2 < LONG_WINDOW = 24 < T); a 30-token document, so the window cuts keys off globally.
 DOCS = ((7, 30), (37,))
@@ -190,6 +191,82 @@ def test_transformers_masks_are_proved():
             tiny_model(family), input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
         )
         assert [(r.action, r.window) for r in run_pass(gm)] == [("rewritten", window)] * 2, family
+
+
+# -- whether the mask has a same-document condition ------------------------------------------------------------
+def _site_documents(gm) -> list[bool]:
+    """``documents`` of every site the attention pass rewrites in ``gm`` (the spec the runtime reads)."""
+    from cpcompile import ops
+
+    prefix = f"documents{id(gm)}"
+    run_pass(gm, site_prefix=prefix)
+    return [spec.documents for site, spec in sorted(ops._SITES.items()) if site.startswith(f"{prefix}:")]
+
+
+@pytest.mark.parametrize(
+    "form, documents",
+    [
+        ("packed_docs", True),
+        ("window_diff", True),
+        ("document_ids", True),
+        ("causal_mask", False),
+        ("causal_window", False),
+    ],
+)
+def test_site_applies_documents_only_where_the_mask_has_them(form, documents):
+    """A mask proved without a same-document condition (causal order of ``arange`` alone) attends across packed
+    documents in the model, so its site must too; a mask with one keeps documents apart."""
+    from cpcompile.passes.sdpa_cp import mask_proof
+
+    gm = _graph(form)
+    assert [mask_proof(s).documents for s in find_sdpa_sites(gm)] == [documents]
+    assert _site_documents(gm) == [documents]
+
+
+def test_causal_window_site_exchanges_a_halo():
+    """The ``attn:causal_window`` parity case below runs the halo exchange (c = 16 at CP=2), which must route the
+    keys of the other document before the chunk edge."""
+    reports = run_pass(_graph("causal_window", T=16))
+    assert [(r.window, r.exchange) for r in reports] == [(WINDOW, "halo")], reports
+
+
+@pytest.mark.parametrize("spelling", ["k <= q", "tril", "~triu(ones, 1)", "q - k < 20"])
+def test_index_only_masks_have_no_documents(spelling):
+    from cpcompile.passes.sdpa_cp import mask_proof
+
+    gm = _rule_graph(PROVED[spelling][0])
+    assert [mask_proof(s).documents for s in find_sdpa_sites(gm)] == [False]
+    assert _site_documents(gm) == [False]
+
+
+def test_mask_made_in_another_graph_keeps_documents():
+    """A ``[.., T, T]`` mask that is this graph's input is not analysed here (it may hold a document condition):
+    the site keeps documents, and the runtime compares the model's mask with that rule on every step."""
+    from cpcompile.passes.sdpa_cp import mask_proof
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = _BrokenMaskModel(PROVED["k <= q"][0])
+    torch.compile(model, backend=capture)(x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
+    [site] = [s for gm in graphs for s in find_sdpa_sites(gm)]
+    assert site.attn_mask.op == "placeholder"
+    assert mask_proof(site).documents
+    assert _site_documents(site.node.graph.owning_module) == [True]
+
+
+def test_documents_matter_on_the_causal_mask_batches():
+    """Negative control of the parity test below: on its batches, attention within documents (what the site ran
+    before it read the mask's documents) gives other logits than the model's causal mask across documents."""
+    for case in _CAUSAL_MASK_CASES:
+        batch = case.batch()
+        across = reference_step(case.build_model(), batch)
+        within = reference_step(attention_lm("window" if case.model == "attn:causal_window" else "packed_docs"), batch)
+        assert (across.logits - within.logits).abs().max() > 1e-3, case.name
 
 
 # -- position ids looked up at the token index, in a dynamic graph (Jamba) -------------------------------------
@@ -375,6 +452,59 @@ def test_cp2_window_difference_exact_and_chunked_refused():
         assert_controls([lookup])
         kind, msg = chunked
         assert kind == "UnsupportedAttentionError" and "floordiv" in msg, f"rank {rank}: {kind}: {msg}"
+
+
+#: A causal mask without documents (``k <= q`` of ``arange``) on packed documents: documents that end exactly at the
+#: chunk edge (CP=2, c=16, contiguous: every rank's block of the mask equals the same-document rule's, so the step
+#: check cannot tell the two apart), also with the selective exchange and as a sliding window of ``WINDOW`` tokens
+#: (the halo exchange: the keys before the edge belong to the other document), and documents that cross chunk
+#: edges under the balanced layout (ranks hold several runs; kernel blocks of 8, a workload in blocks of 4, as
+#: ``tests.harness.workers.balanced_case``).
+_EDGE_DOCS = ((16, 16), (32,))
+_CAUSAL_MASK_CASES = (
+    ParityCase(model="attn:causal_mask", doc_lens=_EDGE_DOCS, expected_form=("bool-mask", False)),
+    ParityCase(
+        model="attn:causal_mask",
+        doc_lens=_EDGE_DOCS,
+        expected_form=("bool-mask", False),
+        backend_kwargs=(("exchange", "selective"),),
+    ),
+    ParityCase(model="attn:causal_window", doc_lens=_EDGE_DOCS, expected_form=("bool-mask", False)),
+    ParityCase(
+        model="attn:causal_mask",
+        doc_lens=((10, 22), (5, 17, 10)),
+        expected_form=("bool-mask", False),
+        backend_kwargs=(("block_size", 8),),
+        layout="balanced",
+        shard_kwargs=(("workload", BALANCED_WORKLOAD),),
+    ),
+)
+
+
+def _causal_mask_worker(rank, world_size):
+    import torch.distributed as dist
+
+    out = []
+    for case in _CAUSAL_MASK_CASES:
+        torch._dynamo.reset()
+        try:
+            out.append(check_case(case, dist.group.WORLD))
+        except Exception as e:  # noqa: BLE001 - the test reports every case's error
+            out.append({"case": case.name, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_cp2_causal_mask_without_documents_attends_across_them():
+    """A hand-written causal mask has no document condition: the single-process model attends across packed
+    documents, and so must every CP rank. The site used to apply same-document attention whenever a mask was
+    given: at the chunk edge that ran silently wrong (parity failed on the logits), under the balanced layout the
+    mask check refused it."""
+    results = run_distributed(_causal_mask_worker, 2, timeout_s=360)
+    for rank, summaries in enumerate(results):
+        errors = [s for s in summaries if "error" in s]
+        assert not errors, f"rank {rank}: {errors}"
+        assert summaries[-1]["runs"] > 1, f"the balanced layout kept contiguous chunks: {summaries[-1]}"
 
 
 def test_window_matters_on_the_parity_batch():

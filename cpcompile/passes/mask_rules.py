@@ -1,7 +1,8 @@
 """Masks a model builds from token positions: proved to be cpcompile's visibility rule, or refused.
 
-Main API: :func:`prove_mask` (a :class:`MaskProof`: the sliding windows the mask applies, or why it cannot be
-proved), used by :mod:`cpcompile.passes.sdpa_cp` on every site whose mask is built in the graph.
+Main API: :func:`prove_mask` (a :class:`MaskProof`: the sliding windows the mask applies, whether it keeps
+documents apart, or why it cannot be proved), used by :mod:`cpcompile.passes.sdpa_cp` on every site whose mask is
+built in the graph.
 
 Why at compile time: the runtime compares the model's mask with the plan's local rule on this rank's ``c x c``
 block only. A condition that is constant on that block but not across the whole sequence passes that check and
@@ -16,6 +17,12 @@ as a formula over query and key positions, and every condition must be one the r
 * **same document**: equality of per-token values the model got as inputs or computed from them
   (transformers' document ids from ``diff(position_ids) != 1``, a ``document_ids`` input);
 * per-token conditions on inputs (a padding mask), combined with ``&``.
+
+The site applies the same-document condition only when the mask has one: a mask proved without it (``k <= q``
+of ``arange``, ``ones(T, T).tril()``) attends across packed documents in the model, so the site does too. The step
+check cannot tell the two apart when documents end at chunk edges (every rank's block is causal either way), so
+this is decided here. A mask this module does not analyse (a ``[.., T, T]`` input made in another graph, one read
+from module state) keeps the condition, and the step check compares it with that rule.
 
 Causal order and windows of per-token positions (``position_ids[b, k] <= position_ids[b, q]``, transformers'
 packed-sequence mask) hold within a document only, since positions restart at 0 in every one: a mask that orders
@@ -52,8 +59,13 @@ __all__ = ["MaskProof", "outer_arguments", "prove_mask"]
 class MaskProof:
     """What :func:`prove_mask` found: the sliding windows of the mask, or why it is refused."""
 
-    #: Sliding windows (``k > q - W``) the mask applies; empty: causal (and documents) only.
+    #: Sliding windows (``k > q - W``) the mask applies; empty: causal (and documents, see below) only.
     windows: frozenset = frozenset()
+    #: Whether the site applies the same-document condition: ``False`` only for a mask proved to be built without
+    #: one (causal order and windows of the token index alone, which attend across packed documents); ``True``
+    #: when the mask has one, or was not analysed (made in another graph, read from module state), where the
+    #: step check against the rule with documents is the guard.
+    documents: bool = True
     #: ``""`` when proved; else the refusal, naming the model's source line and the op.
     reason: str = ""
 
@@ -100,9 +112,17 @@ class _Rule:
     ordered: fx.Node | None = None
     #: A same-document condition (equal per-token labels) among its conditions.
     documents: bool = False
+    #: A ``[.., T, T]`` mask made elsewhere (a graph input) among its conditions: not analysed here, it may hold a
+    #: document condition.
+    opaque: bool = False
 
     def __and__(self, other: _Rule) -> _Rule:
-        return _Rule(self.windows | other.windows, self.ordered or other.ordered, self.documents or other.documents)
+        return _Rule(
+            self.windows | other.windows,
+            self.ordered or other.ordered,
+            self.documents or other.documents,
+            self.opaque or other.opaque,
+        )
 
 
 #: Not computed from token positions (constants, sizes, module state, the batch index).
@@ -169,6 +189,9 @@ class _Prover:
         #: Sizes of inputs read as the token dim because they equal the length at this compilation only (see
         #: :meth:`_is_length`); :func:`prove_mask` guards them equal to it.
         self.guarded: list[object] = []
+        #: Whether a tensor was read that is neither token positions nor a per-token input (module state, an
+        #: input without a token dim): a mask of plain values read from it is not analysed.
+        self.reads_plain_tensors = False
 
     # -- values ------------------------------------------------------------------------------------------
     def value(self, x: object) -> object:
@@ -229,13 +252,17 @@ class _Prover:
         if n in self.outer:  # a nested graph's input: read where the calling graph makes it
             return self.value(self.outer[n])
         shape = shape_of(n)
-        if shape is None or _compat.is_module_state(n):
+        if shape is None:
+            return _PLAIN
+        if _compat.is_module_state(n):
+            self.reads_plain_tensors = True
             return _PLAIN
         dims = [d for d, s in enumerate(shape) if self._is_length(s)]
         v = node_value(n)
         if v.dtype == torch.bool and len(shape) >= 3 and dims[-2:] == [len(shape) - 2, len(shape) - 1]:
-            return _Rule()  # a [.., T, T] mask made elsewhere: the runtime compares it with the plan's rule
+            return _Rule(opaque=True)  # a [.., T, T] mask made elsewhere: the runtime compares it with the plan's rule
         if not dims:
+            self.reads_plain_tensors = True
             return _PLAIN
         d = 1 if len(shape) >= 2 and 1 in dims else dims[-1]  # [B, T, ...]: the sequence is dim 1
         return _Tokens(len(shape) - d, "data")
@@ -507,9 +534,10 @@ def _pairwise(n: object, length: object) -> bool:
 def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> MaskProof:
     """Read the subgraph that builds ``mask`` (a bool ``[.., T, T]`` attention mask) for local length ``length``.
 
-    Returns the windows it applies, or the first condition that is not causal order, a sliding window or a
-    document condition (see the module docstring), with the model's source line. A mask that is a graph input
-    (made in another graph) is proved here as far as this graph sees it; the runtime checks it on every step.
+    Returns the windows it applies and whether it keeps documents apart (:attr:`MaskProof.documents`), or the
+    first condition that is not causal order, a sliding window or a document condition (see the module
+    docstring), with the model's source line. A mask that is a graph input (made in another graph) is proved here
+    as far as this graph sees it, with documents; the runtime checks it on every step.
     ``outer`` (:func:`outer_arguments`) follows the inputs of nested graphs to the graph that calls them.
     """
     prover = _Prover(length, outer)
@@ -533,4 +561,16 @@ def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> Mask
                 f"length {length} of the queries, and cpcompile cannot guard them equal; pass inputs that the "
                 "model relates to the tokens, or run this attention without context parallelism"
             )
-    return MaskProof(windows=frozenset(prover.windows))
+    return MaskProof(windows=frozenset(prover.windows), documents=_documents(value, prover))
+
+
+def _documents(value: object, prover: _Prover) -> bool:
+    """:attr:`MaskProof.documents` of a proved mask: ``False`` for a rule without a same-document condition and for
+    a mask of plain values made in the graph (``ones(T, T).tril()``), which depends on no per-token input; ``True``
+    for a rule with one, and wherever the mask was not analysed (a rule with a mask made elsewhere, plain values
+    read from module state or other inputs, a per-token value that is not a ``[.., T, T]`` rule)."""
+    if isinstance(value, _Rule):
+        return value.documents or value.opaque
+    if value is _PLAIN or value == _ONES:
+        return prover.reads_plain_tensors
+    return True

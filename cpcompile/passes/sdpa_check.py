@@ -106,7 +106,8 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 def mask_proof(site: SDPASite, outer: dict | None = None) -> MaskProof:
     """What the subgraph that builds the site's mask applies (:func:`cpcompile.passes.mask_rules.prove_mask`):
-    its sliding windows, or why it cannot be proved. Nothing to prove without a mask built in the graph.
+    its sliding windows and whether it keeps documents apart, or why it cannot be proved. Nothing to prove
+    without a mask built in the graph.
     ``outer`` (:func:`cpcompile.passes.mask_rules.outer_arguments`) follows a nested graph's mask input to where
     the calling graph builds it (a checkpointed layer)."""
     q = site.meta(site.query)
@@ -148,16 +149,19 @@ def config_window(config: object, layer: str) -> tuple[int | None, str | None]:
     return None, f"layer type {kind!r} is not supported (only 'full_attention' and 'sliding_attention')"
 
 
-def site_window(site: SDPASite, config: object | None, outer: dict | None = None) -> tuple[int | None, str | None]:
+def site_window(
+    site: SDPASite, config: object | None, outer: dict | None = None, *, proof: MaskProof | None = None
+) -> tuple[int | None, str | None]:
     """The sliding window of ``site`` (``None``: none) and ``None``, or ``(None, reason)`` to refuse.
 
     A mask built in the graph that :func:`mask_proof` cannot prove to be causal order, same document and a
     sliding window is refused. Sources: the window in the graph that builds the mask (:func:`graph_windows`)
     and, when given, the model config (:func:`config_window`). When both are known they must agree; the config
     is the only source when the mask is a graph input. Whatever the source, the runtime compares the model's
-    local mask with the plan's on every step.
+    local mask with the plan's on every step. ``proof``: the site's :func:`mask_proof` when the caller has it
+    (the pass keeps it for the site's documents).
     """
-    proof = mask_proof(site, outer)
+    proof = mask_proof(site, outer) if proof is None else proof
     if proof.reason:
         return None, proof.reason
     in_graph = set(proof.windows)

@@ -22,7 +22,7 @@ from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.layouts import MAX_RUNS
 from cpcompile.passes.aliasing import last_write
 from cpcompile.passes.common import PassContext, counters, finish, node_located, size_hint
-from cpcompile.passes.mask_rules import outer_arguments
+from cpcompile.passes.mask_rules import MaskProof, outer_arguments
 from cpcompile.passes.sdpa_check import (
     _config_reason,
     _kernel_reason,
@@ -173,14 +173,21 @@ def _exchange(site: SDPASite, ctx: PassContext, window: int | None) -> dict:
     return {"exchange": "halo", "halo_slots": slots}
 
 
-def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str) -> ops.SiteSpec:
-    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`)."""
+def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str, proof: MaskProof) -> ops.SiteSpec:
+    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`).
+
+    ``documents`` (the same-document condition, which the step check, the plan's positions and document ids, the
+    halo and selective exchanges all read from the spec) follows the model's mask: none with ``is_causal=True``,
+    none for a mask proved to have no document condition (``proof``: :func:`mask_proof`; ``k <= q`` of ``arange``
+    attends across packed documents), else applied (a mask with one, or one made elsewhere that the step check
+    compares with that rule).
+    """
     k_meta, v_meta = (site.meta(n) for n in (kv_source(site).key, kv_source(site).value))
     return site_spec(
         ctx,
         site.node,
         layer=site.layer,
-        documents=site.attn_mask is not None,
+        documents=site.attn_mask is not None and proof.documents,
         window=window,
         kernel=kernel,
         needs_grad=bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad)),
@@ -231,16 +238,17 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
             reports.append(_report(site, ctx.graph_id, "untouched", "CP group of size 1"))
             continue
         reason = check_site(site)
-        window, kernel = None, _kernel_for(site, ctx.options.attention)
+        window, kernel, proof = None, _kernel_for(site, ctx.options.attention), MaskProof()
         if reason is None:
-            window, reason = site_window(site, config, outer)
+            proof = mask_proof(site, outer)
+            window, reason = site_window(site, config, proof=proof)
         if reason is None:
             reason = _kernel_reason(site, kernel)
         if reason is not None:
             counters["sdpa_refused"] += 1
             refuse(site.located, reason, _report(site, ctx.graph_id, "refused", reason))
             continue
-        spec = _site_spec(site, ctx, window, kernel)
+        spec = _site_spec(site, ctx, window, kernel, proof)
         ops.register_site(spec)
         reports.append(_report(site, ctx.graph_id, "rewritten", spec=spec))
         try:
