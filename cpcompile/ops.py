@@ -112,7 +112,9 @@ class SiteSpec:
     group_name: str
     cp_size: int
     cp_rank: int
-    #: Same-document condition (the model built a packed-document bool mask) or plain global causal order.
+    #: Same-document condition (the model's bool mask has one, or was not analysed: see
+    #: :attr:`cpcompile.passes.mask_rules.MaskProof.documents`) or plain global causal order. Every path reads it
+    #: here: the step check's local rule, the document ids attention gets, the halo and selective exchange.
     documents: bool
     #: Sliding window in tokens, or ``None``.
     window: int | None

@@ -36,7 +36,7 @@ before it reaches the mask (``//``, ``%``, ``*``, a comparison with a constant, 
 combined with ``|`` or negated as a whole, read from a buffer or written in place, is refused with the model's
 source line.
 
-Why one module of about 540 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
+Why one module of about 580 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
 spelling accepted in one place and refused in another is the error this module exists to prevent.
 """
 
@@ -104,7 +104,8 @@ class _Difference:
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    """A bool pairwise mask proved to be causal order, same document and the windows ``windows`` (or fewer)."""
+    """A bool pairwise mask proved to be causal order, the windows ``windows`` and, where ``documents``, same
+    document (or fewer)."""
 
     windows: frozenset = frozenset()
     #: The node of an order or distance of per-token positions (``position_ids[k] <= position_ids[q]``) among its
