@@ -131,7 +131,7 @@ class Inspection:
     totals: tuple[RankTotals, ...]
     #: The plan of the global batch (rank 0's view; ``plan.token_indices(r)`` gives any rank's tokens).
     plan: CPPlan
-    #: Whether the rewritten sites use the packed-document mask (bool-mask form) or plain causal order.
+    #: Whether the rewritten sites keep packed documents apart (``SiteReport.documents``) or plain causal order.
     documents: bool
     #: Every graph traced, of every traced rank.
     graphs: tuple[TracedGraph, ...] = dataclasses.field(repr=False)

@@ -130,8 +130,8 @@ def inspect_model(
     workload = _workload([report for _, report in reports], options.block_size)
     plans = {r: build_plan(batch, cp_size, r, layout=layout, workload=workload) for r in ranks}
     rows = tuple(_rank_site(g, report, plans[g.rank]) for g, report in reports)
-    rewritten_forms = [r.mask_form for r in rows if r.action == "rewritten"]
-    documents = not rewritten_forms or rewritten_forms[0] == "bool-mask"
+    rewritten = [r for r in rows if r.action == "rewritten"]
+    documents = not rewritten or rewritten[0].documents
     plan = plans[0] if 0 in plans else build_plan(batch, cp_size, 0, layout=layout, workload=workload)
     totals = tuple(_totals(rank, rows, plan, workload) for rank in ranks)
     return Inspection(
@@ -178,7 +178,7 @@ def _workload(rows: list[SiteReport], block_size: int) -> Workload:
     layers: dict[tuple[bool, int | None], set[str]] = {}
     for r in rows:
         if r.action == "rewritten":
-            layers.setdefault((r.mask_form == "bool-mask", r.window), set()).add(r.layer)
+            layers.setdefault((r.documents, r.window), set()).add(r.layer)
     selective = any(r.action == "rewritten" and r.exchange == "selective" for r in rows)
     return workload_of(layers, block_size, split_keys=selective)
 
@@ -190,12 +190,11 @@ def _rank_site(graph: TracedGraph, report: SiteReport, plan: CPPlan) -> RankSite
         return RankSite(graph.rank, graph.calls, report)
     itemsize = getattr(torch, report.dtype).itemsize
     per_token = report.kv_heads * (report.k_shape[3] + report.v_shape[3]) * itemsize  # K and V, one row
-    documents = report.mask_form == "bool-mask"
     rows = range(plan.batch_size)
-    needed = sum(len(plan.keys_needed(report.window, row=b, documents=documents)) for b in rows) * per_token
+    needed = sum(len(plan.keys_needed(report.window, row=b, documents=report.documents)) for b in rows) * per_token
     exchanged = 0
     if report.exchange in ("halo", "selective"):  # one all-to-all of the keys the plan routes, every row
-        exchanged = len(plan.exchange_needs(report.window, documents=documents)) * plan.batch_size * per_token
+        exchanged = len(plan.exchange_needs(report.window, documents=report.documents)) * plan.batch_size * per_token
     return RankSite(graph.rank, graph.calls, report, halo_bytes_per_call=exchanged, needed_bytes_per_call=needed)
 
 

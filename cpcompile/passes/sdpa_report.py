@@ -49,6 +49,9 @@ class SiteReport:
     kernel: str = ""
     #: Sliding window of the site in tokens (``None``: none).
     window: int | None = None
+    #: Whether the rewritten site keeps packed documents apart (its spec's same-document condition: the model's
+    #: mask has one, or was not analysed; :attr:`cpcompile.passes.mask_rules.MaskProof.documents`).
+    documents: bool = False
     #: How the keys of other ranks arrive: ``"all_gather"``, ``"halo"`` (sliding window: only the keys the
     #: local queries see, into ``halo_slots`` key slots per K and V; bytes depend on the batch, see
     #: :meth:`cpcompile.plan.CPPlan.halo_needs`) or ``"selective"`` (full attention, ``backend(...,
@@ -162,6 +165,7 @@ def _report(site: SDPASite, graph_id: int, action: str, reason: str = "", spec: 
         reason=reason,
         kernel=spec.kernel if spec is not None else "",
         window=spec.window if spec is not None else None,
+        documents=bool(spec is not None and spec.documents),
         exchange=spec.exchange if spec is not None and spec.cp_size > 1 else "",
         halo_slots=spec.halo_slots if spec is not None else 0,
         gathered_shapes=tuple(_shape(t) for t in gathered),
