@@ -18,10 +18,10 @@ import copy
 import datetime
 import faulthandler
 import importlib
+import importlib.abc
 import io
 import itertools
 import os
-import pkgutil
 import queue
 import shutil
 import sys
@@ -40,7 +40,7 @@ DEFAULT_TIMEOUT_S = 240.0
 #: cores); a failed call does not wait for it, since the parent kills the pool.
 POOL_PG_TIMEOUT_S = 900.0
 #: Pooled ranks kept alive per pytest process, over all pool sizes (each holds a torch runtime, ~0.5 GB).
-MAX_POOLED_RANKS = 6
+MAX_POOLED_RANKS = 9
 #: Exit codes of a rank that died in native code: SIGABRT (glibc's heap-corruption check, "malloc(): unaligned
 #: tcache chunk detected") and SIGSEGV. A run where a rank died so is run once more on new ranks, with a warning
 #: that names the test: an open, intermittent heap corruption (README, "Ending a job") must not decide a test
@@ -86,28 +86,66 @@ _STATE_TYPES = (dict, set, list, collections.OrderedDict, weakref.WeakValueDicti
 _SCALAR_TYPES = (type(None), bool, int, float, str)
 
 
-def _module_state() -> dict:
-    """Every module-level container and private scalar of cpcompile (its registries, warned-once sets, counters)."""
-    import cpcompile
+def _snapshot(module) -> dict:
+    """The module-level containers and private scalars of one cpcompile module (registries, warned-once sets)."""
+    state = {}
+    for attr, value in vars(module).items():
+        if attr.startswith("__"):
+            continue
+        if isinstance(value, _STATE_TYPES) or (attr.startswith("_") and isinstance(value, _SCALAR_TYPES)):
+            state[module.__name__, attr] = (value, copy.copy(value))
+    return state
 
-    for info in pkgutil.walk_packages(cpcompile.__path__, "cpcompile."):
-        if not info.name.endswith("__main__"):
-            importlib.import_module(info.name)
+
+def _is_cpcompile(name: str) -> bool:
+    return name == "cpcompile" or name.startswith("cpcompile.")
+
+
+class _SnapshotOnImport(importlib.abc.MetaPathFinder):
+    """Snapshots each cpcompile module right after its import, before any call can change its state: a pooled
+    rank imports only what its calls use (``cpcompile.integrations.transformers`` alone costs a second and a
+    half of CPU for transformers' Trainer), and a module first imported by a later call still starts clean."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def find_spec(self, name, path, target=None):
+        if not _is_cpcompile(name):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader, state = spec.loader, self.state
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            state.update(_snapshot(module))
+
+        loader.exec_module = exec_module  # a source file's loader serves this one module
+        return spec
+
+
+def _module_state() -> dict:
+    """The state of every cpcompile module imported so far, and of each one imported later (when it is)."""
     state = {}
     for name, module in list(sys.modules.items()):
-        if name != "cpcompile" and not name.startswith("cpcompile."):
-            continue
-        for attr, value in vars(module).items():
-            if attr.startswith("__"):
-                continue
-            if isinstance(value, _STATE_TYPES) or (attr.startswith("_") and isinstance(value, _SCALAR_TYPES)):
-                state[name, attr] = (value, copy.copy(value))
+        if _is_cpcompile(name):
+            state.update(_snapshot(module))
+    sys.meta_path.insert(0, _SnapshotOnImport(state))
     return state
 
 
 def _restore_module_state(state: dict) -> None:
     """Put cpcompile's module state back as :func:`_module_state` found it: a pooled call starts like a new process."""
-    for (name, attr), (obj, saved) in state.items():
+    for (name, attr), (obj, saved) in list(state.items()):
         module = sys.modules[name]
         if isinstance(obj, _STATE_TYPES):
             obj.clear()
