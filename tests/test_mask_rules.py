@@ -26,7 +26,15 @@ from cpcompile.passes.sdpa_cp import find_sdpa_sites, graph_windows
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.graphs import dynamo_graph, run_pass
-from tests.harness.parity import ParityCase, assert_controls, check_case, reference_step
+from tests.harness.parity import (
+    ParityCase,
+    ParityRunner,
+    assert_controls,
+    assert_parity,
+    check_case,
+    check_outcome,
+    reference_step,
+)
 from tests.harness.workers import BALANCED_WORKLOAD
 from tests.models.attention import LONG_WINDOW, WINDOW, attention_lm
 
@@ -160,8 +168,24 @@ class _BrokenMaskModel(_MaskModel):
         return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
 
 
-@pytest.mark.parametrize("spelling", ["k <= q", "k // 8 == q // 8"])
+class _BrokenDocumentsModel(_BrokenMaskModel):
+    """:class:`_BrokenMaskModel` whose mask also keeps documents apart (equal ``position_ids`` labels)."""
+
+    def forward(self, x, position_ids):
+        T = x.shape[1]
+        idx = torch.arange(T, device=x.device)
+        doc = position_ids[:, :, None] == position_ids[:, None, :]
+        mask = (self.rule(idx[:, None], idx[None, :]) & doc)[:, None]
+        torch._dynamo.graph_break()
+        h = self.proj(x)[:, None]
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+@pytest.mark.parametrize("spelling", ["k <= q", "k <= q, documents", "k // 8 == q // 8"])
 def test_mask_handed_to_another_graph_is_proved_where_it_is_built(spelling):
+    """The graph that builds a mask and hands it on proves it; one without a same-document condition is refused
+    there, since the attention's graph sees an input it keeps documents apart with (see
+    ``test_cp2_mask_handed_to_another_graph_or_kept_on_the_module``)."""
     from cpcompile.passes.positions import positions_pass
     from tests.harness.graphs import context
 
@@ -172,14 +196,16 @@ def test_mask_handed_to_another_graph_is_proved_where_it_is_built(spelling):
         return gm.forward
 
     torch._dynamo.reset()
-    rule = {**PROVED, **REFUSED}[spelling][0]
-    torch.compile(_BrokenMaskModel(rule), backend=capture)(x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
+    rule = {**PROVED, **REFUSED}[spelling.removesuffix(", documents")][0]
+    model = _BrokenDocumentsModel(rule) if spelling.endswith("documents") else _BrokenMaskModel(rule)
+    torch.compile(model, backend=capture)(x=torch.randn(1, 16, 8), position_ids=torch.arange(16)[None])
     reports = positions_pass(graphs[0], context(refuse="report"), 16)
     actions = {r.action for r in reports}
-    if spelling in PROVED:
+    if spelling == "k <= q, documents":
         assert actions == {"mask"}, reports
     else:
-        assert "refused" in actions and any("floordiv" in r.reason for r in reports), reports
+        words = "floordiv" if "//" in spelling else "without a same-document condition"
+        assert "refused" in actions and any(words in r.reason for r in reports), reports
 
 
 def test_transformers_masks_are_proved():
@@ -238,7 +264,8 @@ def test_index_only_masks_have_no_documents(spelling):
 
 def test_mask_made_in_another_graph_keeps_documents():
     """A ``[.., T, T]`` mask that is this graph's input is not analysed here (it may hold a document condition):
-    the site keeps documents, and the runtime compares the model's mask with that rule on every step."""
+    the site keeps documents, and the runtime compares the model's mask with that rule on every step. (The graph
+    that made this ``k <= q`` refuses to hand it on under CP: see the test above.)"""
     from cpcompile.passes.sdpa_cp import mask_proof
 
     graphs = []
@@ -254,6 +281,14 @@ def test_mask_made_in_another_graph_keeps_documents():
     assert site.attn_mask.op == "placeholder"
     assert mask_proof(site).documents
     assert _site_documents(site.node.graph.owning_module) == [True]
+
+
+def test_mask_read_from_module_state_is_refused():
+    """A mask read from a buffer (``causal[:T, :T]``) has no values in the graph: whether it keeps documents apart
+    is unknown, and the site would keep them apart where the model does not."""
+    with pytest.raises(UnsupportedAttentionError, match="module state") as e:
+        run_pass(_graph("causal_buffer"))
+    assert "models/attention.py:" in str(e.value), str(e.value)
 
 
 def test_documents_matter_on_the_causal_mask_batches():
@@ -502,6 +537,53 @@ def test_cp2_causal_mask_without_documents_attends_across_them():
         errors = [s for s in summaries if "error" in s]
         assert not errors, f"rank {rank}: {errors}"
         assert summaries[-1]["runs"] > 1, f"the balanced layout kept contiguous chunks: {summaries[-1]}"
+
+
+#: Masks the attention's graph does not build, on the batch above (documents ending at the chunk edge). One layer:
+#: the graph after the break is the same for every layer, and the harness counts one site per layer.
+_HANDED_CASES = {
+    form: ParityCase(
+        model=f"attn:{form}", doc_lens=_EDGE_DOCS, overrides=(("layers", 1),), expected_form=("bool-mask", False)
+    )
+    for form in ("causal_mask_break", "packed_docs_break", "causal_cached", "causal_buffer")
+}
+
+
+def _handed_worker(rank, world_size):
+    import torch.distributed as dist
+
+    out = {}
+    for form, case in _HANDED_CASES.items():
+        torch._dynamo.reset()
+        try:
+            runner = ParityRunner(case, dist.group.WORLD)
+            check_outcome(runner.run())
+            assert_parity(runner.run())  # a second call reads what the first kept on the module
+            out[form] = ""
+        except Exception as e:  # noqa: BLE001 - the test asserts every case's error
+            out[form] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_cp2_mask_handed_to_another_graph_or_kept_on_the_module():
+    """A mask the attention's graph gets as an input is not analysed there: the site keeps documents apart and the
+    step check, which sees only this rank's block, is its guard. With documents ending at the chunk edge that check
+    passes for ``k <= q`` too, which ran silently wrong (parity failed on the logits) when the mask came across a
+    graph break. Now the graph that builds such a mask without a same-document condition refuses to hand it on
+    (also to module state a later call reads), a mask read from a buffer is refused where the attention runs, and
+    a handed mask with a document condition stays exact."""
+    results = run_distributed(_handed_worker, 2, timeout_s=360)
+    assert results[0] == results[1], results
+    got = results[0]
+    assert got["packed_docs_break"] == "", got
+    for form in ("causal_mask_break", "causal_cached"):
+        msg = got[form]
+        assert msg.startswith("UnsupportedPositionError") and "without a same-document condition" in msg, (form, msg)
+        assert "models/attention.py:" in msg and "same graph as the attention" in msg, (form, msg)
+    msg = got["causal_buffer"]
+    assert msg.startswith("UnsupportedAttentionError") and "module state" in msg, msg
+    assert "layers.0.attn" in msg and "models/attention.py:" in msg, msg
 
 
 def test_window_matters_on_the_parity_batch():

@@ -21,8 +21,11 @@ as a formula over query and key positions, and every condition must be one the r
 The site applies the same-document condition only when the mask has one: a mask proved without it (``k <= q``
 of ``arange``, ``ones(T, T).tril()``) attends across packed documents in the model, so the site does too. The step
 check cannot tell the two apart when documents end at chunk edges (every rank's block is causal either way), so
-this is decided here. A mask this module does not analyse (a ``[.., T, T]`` input made in another graph, one read
-from module state) keeps the condition, and the step check compares it with that rule.
+this is decided here. A ``[.., T, T]`` mask input made in another graph is not analysed here and keeps the
+condition, which the step check compares it with: the graph that makes such a mask refuses to hand it on without a
+document condition (:mod:`cpcompile.passes.positions.check`), so an index-only mask never reaches a site as an
+input from a compiled graph. A mask read from module state (a buffer, a tensor an earlier call kept on the module)
+is refused: its values are not in any graph, and nothing tells whether it keeps documents apart.
 
 Causal order and windows of per-token positions (``position_ids[b, k] <= position_ids[b, q]``, transformers'
 packed-sequence mask) hold within a document only, since positions restart at 0 in every one: a mask that orders
@@ -36,7 +39,7 @@ before it reaches the mask (``//``, ``%``, ``*``, a comparison with a constant, 
 combined with ``|`` or negated as a whole, read from a buffer or written in place, is refused with the model's
 source line.
 
-Why one module of about 580 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
+Why one module of about 600 lines: the reader of a mask's subgraph and the rules it proves are one proof; a
 spelling accepted in one place and refused in another is the error this module exists to prevent.
 """
 
@@ -63,8 +66,8 @@ class MaskProof:
     windows: frozenset = frozenset()
     #: Whether the site applies the same-document condition: ``False`` only for a mask proved to be built without
     #: one (causal order and windows of the token index alone, which attend across packed documents); ``True``
-    #: when the mask has one, or was not analysed (made in another graph, read from module state), where the
-    #: step check against the rule with documents is the guard.
+    #: when the mask has one, or was not analysed (a mask input made in another graph, whose maker refuses to hand
+    #: it on without one), where the step check against the rule with documents is the guard.
     documents: bool = True
     #: ``""`` when proved; else the refusal, naming the model's source line and the op.
     reason: str = ""
@@ -193,6 +196,9 @@ class _Prover:
         #: Whether a tensor was read that is neither token positions nor a per-token input (module state, an
         #: input without a token dim): a mask of plain values read from it is not analysed.
         self.reads_plain_tensors = False
+        #: Whether module state was read (a parameter, a buffer, a tensor an earlier call kept on the module): a mask
+        #: of plain values read from it is refused (:func:`prove_mask`).
+        self.reads_state = False
 
     # -- values ------------------------------------------------------------------------------------------
     def value(self, x: object) -> object:
@@ -256,7 +262,7 @@ class _Prover:
         if shape is None:
             return _PLAIN
         if _compat.is_module_state(n):
-            self.reads_plain_tensors = True
+            self.reads_plain_tensors = self.reads_state = True
             return _PLAIN
         dims = [d for d, s in enumerate(shape) if self._is_length(s)]
         v = node_value(n)
@@ -538,7 +544,8 @@ def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> Mask
     Returns the windows it applies and whether it keeps documents apart (:attr:`MaskProof.documents`), or the
     first condition that is not causal order, a sliding window or a document condition (see the module
     docstring), with the model's source line. A mask that is a graph input (made in another graph) is proved here
-    as far as this graph sees it, with documents; the runtime checks it on every step.
+    as far as this graph sees it, with documents; the runtime checks it on every step. A mask of values read from
+    module state is refused.
     ``outer`` (:func:`outer_arguments`) follows the inputs of nested graphs to the graph that calls them.
     """
     prover = _Prover(length, outer)
@@ -562,6 +569,15 @@ def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> Mask
                 f"length {length} of the queries, and cpcompile cannot guard them equal; pass inputs that the "
                 "model relates to the tokens, or run this attention without context parallelism"
             )
+    if (value is _PLAIN or value == _ONES) and prover.reads_state:
+        return MaskProof(
+            reason="the mask is read from module state (a buffer, or a tensor an earlier call kept on the module), "
+            "whose values cpcompile cannot read: neither its order nor whether it keeps packed documents apart "
+            "can be proved across CP ranks, and this rank's block of it can look right while the whole sequence's "
+            "is not; build the mask in the attention's graph on every call, from arange(T) (k <= q, k > q - "
+            "window) and equal document ids or position ids restarting at 0 per document, or run this attention "
+            "without context parallelism"
+        )
     return MaskProof(windows=frozenset(prover.windows), documents=_documents(value, prover))
 
 
@@ -569,7 +585,8 @@ def _documents(value: object, prover: _Prover) -> bool:
     """:attr:`MaskProof.documents` of a proved mask: ``False`` for a rule without a same-document condition and for
     a mask of plain values made in the graph (``ones(T, T).tril()``), which depends on no per-token input; ``True``
     for a rule with one, and wherever the mask was not analysed (a rule with a mask made elsewhere, plain values
-    read from module state or other inputs, a per-token value that is not a ``[.., T, T]`` rule)."""
+    read from inputs without a token dim, a per-token value that is not a ``[.., T, T]`` rule). Plain values read
+    from module state do not get here: :func:`prove_mask` refuses them."""
     if isinstance(value, _Rule):
         return value.documents or value.opaque
     if value is _PLAIN or value == _ONES:

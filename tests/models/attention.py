@@ -33,6 +33,13 @@ Attention forms (``ATTENTION_FORMS``):
   document condition, so attention crosses packed documents, as with ``causal_gqa`` (rewritten without one).
 * ``causal_window``: ``causal_mask`` within ``WINDOW`` tokens, ``(k <= q) & (k > q - WINDOW)`` of ``arange(T)``:
   a sliding window across packed documents (rewritten with that window and without documents).
+* ``causal_mask_break``: ``causal_mask`` with a graph break (``torch._dynamo.graph_break()``) between the mask and
+  the attention: one graph builds the mask and hands it on, the attention's graph gets it as an input.
+* ``packed_docs_break``: ``packed_docs`` with the same graph break: a handed mask with a document condition.
+* ``causal_cached``: ``causal_mask`` built on the first call of a length and kept on the module, which later calls
+  read (module state made by a compiled graph).
+* ``causal_buffer``: ``causal_mask`` read from a buffer made at construction, ``causal[:T, :T]`` (module state made
+  outside any graph).
 """
 
 from __future__ import annotations
@@ -64,6 +71,10 @@ ATTENTION_FORMS = (
     "position_lookup",
     "causal_mask",
     "causal_window",
+    "causal_mask_break",
+    "packed_docs_break",
+    "causal_cached",
+    "causal_buffer",
 )
 
 
@@ -81,6 +92,9 @@ class Attention(nn.Module):
         self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.cached_mask: torch.Tensor | None = None  # causal_cached
+        if form == "causal_buffer":
+            self.register_buffer("causal", torch.ones(512, 512, dtype=torch.bool).tril(), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -96,11 +110,11 @@ class Attention(nn.Module):
             kwargs = {"is_causal": True, "enable_gqa": True}
         elif self.form in (
             "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff",
-            "chunked",
+            "chunked", "packed_docs_break",
         ):  # fmt: skip
             doc = position_ids if self.form == "document_ids" else _doc_ids(position_ids)  # ids given as they are
             mask = doc[:, :, None] == doc[:, None, :]
-            if self.form in ("packed_docs", "head_expanded", "document_ids"):
+            if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break"):
                 mask = mask & causal
             elif self.form == "window":
                 mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
@@ -121,8 +135,14 @@ class Attention(nn.Module):
             doc = _doc_ids(position_ids)
             mask = (position_ids[b, kv_idx] <= position_ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])
             kwargs = {"attn_mask": mask}
-        elif self.form == "causal_mask":
+        elif self.form in ("causal_mask", "causal_mask_break"):
             kwargs = {"attn_mask": causal[None, None]}
+        elif self.form == "causal_cached":
+            if self.cached_mask is None or self.cached_mask.shape[-1] != T:
+                self.cached_mask = causal[None, None]
+            kwargs = {"attn_mask": self.cached_mask}
+        elif self.form == "causal_buffer":
+            kwargs = {"attn_mask": self.causal[:T, :T][None, None]}
         elif self.form == "causal_window":
             kwargs = {"attn_mask": (causal & (idx[None, :] > idx[:, None] - WINDOW))[None, None]}
         elif self.form == "float_bias":
@@ -132,6 +152,8 @@ class Attention(nn.Module):
             kwargs = {"is_causal": True, "dropout_p": 0.1}
         elif self.form != "no_mask":
             raise ValueError(f"unknown attention form {self.form!r}; known: {ATTENTION_FORMS}")
+        if self.form.endswith("_break"):  # the mask is handed to the attention's graph
+            torch._dynamo.graph_break()
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         return self.o(out.transpose(1, 2).reshape(B, T, -1))
 

@@ -12,7 +12,9 @@ sources*) in a Dynamo graph and, for each one:
   table at those indices; whatever the model then computes element-wise from them follows;
 * leaves it to the attention mask (**mask**) when every use ends in an SDPA ``attn_mask`` (the attention pass
   replaces those masks and checks them against the plan at run time; the backend runs this pass after it, so
-  the model's mask then feeds the ``model_mask`` argument of a ``cpcompile::`` op);
+  the model's mask then feeds the ``model_mask`` argument of a ``cpcompile::`` op); a mask handed to another
+  graph (a graph break, a tensor kept on the module) is proved here instead, and refused when it cannot be or
+  has no same-document condition, since the graph that receives it keeps documents apart;
 * leaves it **unchanged** when it holds the same value at every position (``ones(T)``) and is only used
   element-wise;
 * **refuses** it (:class:`UnsupportedPositionError` at compile time) when it mixes positions along the sequence

@@ -78,10 +78,23 @@ def _numbers_local_rows(src: PositionSource) -> bool:
     return True
 
 
+#: Why a mask without a same-document condition is not handed to another graph.
+HANDED_WITHOUT_DOCUMENTS = (
+    "it builds a mask without a same-document condition (causal order or a window of the token index alone, which "
+    "attends across packed documents) and hands it to another graph (a graph break before the attention, or a "
+    "tensor kept on the module for a later call), where the attention cannot see how it was built and keeps "
+    "documents apart: a rank's block of the mask looks the same either way when documents end at a chunk edge"
+)
+
+
 def _handed_mask_reason(src: PositionSource) -> str:
     """Why a mask built from ``src`` and handed to another graph (the graph's output: a graph break, one graph
-    per layer) cannot be proved (:func:`cpcompile.passes.mask_rules.prove_mask`), or ``""``. A mask used by an
-    SDPA call of this graph or of a nested one is proved by the attention pass."""
+    per layer, a tensor kept on the module) cannot be proved (:func:`cpcompile.passes.mask_rules.prove_mask`), or
+    has no same-document condition (:data:`HANDED_WITHOUT_DOCUMENTS`), or ``""``. The graph that receives it does
+    not analyse it and keeps documents apart (:attr:`~cpcompile.passes.mask_rules.MaskProof.documents`), which is
+    exact only for a mask with a document condition: this graph is the one that knows, and Dynamo compiles it
+    before the mask can reach any other. A mask used by an SDPA call of this graph or of a nested one is proved by
+    the attention pass."""
     facts, seen, stack = src.facts, set(), [src.node]
     while stack:
         n = stack.pop()
@@ -93,6 +106,8 @@ def _handed_mask_reason(src: PositionSource) -> str:
                 proof = prove_mask(n, shape_of(n)[-1])
                 if proof.reason:
                     return f"it builds a mask handed to another graph: {proof.reason}"
+                if not proof.documents:
+                    return HANDED_WITHOUT_DOCUMENTS
             elif u in facts.mask_only and u in facts.live:
                 stack.append(u)
     return ""

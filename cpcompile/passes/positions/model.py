@@ -66,6 +66,12 @@ REASON_FIXES = (
         "to the end of a longer table (table[-T:]) selects rows that depend on the local length",
     ),
     (
+        "without a same-document condition (causal order or a window of the token index alone",
+        "build the mask in the same graph as the attention on every call (no graph break between them, not kept on "
+        "the module), or add the same-document condition (equal document ids, or position ids that restart at 0 in "
+        "every document, as cpcompile.shard passes them)",
+    ),
+    (
         "that outlives this call (a cache that later calls read)",
         "fill the cache for every row once, outside the training call (at init, for the longest sequence), so "
         "that the training call only slices it (cache[:T]), which cpcompile rewrites",
