@@ -66,6 +66,9 @@ class MaskAttention(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         if self.mask == "causal":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal.expand(B, 1, T, T))
+        elif self.mask == "segments":  # documents as the caller's per-token segment ids say, not as the batch's
+            same = prefix[:, :, None] == prefix[:, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(same & causal)[:, None])
         elif self.mask == "prefix":
             both = prefix[:, :, None] & prefix[:, None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=(causal | both)[:, None])
@@ -81,9 +84,11 @@ class MaskAttention(nn.Module):
 class MaskLM(nn.Module):
     """One attention layer (``attn``) whose bool mask the test chooses.
 
-    ``mask``: ``"causal"`` (causal, ignores packed documents), ``"prefix"`` (causal, plus bidirectional inside
-    the prefix marked by the per-token input ``prefix``), ``"branch"`` (the document mask only when the local
-    positions hold a document boundary, else ``is_causal``: a data-dependent branch).
+    ``mask``: ``"causal"`` (causal, across packed documents), ``"segments"`` (causal within the segments that the
+    per-token input ``prefix`` numbers: a same-document mask whose ids the caller may get wrong), ``"prefix"``
+    (causal, plus bidirectional inside the prefix marked by the per-token input ``prefix``), ``"branch"`` (the
+    document mask only when the local positions hold a document boundary, else ``is_causal``: a data-dependent
+    branch).
     """
 
     def __init__(self, mask: str, vocab: int = 128, hidden: int = 16) -> None:
@@ -237,14 +242,17 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     split = packed_batch([[4, 12], [16]], seed=1)  # boundary in rank 0's chunk only
     out["branch"] = _outcome(lambda: _model_step(cm, split, group, layout="contiguous"))
 
-    # 6. masks checked on every new batch: a mask that ignores documents passes a one-document batch, then is
-    #    refused on the packed one; a prefix-LM mask whose prefix is an input, refused when the prefix appears
+    # 6. masks checked on every new batch: a same-document mask whose segment ids ignore the batch's documents
+    #    (all zero) passes a one-document batch, then is refused on the packed one; a prefix-LM mask whose prefix
+    #    is an input, refused when the prefix appears
     group = _group(world_size)
-    cm = _compiled(MaskLM("causal"), group)
-    out["mask_causal_first"] = _outcome(lambda: _model_step(cm, one_doc, group))
-    out["attention_warnings"] = _warnings_of(lambda: _model_step(cm, one_doc, group))  # attention compiled: none
+    cm = _compiled(MaskLM("segments"), group)
+    one_segment = dict(one_doc, prefix=torch.zeros(2, 16, dtype=torch.long))
+    out["mask_causal_first"] = _outcome(lambda: _model_step(cm, one_segment, group))
+    out["attention_warnings"] = _warnings_of(lambda: _model_step(cm, one_segment, group))  # attention compiled
     _short(group)
-    out["mask_causal_packed"] = _outcome(lambda: _model_step(cm, batch, group))
+    stale = dict(batch, prefix=torch.zeros_like(batch["input_ids"]))
+    out["mask_causal_packed"] = _outcome(lambda: _model_step(cm, stale, group))
     out["pending_after_mismatch"] = _compat.pending_collectives()  # the check ran before the K/V exchange
     group = _group(world_size)
     cm = _compiled(MaskLM("prefix"), group)
