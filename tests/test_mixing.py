@@ -22,8 +22,8 @@ import cpcompile
 from cpcompile.passes import counters
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
 from tests.harness.graphs import counter_delta
-from tests.models.attention import lm_output
 from tests.models.mixing import mixer_lm
+from tests.models.tiny import lm_output
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -48,7 +48,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from tests.models.tiny import doc_ids, lm_output, seeded
+
 WINDOW = 4
 #: The window of the ``window_diff`` form: at least the chunk length of the tests that use it.
 LONG_WINDOW = 24
@@ -76,12 +77,6 @@ ATTENTION_FORMS = (
     "causal_cached",
     "causal_buffer",
 )
-
-
-def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document index per token: a new document wherever the position does not step by +1."""
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    return (step != 1).cumsum(-1)
 
 
 class Attention(nn.Module):
@@ -112,7 +107,7 @@ class Attention(nn.Module):
             "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff",
             "chunked", "packed_docs_break",
         ):  # fmt: skip
-            doc = position_ids if self.form == "document_ids" else _doc_ids(position_ids)  # ids given as they are
+            doc = position_ids if self.form == "document_ids" else doc_ids(position_ids)  # ids given as they are
             mask = doc[:, :, None] == doc[:, None, :]
             if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break"):
                 mask = mask & causal
@@ -168,33 +163,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm(x), position_ids)
         return x + self.mlp(x)
-
-
-def causal_lm_loss(logits, labels, shift_labels, num_items_in_batch):
-    """transformers' causal-LM loss: cross entropy summed over supervised tokens / ``num_items_in_batch``."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    total = F.cross_entropy(
-        logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    n = (shift_labels != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-    return total / n
-
-
-def lm_output(logits, labels=None, shift_labels=None, num_items_in_batch=None):
-    """A transformers ``CausalLMOutput``: the logits and, when labels are given, :func:`causal_lm_loss`."""
-    from transformers.modeling_outputs import CausalLMOutput
-
-    loss = None
-    if labels is not None or shift_labels is not None:
-        loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-    return CausalLMOutput(loss=loss, logits=logits)
-
-
-def seeded(cls, *args, seed: int = 0, **kwargs) -> nn.Module:
-    """``cls(*args, **kwargs)`` with weights drawn from ``seed``, in train mode."""
-    torch.manual_seed(seed)
-    return cls(*args, **kwargs).train()
 
 
 class TinyAttentionLM(nn.Module):

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
 
-from tests.models.attention import lm_output, seeded
+from tests.models.tiny import lm_output, seeded
 
 FORMS = ("document", "sliding", "softcap")
 REFUSED_FORMS = ("dense_mask", "learned_bias")

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models.attention import _doc_ids, lm_output, seeded
+from tests.models.tiny import doc_ids, lm_output, seeded
 
 SPELLINGS = (
     "repeat_kv",  # k[:, :, None].expand(B, Hkv, n, T, D).reshape(B, H, T, D)
@@ -67,7 +67,7 @@ class KVAttention(nn.Module):
         else:
             idx = torch.arange(T, device=x.device)
             causal = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - self.window)
-            doc = _doc_ids(position_ids)
+            doc = doc_ids(position_ids)
             mask = causal[None] & (doc[:, :, None] == doc[:, None, :])
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o(out.transpose(1, 2).reshape(B, T, -1))

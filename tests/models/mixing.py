@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models.attention import Block, lm_output, seeded
+from tests.models.attention import Block
+from tests.models.tiny import lm_output, seeded
 
 MIXERS = (
     "conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan",

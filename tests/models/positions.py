@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models.attention import lm_output, seeded
+from tests.models.tiny import lm_output, seeded
 
 #: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
 FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions", "library_style")
