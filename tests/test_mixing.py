@@ -3,7 +3,7 @@ fake CP group of 2.
 
 The fake group moves no data, so these tests check what the mixing pass decides at compile time (the ops it finds
 and what it does with each, the refusals and their messages, the graph it writes, the options); parity of the
-rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.MixerLM``
+rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.mixer_lm``
 (one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), Llama, GLM-4-MoE,
 Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
 dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).

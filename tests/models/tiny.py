@@ -179,11 +179,15 @@ class Attention(nn.Module):
 
 class SDPA(Attention):
     """``F.scaled_dot_product_attention`` with the keyword arguments ``mask(attn, q, batch)`` returns (the mask,
-    ``is_causal``, dropout), plus ``enable_gqa=True`` when K/V keep their heads."""
+    ``is_causal``, dropout), plus ``enable_gqa=True`` when K/V keep their heads. A ``mask`` with a
+    ``build(attn, max_len)`` method registers what it reads (buffers, state) on the attention module, as
+    :meth:`Rope.build` does."""
 
     def __init__(self, hidden, heads, kv_heads, max_len, *, mask=causal, rope=None, expand=None) -> None:
         super().__init__(hidden, heads, kv_heads, max_len, rope=rope, expand=expand)
         self.mask = mask
+        if hasattr(mask, "build"):
+            mask.build(self, max_len)
 
     def attend(self, q, k, v, batch):
         kwargs = self.mask(self, q, batch)
