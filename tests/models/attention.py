@@ -182,34 +182,15 @@ def sdpa(form: str) -> AttentionFactory:
     return partial(SDPA, mask=Mask(form), expand=None if form == "causal_gqa" else repeat_kv)
 
 
-def attention_lm(
-    form: str,
-    *,
-    seed: int = 0,
-    vocab: int = 128,
-    hidden: int = 32,
-    heads: int = 4,
-    kv_heads: int = 2,
-    layers: int = 2,
-    max_positions: int = 512,
-) -> TinyLM:
-    """A :class:`TinyLM` of ``layers`` attention layers in ``form`` and learned positions (``max_positions``
-    rows; none for ``position_lookup``, whose ``position_ids`` reach the mask alone), weights drawn from ``seed``,
-    in train mode. The attention modules are ``layers.<i>.attn``."""
-    return seeded(
-        TinyLM,
-        [sdpa(form)] * layers,
-        vocab=vocab,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        max_len=max_positions,
-        positions=Positions() if form in _WITHOUT_POSITIONS else LearnedPositions(),
-        seed=seed,
-    )
+def attention_lm(form: str, *, seed: int = 0, layers: int = 2, max_positions: int = 512, **sizes) -> TinyLM:
+    """A :class:`TinyLM` of ``layers`` attention layers in ``form`` (modules ``layers.<i>.attn``) and learned
+    positions (``max_positions`` rows; none for ``position_lookup``, whose ``position_ids`` reach the mask alone),
+    weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``, ``heads``, ``kv_heads``."""
+    positions = Positions() if form in _WITHOUT_POSITIONS else LearnedPositions()
+    return seeded(TinyLM, [sdpa(form)] * layers, max_len=max_positions, positions=positions, seed=seed, **sizes)
 
 
-def mlp_lm(*, seed: int = 0, vocab: int = 128, hidden: int = 32) -> TinyLM:
+def mlp_lm(*, seed: int = 0, **sizes) -> TinyLM:
     """A causal LM without attention (one token-wise MLP block): a model in which cpcompile has nothing to rewrite;
-    weights drawn from ``seed``, in train mode."""
-    return seeded(TinyLM, [None], vocab=vocab, hidden=hidden, seed=seed)
+    weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``."""
+    return seeded(TinyLM, [None], seed=seed, **sizes)

@@ -116,34 +116,14 @@ def reference_attention(q, k, v, mask_mod, score_mod, want_lse: bool):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def flex_lm(
-    form: str,
-    *,
-    seed: int = 0,
-    vocab: int = 128,
-    hidden: int = 32,
-    heads: int = 4,
-    kv_heads: int = 2,
-    layers: int = 2,
-    max_len: int = 128,
-    impl: str = "auto",
-) -> TinyLM:
+def flex_lm(form: str, *, seed: int = 0, layers: int = 2, impl: str = "auto", **sizes) -> TinyLM:
     """A :class:`TinyLM` of ``layers`` flex attention layers in ``form`` (modules ``layers.<i>.attn``) and learned
-    positions (``max_len`` rows), weights drawn from ``seed``, in train mode."""
+    positions, weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``, ``heads``,
+    ``kv_heads``, ``max_len`` (rows of the position table)."""
     if form not in (*FORMS, *REFUSED_FORMS) or impl not in ("auto", "flex", "reference"):
         raise ValueError(f"unknown form {form!r} or impl {impl!r}; forms {FORMS}, impls auto/flex/reference")
     attention = partial(FlexAttention, form=form, impl=impl)
-    return seeded(
-        TinyLM,
-        [attention] * layers,
-        vocab=vocab,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        max_len=max_len,
-        positions=LearnedPositions(),
-        seed=seed,
-    )
+    return seeded(TinyLM, [attention] * layers, positions=LearnedPositions(), seed=seed, **sizes)
 
 
 def document(*, seed: int = 0, **kwargs) -> TinyLM:

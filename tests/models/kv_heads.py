@@ -47,21 +47,12 @@ def expand_heads(x: torch.Tensor, n: int, spelling: str) -> torch.Tensor:
     raise ValueError(f"unknown spelling {spelling!r}; known: {SPELLINGS}")
 
 
-def kv_heads_lm(
-    spelling: str,
-    *,
-    seed: int = 0,
-    vocab: int = 128,
-    hidden: int = 32,
-    heads: int = 4,
-    kv_heads: int = 2,
-    layers: int = 2,
-    window: int | None = None,
-) -> TinyLM:
-    """A :class:`TinyLM` of ``layers`` attention layers expanding K/V in ``spelling``, causal or (``window``) a
-    sliding window of ``window`` tokens; weights drawn from ``seed``, in train mode. Attention: ``layers.<i>.attn``."""
+def kv_heads_lm(spelling: str, *, seed: int = 0, layers: int = 2, window: int | None = None, **sizes) -> TinyLM:
+    """A :class:`TinyLM` of ``layers`` attention layers (``layers.<i>.attn``) expanding K/V in ``spelling``, causal
+    or (``window``) a sliding window of ``window`` tokens; weights drawn from ``seed``, in train mode; ``sizes``:
+    TinyLM's ``vocab``, ``hidden``, ``heads``, ``kv_heads``."""
     if spelling not in SPELLINGS:
         raise ValueError(f"unknown spelling {spelling!r}; known: {SPELLINGS}")
     mask = causal if window is None else Mask("window", window=window)
     attention = partial(SDPA, mask=mask, expand=partial(expand_heads, spelling=spelling))
-    return seeded(TinyLM, [attention] * layers, vocab=vocab, hidden=hidden, heads=heads, kv_heads=kv_heads, seed=seed)
+    return seeded(TinyLM, [attention] * layers, seed=seed, **sizes)

@@ -159,20 +159,11 @@ class ModelPositions(tiny.Positions):
         return None
 
 
-def position_lm(
-    form: str,
-    *,
-    seed: int = 0,
-    vocab: int = 128,
-    hidden: int = 32,
-    heads: int = 4,
-    kv_heads: int = 2,
-    layers: int = 2,
-    max_len: int = 128,
-) -> tiny.TinyLM:
+def position_lm(form: str, *, seed: int = 0, layers: int = 2, **sizes) -> tiny.TinyLM:
     """A :class:`tests.models.tiny.TinyLM` with positions as ``form`` says (see the module docstring), weights drawn
-    from ``seed``, in train mode. ``max_len`` is the number of rows of the position tables (RoPE caches, learned
-    positions); the attention modules are ``layers.<i>.attn``."""
+    from ``seed``, in train mode; the attention modules are ``layers.<i>.attn``. ``sizes``: TinyLM's ``vocab``,
+    ``hidden``, ``heads``, ``kv_heads`` and ``max_len``, the rows of the position tables (RoPE caches, learned
+    positions)."""
     if form not in (*FORMS, "all_forms", *REFUSED_FORMS):
         raise ValueError(f"unknown position form {form!r}; known: {(*FORMS, 'all_forms', *REFUSED_FORMS)}")
     layer_forms = ALL_FORMS_LAYERS if form == "all_forms" else (form,) * layers
@@ -181,17 +172,7 @@ def position_lm(
         partial(tiny.SDPA, rope=Rope(f), expand=tiny.repeat_kv if f == "lit_style" else None) for f in layer_forms
     ]
     positions = ModelPositions(form, rope_tables="lit_style" in layer_forms)
-    return tiny.seeded(
-        tiny.TinyLM,
-        attention,
-        vocab=vocab,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        max_len=max_len,
-        positions=positions,
-        seed=seed,
-    )
+    return tiny.seeded(tiny.TinyLM, attention, positions=positions, seed=seed, **sizes)
 
 
 def titan_style(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
