@@ -7,7 +7,7 @@ silently wrong. The attention pass now reads the whole mask-building subgraph (:
 causal order, same document and sliding windows in any of their spellings are proved (the window joins the site),
 and any other use of token positions is refused with the model's source line.
 
-One process: the pass on Dynamo graphs of ``tests.models.attention.TinyAttentionLM`` and of small mask functions. One
+One process: the pass on Dynamo graphs of ``tests.models.attention.attention_lm`` and of small mask functions. One
 spawned CP=2 group: parity of the difference-spelled window against the single-process eager model (plus a
 control showing the window matters on that batch), and chunked attention refused on every rank.
 """
@@ -288,7 +288,7 @@ def test_mask_read_from_module_state_is_refused():
     is unknown, and the site would keep them apart where the model does not."""
     with pytest.raises(UnsupportedAttentionError, match="module state") as e:
         run_pass(_graph("causal_buffer"))
-    assert "models/attention.py:" in str(e.value), str(e.value)
+    assert "models/tiny.py:" in str(e.value), str(e.value)  # the attention's call (TinyLM's SDPA)
 
 
 def test_documents_matter_on_the_causal_mask_batches():
@@ -583,7 +583,7 @@ def test_cp2_mask_handed_to_another_graph_or_kept_on_the_module():
         assert "models/attention.py:" in msg and "same graph as the attention" in msg, (form, msg)
     msg = got["causal_buffer"]
     assert msg.startswith("UnsupportedAttentionError") and "module state" in msg, msg
-    assert "layers.0.attn" in msg and "models/attention.py:" in msg, msg
+    assert "layers.0.attn" in msg and "models/tiny.py:" in msg, msg  # the attention's call (TinyLM's SDPA)
 
 
 def test_window_matters_on_the_parity_batch():

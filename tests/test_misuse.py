@@ -1,6 +1,6 @@
 """Every bad input a user can give gets a ValueError/TypeError on every rank, naming the value and the fix, before
 anything is compiled or communicated where possible. One spawned group per CP size (2 and 3) runs the whole
-table (``tests.harness.safe_workers.misuse_worker``); models: ``tests.models.attention.TinyAttentionLM``
+table (``tests.harness.safe_workers.misuse_worker``); models: ``tests.models.attention.attention_lm``
 (packed-document mask) and a tiny transformers Llama (``cpcompile.testing.tiny_model``)."""
 
 from __future__ import annotations

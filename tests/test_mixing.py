@@ -3,7 +3,7 @@ fake CP group of 2.
 
 The fake group moves no data, so these tests check what the mixing pass decides at compile time (the ops it finds
 and what it does with each, the refusals and their messages, the graph it writes, the options); parity of the
-rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.MixerLM``
+rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.mixer_lm``
 (one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), Llama, GLM-4-MoE,
 Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
 dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).
@@ -22,8 +22,8 @@ import cpcompile
 from cpcompile.passes import counters
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
 from tests.harness.graphs import counter_delta
-from tests.models.attention import lm_output
 from tests.models.mixing import mixer_lm
+from tests.models.tiny import lm_output
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -1,7 +1,7 @@
 """Parity of models that mix tokens outside attention, compiled with cpcompile at CP=2 and CP=4 (gloo processes), vs
 the same model run whole in one process on the same global batch. ONE spawned group of 4 processes runs every case.
 
-Models: ``tests.models.mixing.MixerLM`` with a causal depthwise conv1d (``conv``), a pad-and-slice token shift
+Models: ``tests.models.mixing.mixer_lm`` with a causal depthwise conv1d (``conv``), a pad-and-slice token shift
 (``shift``) and positions from a cumsum of a mask (``mask_cumsum``), each before a packed-document attention
 layer; transformers LFM2 (``Lfm2ForCausalLM``, ``layer_types=["conv", "full_attention"]``, the ``lfm2`` family).
 T = 37 is not a multiple of 2 or 4: the last rank holds padding tokens, which sit after every real token and so

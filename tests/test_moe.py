@@ -26,7 +26,7 @@ from cpcompile.testing import MOE_FAMILIES, packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.graphs import dynamo_graph, run_pass
 from tests.harness.workers import balanced_case
-from tests.models.attention import lm_output, seeded
+from tests.models.tiny import lm_output, seeded
 
 DOCS = [[10, 20, 7], [5, 30, 2]]  # T = 37
 

@@ -165,14 +165,14 @@ def test_refused_at_compile_time(world, form, node_words, reason_words):
 @pytest.mark.parametrize(
     "form, line_words, reason_words, fix_words",
     [
-        ("live_max", "(return self.wpe(t) + (t.max() + 1))", "max mixes", "this reduction sees only"),
+        ("live_max", "(return model.wpe(t) + (t.max() + 1))", "max mixes", "this reduction sees only"),
         ("live_inplace", "(pe.add_(t.max()))", "max mixes", "this reduction sees only"),
-        ("table_tail", "(return self.wpe.weight[-T:])", "a slice at an offset", "table[-T:]"),
+        ("table_tail", "(return model.wpe.weight[-T:])", "a slice at an offset", "table[-T:]"),
         ("partial_slice", "(return torch.cat((e[-(T - 1) :]", "slice(neg, None, None) (a shift", "index the whole"),
         ("ellipsis_contraction", 'einsum("...f -> f"', "einsum contracts the sequence dim", "this product sums"),
         (
             "repeated_positions",
-            "(return self.wpe(t.repeat_interleave(2)[:T]))",
+            "(return model.wpe(t.repeat_interleave(2)[:T]))",
             "repeat_interleave repeats positions along the sequence (or flattens it)",
             "take its positions as an input",
         ),
@@ -202,7 +202,7 @@ def test_cache_written_in_place_is_refused_on_every_call(world):
             with cpcompile.shard(packed_batch(DOCS, vocab_size=64), world, hf_kwargs=False) as local:
                 compiled(local["input_ids"])
         message = str(info.value)
-        assert "(self.cached[:T] = torch.cat((freqs, freqs), -1).cos())" in message, message
+        assert "(model.cached[:T] = torch.cat((freqs, freqs), -1).cos())" in message, message
         assert "setitem writes it in place into l_self_buffers_cached_, a buffer or parameter" in message, message
         assert "fill the cache for every row once, outside the training call" in message, message
     assert model.cached_rows == 0 and not model.cached.any()

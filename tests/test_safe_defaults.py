@@ -1,7 +1,7 @@
 """Ranks that disagree are caught by default, on every rank, in seconds: different batches or options (the
 batch check of ``cpcompile.shard``), ranks that take different paths through a step (every control round
 carries the step, its kind and the batch fingerprint), and model masks that change with the batch (checked on
-every step). Tiny hand-written models (``tests.models.attention.TinyAttentionLM`` with its packed-document mask, and
+every step). Tiny hand-written models (``tests.models.attention.attention_lm`` with its packed-document mask, and
 ``tests.harness.safe_workers.MaskLM``) at CP=2 on gloo, aot_eager."""
 
 from __future__ import annotations

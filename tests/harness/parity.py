@@ -16,7 +16,7 @@ logits, sums the per-rank losses and every parameter's gradient over the group. 
 steps (FSDP2 with an optimizer) call :func:`reference_step` and :func:`cp_step` directly.
 
 Models (:meth:`ParityCase.build_model`): any family of :data:`cpcompile.testing.FAMILIES` (transformers models
-built from tiny configs), ``"attn:<form>"`` for :class:`tests.models.attention.TinyAttentionLM`, or
+built from tiny configs), ``"attn:<form>"`` for :func:`tests.models.attention.attention_lm`, or
 ``"module:factory"``.
 
 Negative controls (:data:`CONTROLS`, :meth:`ParityRunner.run`) break the CP side through public means only (the
@@ -72,7 +72,7 @@ CONTROLS: tuple[Corruption, ...] = ("label_shift", "merge_documents", "plan_merg
 class ParityCase:
     """One parity configuration (picklable: sent to spawned ranks)."""
 
-    #: A family of ``cpcompile.testing.FAMILIES``, ``"attn:<form>"`` (a ``tests.models.attention.TinyAttentionLM``) or
+    #: A family of ``cpcompile.testing.FAMILIES``, ``"attn:<form>"`` (``tests.models.attention.attention_lm``) or
     #: ``"package.module:factory"`` (called as ``factory(seed=seed, **overrides)``; must return a model in train
     #: mode taking a transformers causal LM's keyword arguments and returning ``.loss``/``.logits``).
     model: str
@@ -85,7 +85,7 @@ class ParityCase:
     #: Weight seed and batch seed.
     seed: int = 0
     batch_seed: int = 1
-    #: Config overrides for HF models / constructor kwargs for TinyAttentionLM.
+    #: Config overrides for HF models / keyword arguments of the factory (``attention_lm`` for ``"attn:<form>"``).
     overrides: tuple[tuple[str, object], ...] = ()
     #: SDPA sites that must be rewritten (one per attention layer); default: the model's layer count.
     expected_sites: int | None = None

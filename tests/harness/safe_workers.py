@@ -56,7 +56,7 @@ class MaskAttention(nn.Module):
         self.v = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x, position_ids, prefix=None):
-        from tests.models.attention import _doc_ids
+        from tests.models.tiny import doc_ids
 
         # the branch is decided first, so that the graph after the break computes q, k and v itself
         docs = self.mask == "branch" and bool((torch.diff(position_ids, dim=-1) != 1).any())
@@ -73,7 +73,7 @@ class MaskAttention(nn.Module):
             both = prefix[:, :, None] & prefix[:, None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=(causal | both)[:, None])
         elif docs:
-            doc = _doc_ids(position_ids)
+            doc = doc_ids(position_ids)
             mask = (doc[:, :, None] == doc[:, None, :]) & causal
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         else:
@@ -98,7 +98,7 @@ class MaskLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
-        from tests.models.attention import lm_output
+        from tests.models.tiny import lm_output
 
         x = self.embed(input_ids)
         logits = self.head(x + self.attn(x, position_ids, kw.get("prefix")))
@@ -120,7 +120,7 @@ class HiddenAttentionLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, input_ids, position_ids, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
-        from tests.models.attention import lm_output
+        from tests.models.tiny import lm_output
 
         x = self.embed(input_ids)
         B, T, H = x.shape

@@ -1,8 +1,5 @@
-"""Small hand-written causal LMs for tests: each calls ``F.scaled_dot_product_attention`` in one chosen form.
-
-They take the keyword arguments of a transformers causal LM (``input_ids``, ``position_ids``, ``labels``,
-``shift_labels``, ``num_items_in_batch``, ``use_cache``) and return a transformers ``CausalLMOutput``, so the
-parity helper (:mod:`tests.harness.parity`) and :func:`cpcompile.shard` treat them like HF models.
+"""Tiny causal LMs (:class:`tests.models.tiny.TinyLM`) whose attention calls ``F.scaled_dot_product_attention`` in
+one chosen form, with learned positions looked up at the given ``position_ids`` (none with ``position_lookup``).
 
 Attention forms (``ATTENTION_FORMS``):
 
@@ -40,15 +37,28 @@ Attention forms (``ATTENTION_FORMS``):
   read (module state made by a compiled graph).
 * ``causal_buffer``: ``causal_mask`` read from a buffer made at construction, ``causal[:T, :T]`` (module state made
   outside any graph).
+
+Every form but ``causal_gqa`` expands K/V to the query heads (:func:`tests.models.tiny.repeat_kv`).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from functools import partial
 
-IGNORE_INDEX = -100
+import torch
+
+from tests.models.tiny import (
+    SDPA,
+    AttentionFactory,
+    LearnedPositions,
+    Positions,
+    TinyLM,
+    batch_positions,
+    doc_ids,
+    repeat_kv,
+    seeded,
+)
+
 WINDOW = 4
 #: The window of the ``window_diff`` form: at least the chunk length of the tests that use it.
 LONG_WINDOW = 24
@@ -76,198 +86,111 @@ ATTENTION_FORMS = (
     "causal_cached",
     "causal_buffer",
 )
+#: The forms whose bool mask is built from the documents of the batch.
+_DOCUMENT_FORMS = (
+    "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff", "chunked",
+    "packed_docs_break",
+)  # fmt: skip
+#: The forms whose model has no learned positions: ``position_ids`` reach the mask alone.
+_WITHOUT_POSITIONS = ("position_lookup",)
 
 
-def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document index per token: a new document wherever the position does not step by +1."""
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    return (step != 1).cumsum(-1)
+def _document_source(batch: dict) -> torch.Tensor:
+    """What the masks read documents from: the batch's ``document_ids`` when the model is given them, else its
+    position ids."""
+    return batch["document_ids"] if batch["document_ids"] is not None else batch_positions(batch)
 
 
-class Attention(nn.Module):
-    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int) -> None:
-        super().__init__()
-        self.form, self.heads, self.kv_heads = form, heads, kv_heads
-        self.head_dim = hidden // heads
-        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
-        self.cached_mask: torch.Tensor | None = None  # causal_cached
-        if form == "causal_buffer":
-            self.register_buffer("causal", torch.ones(512, 512, dtype=torch.bool).tril(), persistent=False)
+class Mask:
+    """The SDPA keyword arguments of ``form`` (a mask of :class:`tests.models.tiny.SDPA`); ``window``: the window of
+    the ``window`` and ``causal_window`` forms.
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.form != "causal_gqa":  # every other form uses plain multi-head attention
-            rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        kwargs: dict = {}
-        idx = torch.arange(T, device=x.device)
+    Documents come from ``position_ids``, or from ``document_ids`` when the model is given them (taken as they
+    are by the ``document_ids`` form, split where they do not step by +1 by the others).
+    """
+
+    def __init__(self, form: str, window: int = WINDOW) -> None:
+        if form not in ATTENTION_FORMS:
+            raise ValueError(f"unknown attention form {form!r}; known: {ATTENTION_FORMS}")
+        self.form, self.window = form, window
+
+    def build(self, attn: SDPA, max_len: int) -> None:
+        """The state the ``causal_cached`` and ``causal_buffer`` forms read, on the attention module: the mask kept
+        by the last call (``cached_mask``), a ``[max_len, max_len]`` causal buffer (``causal``)."""
+        if self.form == "causal_cached":
+            attn.cached_mask = None
+        if self.form == "causal_buffer":
+            attn.register_buffer("causal", torch.ones(max_len, max_len, dtype=torch.bool).tril(), persistent=False)
+
+    def __call__(self, attn: SDPA, q: torch.Tensor, batch: dict) -> dict:
+        kwargs = self._kwargs(attn, q, batch)
+        if self.form.endswith("_break"):  # the mask is handed to the attention's graph
+            torch._dynamo.graph_break()
+        return kwargs
+
+    def _kwargs(self, attn: SDPA, q: torch.Tensor, batch: dict) -> dict:
+        B, H, T, _ = q.shape
+        idx = torch.arange(T, device=q.device)
         causal = idx[None, :] <= idx[:, None]
         if self.form == "causal_gqa":
-            kwargs = {"is_causal": True, "enable_gqa": True}
-        elif self.form in (
-            "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff",
-            "chunked", "packed_docs_break",
-        ):  # fmt: skip
-            doc = position_ids if self.form == "document_ids" else _doc_ids(position_ids)  # ids given as they are
+            return {"is_causal": True}
+        if self.form in _DOCUMENT_FORMS:
+            ids = _document_source(batch)
+            doc = ids if self.form == "document_ids" else doc_ids(ids)
             mask = doc[:, :, None] == doc[:, None, :]
             if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break"):
                 mask = mask & causal
             elif self.form == "window":
-                mask = mask & causal & (idx[None, :] > idx[:, None] - WINDOW)
+                mask = mask & causal & (idx[None, :] > idx[:, None] - self.window)
             elif self.form == "window_diff":
                 mask = mask & causal & ((idx[:, None] - idx[None, :]) < LONG_WINDOW)
             elif self.form == "chunked":
                 mask = mask & causal & (idx[None, :] // CHUNK == idx[:, None] // CHUNK)
             mask = mask[:, None]
             if self.form == "head_expanded":
-                mask = mask.expand(B, self.heads, T, T)
+                mask = mask.expand(B, H, T, T)
             elif self.form == "head_windows":  # head h sees the 2 + h tokens up to itself
-                window = torch.arange(2, 2 + self.heads, device=x.device)[None, :, None, None]
+                window = torch.arange(2, 2 + H, device=q.device)[None, :, None, None]
                 mask = mask & causal & (idx[None, None, None, :] > idx[None, None, :, None] - window)
-            kwargs = {"attn_mask": mask}
-        elif self.form == "position_lookup":
-            b = torch.arange(B, device=x.device)[:, None, None, None]
+            return {"attn_mask": mask}
+        if self.form == "position_lookup":  # both looked up at the token index, as transformers' packed mask
+            ids = _document_source(batch)
+            doc = doc_ids(ids)
+            b = torch.arange(B, device=q.device)[:, None, None, None]
             q_idx, kv_idx = idx[None, None, :, None], idx[None, None, None, :]
-            doc = _doc_ids(position_ids)
-            mask = (position_ids[b, kv_idx] <= position_ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])
-            kwargs = {"attn_mask": mask}
-        elif self.form in ("causal_mask", "causal_mask_break"):
-            kwargs = {"attn_mask": causal[None, None]}
-        elif self.form == "causal_cached":
-            if self.cached_mask is None or self.cached_mask.shape[-1] != T:
-                self.cached_mask = causal[None, None]
-            kwargs = {"attn_mask": self.cached_mask}
-        elif self.form == "causal_buffer":
-            kwargs = {"attn_mask": self.causal[:T, :T][None, None]}
-        elif self.form == "causal_window":
-            kwargs = {"attn_mask": (causal & (idx[None, :] > idx[:, None] - WINDOW))[None, None]}
-        elif self.form == "float_bias":
-            bias = torch.zeros(T, T, device=x.device).masked_fill(~causal, float("-inf"))
-            kwargs = {"attn_mask": bias}
-        elif self.form == "dropout":
-            kwargs = {"is_causal": True, "dropout_p": 0.1}
-        elif self.form != "no_mask":
-            raise ValueError(f"unknown attention form {self.form!r}; known: {ATTENTION_FORMS}")
-        if self.form.endswith("_break"):  # the mask is handed to the attention's graph
-            torch._dynamo.graph_break()
-        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+            return {"attn_mask": (ids[b, kv_idx] <= ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])}
+        if self.form in ("causal_mask", "causal_mask_break"):
+            return {"attn_mask": causal[None, None]}
+        if self.form == "causal_cached":
+            if attn.cached_mask is None or attn.cached_mask.shape[-1] != T:
+                attn.cached_mask = causal[None, None]
+            return {"attn_mask": attn.cached_mask}
+        if self.form == "causal_buffer":
+            return {"attn_mask": attn.causal[:T, :T][None, None]}
+        if self.form == "causal_window":
+            return {"attn_mask": (causal & (idx[None, :] > idx[:, None] - self.window))[None, None]}
+        if self.form == "float_bias":
+            return {"attn_mask": torch.zeros(T, T, device=q.device).masked_fill(~causal, float("-inf"))}
+        if self.form == "dropout":
+            return {"is_causal": True, "dropout_p": 0.1}
+        return {}  # no_mask
 
 
-class Block(nn.Module):
-    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.attn = Attention(form, hidden, heads, kv_heads)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm(x), position_ids)
-        return x + self.mlp(x)
+def sdpa(form: str) -> AttentionFactory:
+    """The attention factory of ``form`` for :class:`TinyLM`: SDPA under :class:`Mask` ``form``, K/V expanded to
+    the query heads except for ``causal_gqa``."""
+    return partial(SDPA, mask=Mask(form), expand=None if form == "causal_gqa" else repeat_kv)
 
 
-def causal_lm_loss(logits, labels, shift_labels, num_items_in_batch):
-    """transformers' causal-LM loss: cross entropy summed over supervised tokens / ``num_items_in_batch``."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    total = F.cross_entropy(
-        logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    n = (shift_labels != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-    return total / n
+def attention_lm(form: str, *, seed: int = 0, layers: int = 2, max_positions: int = 512, **sizes) -> TinyLM:
+    """A :class:`TinyLM` of ``layers`` attention layers in ``form`` (modules ``layers.<i>.attn``) and learned
+    positions (``max_positions`` rows; none for ``position_lookup``, whose ``position_ids`` reach the mask alone),
+    weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``, ``heads``, ``kv_heads``."""
+    positions = Positions() if form in _WITHOUT_POSITIONS else LearnedPositions()
+    return seeded(TinyLM, [sdpa(form)] * layers, max_len=max_positions, positions=positions, seed=seed, **sizes)
 
 
-def lm_output(logits, labels=None, shift_labels=None, num_items_in_batch=None):
-    """A transformers ``CausalLMOutput``: the logits and, when labels are given, :func:`causal_lm_loss`."""
-    from transformers.modeling_outputs import CausalLMOutput
-
-    loss = None
-    if labels is not None or shift_labels is not None:
-        loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-    return CausalLMOutput(loss=loss, logits=logits)
-
-
-def seeded(cls, *args, seed: int = 0, **kwargs) -> nn.Module:
-    """``cls(*args, **kwargs)`` with weights drawn from ``seed``, in train mode."""
-    torch.manual_seed(seed)
-    return cls(*args, **kwargs).train()
-
-
-class TinyAttentionLM(nn.Module):
-    """Embedding + learned positions (none with the ``position_lookup`` form) + ``layers`` blocks whose attention
-    uses ``form`` + LM head.
-
-    The attention modules are ``layers.<i>.attn`` (the names cpcompile reports).
-    """
-
-    def __init__(
-        self,
-        form: str,
-        *,
-        vocab: int = 128,
-        hidden: int = 32,
-        heads: int = 4,
-        kv_heads: int = 2,
-        layers: int = 2,
-        max_positions: int = 512,
-    ) -> None:
-        super().__init__()
-        if form not in ATTENTION_FORMS:
-            raise ValueError(f"unknown attention form {form!r}; known: {ATTENTION_FORMS}")
-        self.embed = nn.Embedding(vocab, hidden)
-        self.pos = None if form == "position_lookup" else nn.Embedding(max_positions, hidden)
-        self.layers = nn.ModuleList(Block(form, hidden, heads, kv_heads) for _ in range(layers))
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(
-        self,
-        input_ids,
-        position_ids=None,
-        labels=None,
-        shift_labels=None,
-        num_items_in_batch=None,
-        use_cache=None,
-        document_ids=None,
-    ):
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed(input_ids)
-        if self.pos is not None:
-            x = x + self.pos(position_ids)
-        # the attention reads documents from position_ids, or from document_ids when the model is given them
-        position_ids = position_ids if document_ids is None else document_ids
-        for layer in self.layers:
-            x = layer(x, position_ids)
-        logits = self.head(x)
-        return lm_output(logits, labels, shift_labels, num_items_in_batch)
-
-
-class TinyMLPLM(nn.Module):
-    """A causal LM without attention (token-wise MLP): a model in which cpcompile has nothing to rewrite."""
-
-    def __init__(self, vocab: int = 128, hidden: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(
-        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
-    ):
-        x = self.embed(input_ids)
-        logits = self.head(x + self.mlp(x))
-        return lm_output(logits, labels, shift_labels, num_items_in_batch)
-
-
-def attention_lm(form: str, *, seed: int = 0, **kwargs) -> TinyAttentionLM:
-    """A :class:`TinyAttentionLM` with weights drawn from ``seed``, in train mode."""
-    return seeded(TinyAttentionLM, form, **kwargs, seed=seed)
-
-
-def mlp_lm(*, seed: int = 0, **kwargs) -> TinyMLPLM:
-    """A :class:`TinyMLPLM` with weights drawn from ``seed``, in train mode."""
-    return seeded(TinyMLPLM, **kwargs, seed=seed)
+def mlp_lm(*, seed: int = 0, **sizes) -> TinyLM:
+    """A causal LM without attention (one token-wise MLP block): a model in which cpcompile has nothing to rewrite;
+    weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``."""
+    return seeded(TinyLM, [None], seed=seed, **sizes)

@@ -1,9 +1,9 @@
-"""Small causal LMs whose attention is ``flex_attention``, written the way torchtitan writes it.
+"""Tiny causal LMs (:class:`tests.models.tiny.TinyLM`, learned positions at ``position_ids``) whose attention is
+``flex_attention``, written the way torchtitan writes it.
 
-Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.harness.parity` and
-:func:`cpcompile.shard` treat it like one). Attention builds its mask from a ``mask_mod`` over per-token
-tensors of the batch it is given, as torchtitan's document BlockMask does (document ids are
-``(position_ids == 0).cumsum(-1)``: packed documents restart their positions at 0):
+Attention builds its mask from a ``mask_mod`` over per-token tensors of the batch it is given, as torchtitan's
+document BlockMask does (document ids are ``(position_ids == 0).cumsum(-1)``: packed documents restart their
+positions at 0):
 
 * ``document``: causal and same document (torchtitan's ``and_masks(causal_mask, document_mask)``);
 * ``sliding``: ``document`` within a sliding window of :data:`WINDOW` tokens;
@@ -24,13 +24,14 @@ one-process side of a parity test). K/V have fewer heads than Q (``enable_gqa=Tr
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
 
-from tests.models.attention import lm_output, seeded
+from tests.models.tiny import Attention, LearnedPositions, TinyLM, batch_positions, seeded
 
 FORMS = ("document", "sliding", "softcap")
 REFUSED_FORMS = ("dense_mask", "learned_bias")
@@ -69,28 +70,25 @@ def mods(form: str, docs: torch.Tensor, heads: int, bias: torch.Tensor | None = 
     return (sliding if form == "sliding" else document), (softcap if form == "softcap" else None)
 
 
-class FlexAttention(nn.Module):
-    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, impl: str) -> None:
-        super().__init__()
-        self.form, self.heads, self.kv_heads, self.impl = form, heads, kv_heads, impl
-        self.head_dim = hidden // heads
-        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+class FlexAttention(Attention):
+    """``flex_attention`` of ``form`` (``enable_gqa=True``: K/V keep their heads); ``impl`` (an attribute a test
+    may set): ``"flex"``, ``"reference"`` or ``"auto"`` (see the module docstring)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, max_len: int, *, form: str, impl: str) -> None:
+        super().__init__(hidden, heads, kv_heads, max_len)
+        self.form, self.impl = form, impl
         if form == "softcap":
             self.lse_proj = nn.Linear(heads, hidden, bias=False)
         self.bias = nn.Parameter(torch.zeros(heads)) if form == "learned_bias" else None
 
-    def forward(self, x: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    def attend(self, q, k, v, batch):
+        B, _, T, _ = q.shape
+        docs = (batch_positions(batch) == 0).cumsum(-1)  # torchtitan: document ids from the document starts
         mask_mod, score_mod = mods(self.form, docs, self.heads, self.bias)
         want_lse = self.form == "softcap"
         flex = self.impl == "flex" or (self.impl == "auto" and torch.compiler.is_compiling())
         if flex:
-            block_mask = create_block_mask(mask_mod, B, None, T, T, device=x.device)
+            block_mask = create_block_mask(mask_mod, B, None, T, T, device=q.device)
             # the lse through return_aux: the deprecated return_lse=True warns once, and the warning's state is a
             # Dynamo guard (one recompile on the second call)
             aux = AuxRequest(lse=True) if want_lse else None
@@ -98,10 +96,7 @@ class FlexAttention(nn.Module):
             out, lse = (res[0], res[1].lse) if want_lse else (res, None)
         else:
             out, lse = reference_attention(q, k, v, mask_mod, score_mod, want_lse)
-        y = self.o(out.transpose(1, 2).reshape(B, T, -1))
-        if lse is not None:
-            y = y + self.lse_proj(lse.transpose(1, 2))
-        return y
+        return out, None if lse is None else self.lse_proj(lse.transpose(1, 2))
 
 
 def reference_attention(q, k, v, mask_mod, score_mod, want_lse: bool):
@@ -121,71 +116,25 @@ def reference_attention(q, k, v, mask_mod, score_mod, want_lse: bool):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-class Block(nn.Module):
-    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, impl: str) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(hidden)
-        self.attn = FlexAttention(form, hidden, heads, kv_heads, impl)
-        self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
-
-    def forward(self, x, docs):
-        x = x + self.attn(self.norm1(x), docs)
-        return x + self.mlp(self.norm2(x))
+def flex_lm(form: str, *, seed: int = 0, layers: int = 2, impl: str = "auto", **sizes) -> TinyLM:
+    """A :class:`TinyLM` of ``layers`` flex attention layers in ``form`` (modules ``layers.<i>.attn``) and learned
+    positions, weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``, ``heads``,
+    ``kv_heads``, ``max_len`` (rows of the position table)."""
+    if form not in (*FORMS, *REFUSED_FORMS) or impl not in ("auto", "flex", "reference"):
+        raise ValueError(f"unknown form {form!r} or impl {impl!r}; forms {FORMS}, impls auto/flex/reference")
+    attention = partial(FlexAttention, form=form, impl=impl)
+    return seeded(TinyLM, [attention] * layers, positions=LearnedPositions(), seed=seed, **sizes)
 
 
-class FlexLM(nn.Module):
-    """Embedding, learned positions indexed by ``position_ids``, ``layers`` flex blocks and an LM head.
-
-    The attention modules are ``layers.<i>.attn``.
-    """
-
-    def __init__(
-        self,
-        form: str,
-        *,
-        vocab: int = 128,
-        hidden: int = 32,
-        heads: int = 4,
-        kv_heads: int = 2,
-        layers: int = 2,
-        max_len: int = 128,
-        impl: str = "auto",
-    ) -> None:
-        super().__init__()
-        if form not in (*FORMS, *REFUSED_FORMS) or impl not in ("auto", "flex", "reference"):
-            raise ValueError(f"unknown form {form!r} or impl {impl!r}; forms {FORMS}, impls auto/flex/reference")
-        self.embed = nn.Embedding(vocab, hidden)
-        self.wpe = nn.Embedding(max_len, hidden)
-        self.layers = nn.ModuleList(Block(form, hidden, heads, kv_heads, impl) for _ in range(layers))
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(
-        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
-    ):
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        docs = (position_ids == 0).cumsum(-1)  # torchtitan: document ids from the document starts
-        x = self.embed(input_ids) + self.wpe(position_ids)
-        for layer in self.layers:
-            x = layer(x, docs)
-        return lm_output(self.head(x), labels, shift_labels, num_items_in_batch)
-
-
-def flex_lm(form: str, *, seed: int = 0, **kwargs) -> FlexLM:
-    """A :class:`FlexLM` with weights drawn from ``seed``, in train mode."""
-    return seeded(FlexLM, form, seed=seed, **kwargs)
-
-
-def document(*, seed: int = 0, **kwargs) -> FlexLM:
+def document(*, seed: int = 0, **kwargs) -> TinyLM:
     return flex_lm("document", seed=seed, **kwargs)
 
 
-def sliding(*, seed: int = 0, **kwargs) -> FlexLM:
+def sliding(*, seed: int = 0, **kwargs) -> TinyLM:
     return flex_lm("sliding", seed=seed, **kwargs)
 
 
-def softcap(*, seed: int = 0, **kwargs) -> FlexLM:
+def softcap(*, seed: int = 0, **kwargs) -> TinyLM:
     return flex_lm("softcap", seed=seed, **kwargs)
 
 

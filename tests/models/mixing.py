@@ -1,7 +1,8 @@
-"""Small causal LMs that mix tokens outside attention, one mixer each, for tests of the mixing pass.
+"""Tiny causal LMs that mix tokens outside attention, one mixer each, for tests of the mixing pass.
 
-:class:`MixerLM` is embedding -> ``mixer`` -> one attention block (packed-document mask, tests.models.attention) ->
-LM head; it takes a transformers causal LM's keyword arguments and returns a ``CausalLMOutput``. Mixers (``MIXERS``):
+:func:`mixer_lm` is a :class:`tests.models.tiny.TinyLM`: embedding -> :class:`Mixer` (module ``mixer``) -> one
+attention block (``layers.0``, the ``packed_docs`` mask of :mod:`tests.models.attention`) -> LM head. Mixers
+(``MIXERS``):
 
 * ``conv``: LFM2's short conv: depthwise ``conv1d(padding=k-1, groups=C)`` over ``[B, C, T]``, then ``[..., :T]``;
 * ``shift``: token shift, ``F.pad(x, (0, 0, 1, 0))[:, :-1]`` mixed into ``x`` (RWKV-style);
@@ -33,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models.attention import Block, lm_output, seeded
+from tests.models.attention import sdpa
+from tests.models.tiny import TinyLM, seeded
 
 MIXERS = (
     "conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan",
@@ -90,6 +92,8 @@ prefix_sum.register_autograd(_prefix_backward, setup_context=_prefix_setup)
 
 
 class Mixer(nn.Module):
+    """The mixer ``form`` on the embeddings ``[B, T, hidden]`` (``max_positions``: rows of its position table)."""
+
     def __init__(self, form: str, hidden: int, max_positions: int) -> None:
         super().__init__()
         if form not in MIXERS:
@@ -100,8 +104,9 @@ class Mixer(nn.Module):
         self.pos = nn.Embedding(max_positions, hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         B, T, H = x.shape
+        input_ids = batch["input_ids"]
         if self.form == "conv":
             y = self.conv(self.mix(x).transpose(1, 2))[..., :T]
             return x + y.transpose(1, 2)
@@ -148,27 +153,14 @@ class Mixer(nn.Module):
         return x + (within + q @ carried).reshape(B, T, H)
 
 
-class MixerLM(nn.Module):
-    """Embedding -> ``mixer`` -> one packed-document attention block -> LM head (modules ``mixer``, ``layers.0``)."""
+def mixer_lm(
+    *, seed: int = 0, mixer: str = "conv", vocab: int = 128, hidden: int = 32, max_positions: int = 512
+) -> TinyLM:
+    """A :class:`TinyLM` with ``mixer`` before one packed-document attention layer (modules ``mixer``,
+    ``layers.0``), weights drawn from ``seed``, in train mode (``ParityCase`` factory); ``max_positions``: the rows
+    of the ``mask_cumsum`` mixer's position table."""
 
-    def __init__(self, mixer: str, *, vocab: int = 128, hidden: int = 32, max_positions: int = 512) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.mixer = Mixer(mixer, hidden, max_positions)
-        self.layers = nn.ModuleList([Block("packed_docs", hidden, 4, 2)])
-        self.head = nn.Linear(hidden, vocab, bias=False)
+    def build() -> TinyLM:
+        return TinyLM([sdpa("packed_docs")], vocab=vocab, hidden=hidden, mixer=Mixer(mixer, hidden, max_positions))
 
-    def forward(
-        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
-    ):
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.mixer(self.embed(input_ids), input_ids)
-        for layer in self.layers:
-            x = layer(x, position_ids)
-        return lm_output(self.head(x), labels, shift_labels, num_items_in_batch)
-
-
-def mixer_lm(*, seed: int = 0, mixer: str = "conv", **kwargs) -> MixerLM:
-    """A :class:`MixerLM` with weights drawn from ``seed``, in train mode (``ParityCase`` factory)."""
-    return seeded(MixerLM, mixer, **kwargs, seed=seed)
+    return seeded(build, seed=seed)

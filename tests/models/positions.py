@@ -1,10 +1,11 @@
-"""Small causal LMs that compute their own positions, the ways non-transformers model code does.
+"""Tiny causal LMs that compute their own positions, the ways non-transformers model code does.
 
-Every model takes the keyword arguments of a transformers causal LM (so :mod:`tests.harness.parity` and
-:func:`cpcompile.shard` treat it like one) but, except :func:`explicit_positions`, ignores ``position_ids``: like
-``model(tokens)`` in torchtitan, litgpt or nanoGPT, it derives the position of every token from the length of the
-sequence it is given. Attention is SDPA with ``is_causal=True`` (global causal order over the whole row, as those
-libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, models in train mode):
+The hand-written models are :class:`tests.models.tiny.TinyLM`: their RoPE forms are a :class:`Rope` of each
+attention layer, their learned positions and litgpt's model-level tables a :class:`ModelPositions`. Except
+:func:`explicit_positions`, they ignore ``position_ids``: like ``model(tokens)`` in torchtitan, litgpt or nanoGPT,
+they derive the position of every token from the length of the sequence they are given. Attention is SDPA with
+``is_causal=True`` (global causal order over the whole row, as those libraries' plain training call). Factories
+(``factory(seed=0, **kwargs)``, models in train mode):
 
 * :func:`titan_style`: complex RoPE table per attention layer sliced by length, ``cache[0:T]`` (torchtitan's
   ``ComplexRoPE``: ``view_as_complex``/``view_as_real``), ``enable_gqa=True``;
@@ -17,8 +18,8 @@ libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, model
   unused ``max_pos = t.max() + 1``, frequencies from an ellipsis einsum ``einsum("..., f -> ... f", t, inv_freq)``,
   the last ``T`` of ``T`` rows ``emb[:, -T:, :]``, and ``narrow(1, k - q, q)`` with ``k`` and ``q`` the same
   local length (no KV cache);
-* :func:`all_forms`: one layer of each of the first four forms's attention and learned positions at the embedding:
-  one compile covers every form (the inductor CP=4 case);
+* :func:`all_forms`: one attention layer of each RoPE form (``ALL_FORMS_LAYERS``) and learned positions at the
+  embedding: one compile covers every form (the inductor case);
 * :func:`mixed_positions`: positions from ``ones_like(input_ids).cumsum(-1) - 1``, which mixes along the sequence
   before it meets the data: refused;
 * :func:`llama_without_positions`: a transformers Llama called without ``position_ids``, which then computes
@@ -26,22 +27,23 @@ libraries' plain training call). Factories (``factory(seed=0, **kwargs)``, model
 * :func:`torchtitan_llama3` and :func:`litgpt_gpt`: the real packages' models (optional test dependencies,
   installed by ``scripts/setup.sh``), called as ``model(tokens)``.
 
-Why one module of about 530 lines: one tiny model family whose position spelling is the parameter; the
-spellings share its layers and are compared against each other in the tests.
+:func:`position_only_lm` models have no blocks: a position term (:class:`OnlyPositions`, ``POSITION_ONLY_FORMS``
+and the near misses ``POSITION_ONLY_REFUSED``) added to the token embeddings, then the LM head.
 """
 
 from __future__ import annotations
 
 import sys
 import types
+from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from tests.models.attention import lm_output, seeded
+from tests.models import tiny
+from tests.models.tiny import lm_output
 
-#: Forms of :class:`PositionLM` that cpcompile makes exact (``all_forms`` combines them).
+#: Forms of :func:`position_lm` that cpcompile makes exact (``all_forms`` combines them).
 FORMS = ("titan_style", "lit_style", "arange_rope", "learned_positions", "explicit_positions", "library_style")
 #: Attention form of each layer of the ``all_forms`` model (which adds learned positions at the embedding).
 ALL_FORMS_LAYERS = ("titan_style", "lit_style", "arange_rope", "explicit_positions", "library_style")
@@ -66,187 +68,146 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Attention(nn.Module):
-    """``[B, T, H, D]`` projections, RoPE as the model's form asks, SDPA ``is_causal=True``."""
+class Rope(tiny.Rope):
+    """RoPE of ``form`` on ``q`` and ``k`` ``[B, T, H, D]`` (``learned_positions`` and the refused forms: none)."""
 
-    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, max_len: int) -> None:
-        super().__init__()
-        self.form, self.heads, self.kv_heads = form, heads, kv_heads
-        self.head_dim = hidden // heads
-        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
-        if form in ("titan_style", "explicit_positions"):
-            freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(self.head_dim))
-            self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
-        if form in ("arange_rope", "library_style"):
-            self.register_buffer("inv_freq", _rope_inv_freq(self.head_dim), persistent=False)
+    def __init__(self, form: str) -> None:
+        self.form = form
 
-    def _complex_rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def build(self, attn, max_len):
+        if self.form in ("titan_style", "explicit_positions"):
+            freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(attn.head_dim))
+            attn.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        if self.form in ("arange_rope", "library_style"):
+            attn.register_buffer("inv_freq", _rope_inv_freq(attn.head_dim), persistent=False)
+
+    @staticmethod
+    def _complex_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
         return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
 
-    def forward(self, x, rope, position_ids) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.heads, self.head_dim)
-        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.head_dim).unbind(2)
+    def __call__(self, attn, q, k, batch):
+        T = q.shape[1]
         if self.form == "titan_style":  # torchtitan: rope_cache[0:seqlen].view(1, seqlen, 1, D/2)
-            freqs_cis = self.cache[0:T].view(1, T, 1, -1)
-            q, k = self._complex_rope(q, freqs_cis), self._complex_rope(k, freqs_cis)
-        elif self.form == "explicit_positions":  # torchtitan's path with positions: cache[positions]
-            freqs_cis = self.cache[position_ids].unsqueeze(2)
-            q, k = self._complex_rope(q, freqs_cis), self._complex_rope(k, freqs_cis)
-        elif self.form == "arange_rope":  # RoPE computed on the fly from arange(T)
-            t = torch.arange(T, device=x.device).type_as(self.inv_freq)
-            freqs = torch.outer(t, self.inv_freq)
+            freqs_cis = attn.cache[0:T].view(1, T, 1, -1)
+            return self._complex_rope(q, freqs_cis), self._complex_rope(k, freqs_cis)
+        if self.form == "explicit_positions":  # torchtitan's path with positions: cache[positions]
+            freqs_cis = attn.cache[batch["position_ids"]].unsqueeze(2)
+            return self._complex_rope(q, freqs_cis), self._complex_rope(k, freqs_cis)
+        if self.form == "arange_rope":  # RoPE computed on the fly from arange(T)
+            t = torch.arange(T, device=q.device).type_as(attn.inv_freq)
+            freqs = torch.outer(t, attn.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         elif self.form == "library_style":
-            t = torch.arange(T, device=x.device).type_as(self.inv_freq)
+            t = torch.arange(T, device=q.device).type_as(attn.inv_freq)
             max_pos = t.max() + 1  # noqa: F841 - computed for an option that is off
-            freqs = torch.einsum("..., f -> ... f", t, self.inv_freq)
+            freqs = torch.einsum("..., f -> ... f", t, attn.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)[None]
             k_len, q_len = emb.shape[1], q.shape[1]  # one length: no KV cache
             cos, sin = emb.cos()[:, -q_len:, :], emb.sin().narrow(1, k_len - q_len, q_len)
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         elif self.form == "lit_style":  # litgpt: cos[:T], sin[:T] from the model, (1, T, D)
-            cos, sin = rope
+            cos, sin = batch["tables"]
             cos, sin = cos.view(1, T, 1, -1), sin.view(1, T, 1, -1)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.form == "lit_style":  # litgpt expands K/V itself
-            rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+            return q, k
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-class Block(nn.Module):
-    def __init__(self, form: str, hidden: int, heads: int, kv_heads: int, max_len: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(hidden)
-        self.attn = Attention(form, hidden, heads, kv_heads, max_len)
-        self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+class ModelPositions(tiny.Positions):
+    """The model-level positions of a :func:`position_lm` model: the absolute position embeddings of the learned
+    and refused forms (``wpe``), and litgpt's ``cos``/``sin`` tables (``rope_tables``) sliced to ``[:T]``."""
 
-    def forward(self, x, rope, position_ids):
-        x = x + self.attn(self.norm1(x), rope, position_ids)
-        return x + self.mlp(self.norm2(x))
+    def __init__(self, form: str, rope_tables: bool) -> None:
+        self.form, self.rope_tables = form, rope_tables
 
-
-class PositionLM(nn.Module):
-    """Embedding, ``layers`` blocks and an LM head; positions as ``form`` says (see the module docstring).
-
-    ``max_len`` is the number of rows of the position tables (RoPE caches, learned positions).
-    The attention modules are ``layers.<i>.attn``.
-    """
-
-    def __init__(
-        self,
-        form: str,
-        *,
-        vocab: int = 128,
-        hidden: int = 32,
-        heads: int = 4,
-        kv_heads: int = 2,
-        layers: int = 2,
-        max_len: int = 128,
-    ) -> None:
-        super().__init__()
-        if form not in (*FORMS, "all_forms", *REFUSED_FORMS):
-            raise ValueError(f"unknown position form {form!r}; known: {(*FORMS, 'all_forms', *REFUSED_FORMS)}")
-        self.form = form
-        layer_forms = ALL_FORMS_LAYERS if form == "all_forms" else (form,) * layers
-        self.embed = nn.Embedding(vocab, hidden)
-        if form in ("learned_positions", "all_forms", *REFUSED_FORMS):
-            self.wpe = nn.Embedding(max_len, hidden)
-        if "lit_style" in layer_forms:
-            freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden // heads))
+    def build(self, model, *, hidden, head_dim, max_len):
+        if self.form in ("learned_positions", "all_forms", *REFUSED_FORMS):
+            model.wpe = nn.Embedding(max_len, hidden)
+        if self.rope_tables:
+            freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(head_dim))
             emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer("cos", emb.cos(), persistent=False)
-            self.register_buffer("sin", emb.sin(), persistent=False)
-        self.layers = nn.ModuleList(Block(f, hidden, heads, kv_heads, max_len) for f in layer_forms)
-        self.head = nn.Linear(hidden, vocab, bias=False)
+            model.register_buffer("cos", emb.cos(), persistent=False)
+            model.register_buffer("sin", emb.sin(), persistent=False)
 
-    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+    def tables(self, model, T):
+        return (model.cos[:T].unsqueeze(0), model.sin[:T].unsqueeze(0)) if self.rope_tables else None
+
+    def term(self, model, batch):
         """Absolute position embeddings ``[B or 1, T, hidden]`` of the learned / refused forms."""
+        ids = batch["input_ids"]
         T = ids.shape[1]
         if self.form in ("learned_positions", "all_forms"):  # nanoGPT
-            return self.wpe(torch.arange(0, T, dtype=torch.long, device=ids.device))
+            return model.wpe(torch.arange(0, T, dtype=torch.long, device=ids.device))
         if self.form == "mixed_positions":
-            return self.wpe(torch.ones_like(ids).cumsum(-1) - 1)
+            return model.wpe(torch.ones_like(ids).cumsum(-1) - 1)
         if self.form == "arange_cumsum":
-            return self.wpe(torch.arange(T, device=ids.device).cumsum(0) % 64)
+            return model.wpe(torch.arange(T, device=ids.device).cumsum(0) % 64)
         if self.form == "table_sum":  # every position gets the sum over the local positions
-            return self.wpe.weight[:T].sum(0, keepdim=True)
+            return model.wpe.weight[:T].sum(0, keepdim=True)
         if self.form == "arange_matmul":  # contracts the sequence dim of a position-derived value
             t = torch.arange(T, device=ids.device, dtype=torch.float32)
-            return (t @ self.wpe.weight[:T])[None, None, :]
+            return (t @ model.wpe.weight[:T])[None, None, :]
         if self.form == "shifted_arange":  # the positions of the next tokens
-            return self.wpe(torch.arange(T + 1, device=ids.device)[1:])
+            return model.wpe(torch.arange(T + 1, device=ids.device)[1:])
         if self.form == "length_value":  # relative position i / T: the local length used as a value
             rel = torch.arange(T, device=ids.device).float() / T
-            return rel[:, None] * self.wpe.weight[0]
+            return rel[:, None] * model.wpe.weight[0]
         if self.form == "linspace":
-            return torch.linspace(0, 1, T, device=ids.device)[:, None] * self.wpe.weight[0]
-        raise AssertionError(self.form)
-
-    def forward(
-        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
-    ):
-        T = input_ids.shape[1]
-        x = self.embed(input_ids)
-        if hasattr(self, "wpe"):
-            x = x + self._positions(input_ids)
-        rope = (self.cos[:T].unsqueeze(0), self.sin[:T].unsqueeze(0)) if hasattr(self, "cos") else None
-        for layer in self.layers:
-            x = layer(x, rope, position_ids)
-        logits = self.head(x)
-        return lm_output(logits, labels, shift_labels, num_items_in_batch)
+            return torch.linspace(0, 1, T, device=ids.device)[:, None] * model.wpe.weight[0]
+        return None
 
 
-def position_lm(form: str, *, seed: int = 0, **kwargs) -> PositionLM:
-    """A :class:`PositionLM` with weights drawn from ``seed``, in train mode."""
-    return seeded(PositionLM, form, **kwargs, seed=seed)
+def position_lm(form: str, *, seed: int = 0, layers: int = 2, **sizes) -> tiny.TinyLM:
+    """A :class:`tests.models.tiny.TinyLM` with positions as ``form`` says (see the module docstring), weights drawn
+    from ``seed``, in train mode; the attention modules are ``layers.<i>.attn``. ``sizes``: TinyLM's ``vocab``,
+    ``hidden``, ``heads``, ``kv_heads`` and ``max_len``, the rows of the position tables (RoPE caches, learned
+    positions)."""
+    if form not in (*FORMS, "all_forms", *REFUSED_FORMS):
+        raise ValueError(f"unknown position form {form!r}; known: {(*FORMS, 'all_forms', *REFUSED_FORMS)}")
+    layer_forms = ALL_FORMS_LAYERS if form == "all_forms" else (form,) * layers
+    # litgpt expands K/V itself; the others attend with enable_gqa=True
+    attention = [
+        partial(tiny.SDPA, rope=Rope(f), expand=tiny.repeat_kv if f == "lit_style" else None) for f in layer_forms
+    ]
+    positions = ModelPositions(form, rope_tables="lit_style" in layer_forms)
+    return tiny.seeded(tiny.TinyLM, attention, positions=positions, seed=seed, **sizes)
 
 
-def titan_style(*, seed: int = 0, **kwargs) -> PositionLM:
+def titan_style(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("titan_style", seed=seed, **kwargs)
 
 
-def lit_style(*, seed: int = 0, **kwargs) -> PositionLM:
+def lit_style(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("lit_style", seed=seed, **kwargs)
 
 
-def arange_rope(*, seed: int = 0, **kwargs) -> PositionLM:
+def arange_rope(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("arange_rope", seed=seed, **kwargs)
 
 
-def learned_positions(*, seed: int = 0, **kwargs) -> PositionLM:
+def learned_positions(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("learned_positions", seed=seed, **kwargs)
 
 
-def explicit_positions(*, seed: int = 0, **kwargs) -> PositionLM:
+def explicit_positions(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("explicit_positions", seed=seed, **kwargs)
 
 
-def library_style(*, seed: int = 0, **kwargs) -> PositionLM:
+def library_style(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("library_style", seed=seed, **kwargs)
 
 
-def all_forms(*, seed: int = 0, **kwargs) -> PositionLM:
+def all_forms(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("all_forms", seed=seed, **kwargs)
 
 
-def mixed_positions(*, seed: int = 0, **kwargs) -> PositionLM:
+def mixed_positions(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
     return position_lm("mixed_positions", seed=seed, **kwargs)
 
 
-#: Position forms of :class:`PositionOnlyLM` (each rewritten by cpcompile).
+#: Position forms of :func:`position_only_lm` (each rewritten by cpcompile).
 POSITION_ONLY_FORMS = (
     "arange",  # wpe(arange(T))
     "arange_offset",  # wpe(arange(3, 3 + T))
@@ -280,31 +241,29 @@ POSITION_ONLY_REFUSED = (
 )
 
 
-class PositionOnlyLM(nn.Module):
-    """Token embedding + a position term of ``form`` + LM head, no attention: the local rows of a rank must equal
-    the whole model's rows of that rank's tokens, which one process can check for any rank."""
+class OnlyPositions(tiny.Positions):
+    """The position term of a :func:`position_only_lm` model: ``form`` over the model's tables ``wpe``,
+    ``columns``, ``cache`` (complex RoPE), ``inv_freq`` and ``cached`` (filled on a call, ``cached_rows`` rows)."""
 
-    def __init__(self, form: str, *, vocab: int = 64, hidden: int = 16, max_len: int = 80) -> None:
-        super().__init__()
-        if form not in (*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED):
-            raise ValueError(f"unknown form {form!r}; known: {(*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED)}")
+    def __init__(self, form: str) -> None:
         self.form = form
-        self.embed = nn.Embedding(vocab, hidden)
-        self.wpe = nn.Embedding(max_len, hidden)
-        self.columns = nn.Parameter(torch.randn(hidden, max_len))
-        freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
-        self.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
-        self.register_buffer("inv_freq", _rope_inv_freq(hidden), persistent=False)
-        self.register_buffer("cached", torch.zeros(max_len, hidden), persistent=False)
-        self.cached_rows = 0
-        self.head = nn.Linear(hidden, vocab, bias=False)
 
-    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        T, dev, w = ids.shape[1], ids.device, self.wpe.weight
+    def build(self, model, *, hidden, head_dim, max_len):
+        model.wpe = nn.Embedding(max_len, hidden)
+        model.columns = nn.Parameter(torch.randn(hidden, max_len))
+        freqs = torch.outer(torch.arange(max_len).float(), _rope_inv_freq(hidden))
+        model.register_buffer("cache", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        model.register_buffer("inv_freq", _rope_inv_freq(hidden), persistent=False)
+        model.register_buffer("cached", torch.zeros(max_len, hidden), persistent=False)
+        model.cached_rows = 0
+
+    def term(self, model, batch):
+        ids = batch["input_ids"]
+        T, dev, w = ids.shape[1], ids.device, model.wpe.weight
         if self.form == "arange":
-            return self.wpe(torch.arange(T, device=dev))
+            return model.wpe(torch.arange(T, device=dev))
         if self.form == "arange_offset":
-            return self.wpe(torch.arange(3, 3 + T, device=dev))
+            return model.wpe(torch.arange(3, 3 + T, device=dev))
         if self.form == "arange_step_float":
             return torch.arange(0, 2 * T, 2, device=dev, dtype=torch.float32)[:, None] * w[0] / 50
         if self.form == "table_slice":
@@ -314,78 +273,83 @@ class PositionOnlyLM(nn.Module):
         if self.form == "table_narrow":
             return w.narrow(0, 1, T)
         if self.form == "table_columns":
-            return self.columns[:, :T].t()
+            return model.columns[:, :T].t()
         if self.form == "table_none_index":
             return w[None, 0:T]
         if self.form == "interleaved_rope":
-            t = torch.arange(T, device=dev).type_as(self.inv_freq)
-            return torch.outer(t, self.inv_freq).repeat_interleave(2, dim=-1).cos()
+            t = torch.arange(T, device=dev).type_as(model.inv_freq)
+            return torch.outer(t, model.inv_freq).repeat_interleave(2, dim=-1).cos()
         if self.form == "full_slice":
-            return self.wpe(torch.arange(T, device=dev)[:T])
+            return model.wpe(torch.arange(T, device=dev)[:T])
         if self.form == "checkpointed":
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(lambda i: w[: i.shape[1]] * 2.0, ids, use_reentrant=False)
         if self.form in ("complex_table",):
-            return torch.view_as_real(self.cache[0:T]).flatten(1)
-        return self._library_positions(ids)
+            return torch.view_as_real(model.cache[0:T]).flatten(1)
+        return self._library_term(model, ids)
 
-    def _library_positions(self, ids: torch.Tensor) -> torch.Tensor:
+    def _library_term(self, model, ids: torch.Tensor) -> torch.Tensor:
         """The forms written the ways model libraries outside transformers write them."""
         B, T, dev = ids.shape[0], ids.shape[1], ids.device
         t = torch.arange(T, device=dev)
         if self.form == "dead_max":
             max_pos = t.max() + 1  # noqa: F841 - kept for an option that is off
-            return self.wpe(t)
+            return model.wpe(t)
         if self.form == "dead_first_position":
             position_ids = t.unsqueeze(0).expand(B, T)
             first = torch.max(position_ids[:, 0])  # noqa: F841 - freed right after
             del first
-            return self.wpe(position_ids)
+            return model.wpe(position_ids)
         if self.form == "dead_inplace":
             scratch = t.float() * 2
             scratch.add_(t.max())
-            return self.wpe(t)
-        freqs = torch.outer(t.type_as(self.inv_freq), self.inv_freq)  # [T, hidden / 2]
+            return model.wpe(t)
+        freqs = torch.outer(t.type_as(model.inv_freq), model.inv_freq)  # [T, hidden / 2]
         if self.form == "tail_slice":
             return torch.cat((freqs, freqs), -1)[None][:, -T:, :].cos()
         if self.form == "difference_slice":
             k_len, q_len = T, ids.size(1)
-            return self.wpe(t)[k_len - q_len : k_len]
+            return model.wpe(t)[k_len - q_len : k_len]
         if self.form == "difference_narrow":
             k, q = T, ids.size(1)
             return torch.cat((freqs, freqs), -1).narrow(0, k - q, q).sin()
         if self.form == "ellipsis_einsum":
-            f = torch.einsum("..., f -> ... f", t.type_as(self.inv_freq), self.inv_freq)
+            f = torch.einsum("..., f -> ... f", t.type_as(model.inv_freq), model.inv_freq)
             return torch.cat((f, f), -1).cos()
         if self.form == "live_max":
-            return self.wpe(t) + (t.max() + 1)
+            return model.wpe(t) + (t.max() + 1)
         if self.form == "live_inplace":
-            pe = self.wpe(t)
+            pe = model.wpe(t)
             pe.add_(t.max())
             return pe
         if self.form == "table_tail":
-            return self.wpe.weight[-T:]
+            return model.wpe.weight[-T:]
         if self.form == "partial_slice":
             e = torch.cat((freqs, freqs), -1)
             return torch.cat((e[-(T - 1) :], e[:1]), 0).cos()  # a roll of the positions
         if self.form == "cache_written":  # filled on the call that finds it short, read on every call
-            if self.cached_rows < T:
-                self.cached[:T] = torch.cat((freqs, freqs), -1).cos()
-                self.cached_rows = T
-            return self.cached[:T]
+            if model.cached_rows < T:
+                model.cached[:T] = torch.cat((freqs, freqs), -1).cos()
+                model.cached_rows = T
+            return model.cached[:T]
         if self.form == "repeated_positions":
-            return self.wpe(t.repeat_interleave(2)[:T])
+            return model.wpe(t.repeat_interleave(2)[:T])
         if self.form == "ellipsis_contraction":
             return torch.einsum("...f -> f", freqs).repeat(2)[None, :].expand(T, -1) / 64
         raise AssertionError(self.form)
 
-    def forward(self, input_ids, **unused):
-        return self.head(self.embed(input_ids) + self._positions(input_ids))
 
-
-def position_only_lm(form: str, *, seed: int = 0, **kwargs) -> PositionOnlyLM:
-    return seeded(PositionOnlyLM, form, **kwargs, seed=seed)
+def position_only_lm(form: str, *, seed: int = 0, vocab: int = 64, hidden: int = 16, max_len: int = 80):
+    """A :class:`tests.models.tiny.TinyLM` without blocks: token embedding + the position term of ``form`` -> norm
+    -> LM head, returning the logits. Without attention the local rows of a rank must equal the whole model's
+    rows of that rank's tokens, which one process can check for any rank."""
+    if form not in (*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED):
+        raise ValueError(f"unknown form {form!r}; known: {(*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED)}")
+    positions = OnlyPositions(form)
+    return tiny.seeded(
+        tiny.TinyLM, [], vocab=vocab, hidden=hidden, max_len=max_len, positions=positions, logits_only=True, seed=seed
+    )
 
 
 class WithoutPositions(nn.Module):
@@ -517,8 +481,9 @@ __all__ = [
     "ALL_FORMS_LAYERS",
     "POSITION_ONLY_FORMS",
     "POSITION_ONLY_REFUSED",
-    "PositionLM",
-    "PositionOnlyLM",
+    "ModelPositions",
+    "OnlyPositions",
+    "Rope",
     "TokensLM",
     "all_forms",
     "arange_rope",
