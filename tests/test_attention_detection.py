@@ -80,12 +80,12 @@ def test_sliding_windows_per_layer_from_graph_and_config():
     sites = sdpa_cp.find_sdpa_sites(gm)
     assert [sdpa_cp.graph_windows(s) for s in sites] == [{20}, set()]
     config = tiny_config("gemma3")
-    assert [sdpa_cp.site_window(s, config) for s in sites] == [(20, None), (None, None)]
-    assert [sdpa_cp.site_window(s, None) for s in sites] == [(20, None), (None, None)]
+    assert [sdpa_cp.site_window(s, config, sdpa_cp.mask_proof(s)) for s in sites] == [(20, None), (None, None)]
+    assert [sdpa_cp.site_window(s, None, sdpa_cp.mask_proof(s)) for s in sites] == [(20, None), (None, None)]
     # a config whose window disagrees with the mask the model builds is refused, naming both windows
     wrong = copy.deepcopy(config)
     wrong.sliding_window = 7
-    window, reason = sdpa_cp.site_window(sites[0], wrong)
+    window, reason = sdpa_cp.site_window(sites[0], wrong, sdpa_cp.mask_proof(sites[0]))
     assert window is None and "20" in reason and "7" in reason, reason
     with pytest.raises(UnsupportedAttentionError, match="sliding window of 20"):
         run_pass(gm, config=wrong)

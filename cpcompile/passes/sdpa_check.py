@@ -149,19 +149,16 @@ def config_window(config: object, layer: str) -> tuple[int | None, str | None]:
     return None, f"layer type {kind!r} is not supported (only 'full_attention' and 'sliding_attention')"
 
 
-def site_window(
-    site: SDPASite, config: object | None, outer: dict | None = None, *, proof: MaskProof | None = None
-) -> tuple[int | None, str | None]:
+def site_window(site: SDPASite, config: object | None, proof: MaskProof) -> tuple[int | None, str | None]:
     """The sliding window of ``site`` (``None``: none) and ``None``, or ``(None, reason)`` to refuse.
 
     A mask built in the graph that :func:`mask_proof` cannot prove to be causal order, same document and a
     sliding window is refused. Sources: the window in the graph that builds the mask (:func:`graph_windows`)
     and, when given, the model config (:func:`config_window`). When both are known they must agree; the config
     is the only source when the mask is a graph input. Whatever the source, the runtime compares the model's
-    local mask with the plan's on every step. ``proof``: the site's :func:`mask_proof` when the caller has it
-    (the pass keeps it for the site's documents).
+    local mask with the plan's on every step. ``proof``: the site's :func:`mask_proof` (the pass keeps it for the
+    site's documents too).
     """
-    proof = mask_proof(site, outer) if proof is None else proof
     if proof.reason:
         return None, proof.reason
     in_graph = set(proof.windows)

@@ -241,7 +241,7 @@ def cp_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         window, kernel, proof = None, _kernel_for(site, ctx.options.attention), MaskProof()
         if reason is None:
             proof = mask_proof(site, outer)
-            window, reason = site_window(site, config, proof=proof)
+            window, reason = site_window(site, config, proof)
         if reason is None:
             reason = _kernel_reason(site, kernel)
         if reason is not None:
