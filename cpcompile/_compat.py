@@ -344,6 +344,20 @@ def guard_equal(a: object, b: object) -> bool:
     return statically_true(a == b)
 
 
+def shape_guards() -> list[tuple[object, str]]:
+    """The shape guards recorded so far for the frame Dynamo is compiling, as ``(sympy boolean, the model's source
+    line or "")``: every decision the traced code took on a dynamic size (``if T > 24:`` not taken is ``T <= 24``).
+    Empty outside a compilation. torch 2.11-2.13: ``TracingContext.try_get().fake_mode.shape_env.guards`` of
+    ``ShapeGuard(expr, sloc, ...)``, ``sloc.maybe_user_loc`` (the source text, ``# file:line in function``)."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    env = None if ctx is None or ctx.fake_mode is None else ctx.fake_mode.shape_env
+    if env is None:
+        return []
+    return [(g.expr, getattr(g.sloc, "maybe_user_loc", None) or "") for g in env.guards]
+
+
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int) -> Iterator[dist.ProcessGroup]:
     """A default process group of ``world_size`` in which this one process is ``rank``; no communication.

@@ -17,7 +17,8 @@ from cpcompile.options import BackendOptions
 from cpcompile.passes.common import PassContext
 from cpcompile.passes.flex_cp import flex_cp_pass
 from cpcompile.passes.mixing import MixingReport, mixing_pass
-from cpcompile.passes.positions import PositionReport, positions_pass
+from cpcompile.passes.positions import PositionReport, positions_pass, sequence_length
+from cpcompile.passes.positions.guards import LengthGuards, length_guards
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.runtime import check_group, current_plan, meet_before_backward, record_attention_free_graph
 
@@ -125,18 +126,23 @@ class CPBackend:
         )
         positions: list[PositionReport] = []
         mixing: list[MixingReport] = []
+        plan = current_plan()
+        chunk_len = plan.chunk_len if plan is not None else None
+        guards = LengthGuards(())
+        if self.cp_size > 1 and self.options.positions == "rewrite" and not self.trace_only:
+            guards = length_guards(sequence_length(gm, chunk_len))  # the model's decisions, before the passes'
         try:
             reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
             reports += cp_attention_pass(target, ctx)
             self.reports += reports
-            plan = current_plan()
-            chunk_len = plan.chunk_len if plan is not None else None
             if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals first
                 positions = positions_pass(target, ctx, chunk_len)
                 self.position_reports += positions
             if self.cp_size > 1 and self.options.mixing == "exact":  # last: it sees the rewritten attention
                 mixing = mixing_pass(target, ctx, chunk_len)
                 self.mixing_reports += mixing
+            if guards and plan is not None:  # last: the passes' refusals name the code more precisely
+                guards.check(plan.seq_len, plan.chunk_len)
         except _compat.PassThroughCompileError as e:  # a refusal: the refused graph is the one to look at
             if self._dump is not None:
                 self._dump.add_graph(before, "", [], refused=str(e))
@@ -165,7 +171,9 @@ class CPBackend:
         if not rewritten:
             compiled = _noting_attention_free(compiled, self.group_name, _frame_of(gm, graph_id))
         if rewritten or any(r.action == "gathered" for r in mixing):  # the graph's backward runs collectives
-            return _meeting_before_backward(compiled, self.group_name)
+            compiled = _meeting_before_backward(compiled, self.group_name)
+        if guards:
+            compiled = _checking_length_guards(compiled, guards)
         return compiled
 
 
@@ -188,6 +196,20 @@ def _noting_attention_free(compiled, group_name: str, frame: str):
         return compiled(*args)
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo calls a boxed function with one list
+    return run
+
+
+def _checking_length_guards(compiled, guards: LengthGuards):
+    """``compiled``, which first checks the decisions its code took on the local length against the active plan's
+    global length (:class:`~cpcompile.passes.positions.guards.LengthGuards`; once per length)."""
+
+    def run(*args):
+        plan = current_plan()
+        if plan is not None:
+            guards.check(plan.seq_len, plan.chunk_len)
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
     return run
 
 

@@ -228,6 +228,8 @@ POSITION_ONLY_FORMS = (
     "difference_slice",  # wpe(arange(k))[k - q : k] with k and q the same local length
     "difference_narrow",  # outer(arange(k), inv_freq).narrow(0, k - q, q)
     "ellipsis_einsum",  # einsum("..., f -> ... f", arange(T), inv_freq)
+    "length_branch_same",  # wpe(arange(T)), doubled when T > 8: the same decision for a rank's and the whole length
+    "cache_filled",  # the code of cache_written (below) after a call on max_len tokens filled every row
 )
 #: Near misses of the forms above that still mix or select positions: refused.
 POSITION_ONLY_REFUSED = (
@@ -237,6 +239,7 @@ POSITION_ONLY_REFUSED = (
     "partial_slice",  # outer(arange(T), inv_freq)[-(T - 1):]: a shift
     "ellipsis_contraction",  # einsum("...f -> f", outer(arange(T), inv_freq)): a sum over positions
     "cache_written",  # RoPE rows written into a buffer on a call that finds it short (cached[:T] = freqs), read
+    "length_branch",  # wpe(arange(T)), doubled when T > 24: taken for the whole length, not for a rank's
     "repeated_positions",  # wpe(arange(T).repeat_interleave(2)[:T]): every position twice, the first half
 )
 
@@ -328,13 +331,18 @@ class OnlyPositions(tiny.Positions):
         if self.form == "partial_slice":
             e = torch.cat((freqs, freqs), -1)
             return torch.cat((e[-(T - 1) :], e[:1]), 0).cos()  # a roll of the positions
-        if self.form == "cache_written":  # filled on the call that finds it short, read on every call
+        if self.form in ("cache_written", "cache_filled"):  # filled on the call that finds it short, then read
             if model.cached_rows < T:
                 model.cached[:T] = torch.cat((freqs, freqs), -1).cos()
                 model.cached_rows = T
             return model.cached[:T]
         if self.form == "repeated_positions":
             return model.wpe(t.repeat_interleave(2)[:T])
+        if self.form in ("length_branch", "length_branch_same"):
+            pe = model.wpe(t)
+            if T > (24 if self.form == "length_branch" else 8):
+                pe = pe * 2
+            return pe
         if self.form == "ellipsis_contraction":
             return torch.einsum("...f -> f", freqs).repeat(2)[None, :].expand(T, -1) / 64
         raise AssertionError(self.form)
@@ -347,9 +355,13 @@ def position_only_lm(form: str, *, seed: int = 0, vocab: int = 64, hidden: int =
     if form not in (*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED):
         raise ValueError(f"unknown form {form!r}; known: {(*POSITION_ONLY_FORMS, *POSITION_ONLY_REFUSED)}")
     positions = OnlyPositions(form)
-    return tiny.seeded(
+    model = tiny.seeded(
         tiny.TinyLM, [], vocab=vocab, hidden=hidden, max_len=max_len, positions=positions, logits_only=True, seed=seed
     )
+    if form == "cache_filled":  # one eager call on the longest sequence fills every row of the cache
+        with torch.no_grad():
+            model(torch.zeros(1, max_len, dtype=torch.long))
+    return model
 
 
 class WithoutPositions(nn.Module):
