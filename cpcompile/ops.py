@@ -128,6 +128,10 @@ class SiteSpec:
     #: full-attention site: the same, into ``halo_slots`` slots, ``0`` meaning ``(N - 1) * c``).
     exchange: str = "all_gather"
     halo_slots: int = 0
+    #: The same-document condition was assumed, not proved (the model's mask was made outside the compiled graphs:
+    #: :attr:`cpcompile.passes.mask_rules.MaskProof.assumed`): the step check must have seen it on a batch before a
+    #: batch on which it cannot see it runs (:func:`_hidden_documents`).
+    documents_assumed: bool = False
 
 
 #: The exchanges that move only the keys a rank's queries see (:func:`halo_exchange`).
@@ -148,6 +152,8 @@ _SITES: dict[str, SiteSpec] = {}
 _SITES_LOCK = threading.Lock()
 #: Sites that ran their first-call control round (written only by _check_site).
 _VERIFIED: set[str] = set()
+#: Sites whose assumed document condition the step check saw on some batch (written only by _check_site).
+_DOCUMENTS_SEEN: set[str] = set()
 
 
 def register_site(spec: SiteSpec) -> str:
@@ -285,13 +291,35 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
     if spec.site in _VERIFIED and key in context.checked_masks:
         return
     layer = _site_name(spec)
+    seen = None
     if model_mask is None:
         error, what = None, f"the step check of the CP attention at {layer} (no model mask)"
     else:
         error, what = _mask_mismatch(spec, context.plan, model_mask), f"the mask check of the CP attention at {layer}"
+        if error is None and spec.documents_assumed and spec.site not in _DOCUMENTS_SEEN:
+            seen = context.plan.documents_in_blocks(spec.window)
+            error = _hidden_documents(spec) if seen == "hidden" else None
     failsafe.agree(context.group, "site", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)
     _VERIFIED.add(spec.site)
+    if seen == "shown":  # every rank passed a check that a mask without the condition would have failed
+        _DOCUMENTS_SEEN.add(spec.site)
     context.checked_masks.add(key)
+
+
+def _hidden_documents(spec: SiteSpec) -> MaskMismatchError:
+    """The error of a site whose document condition was assumed (:attr:`SiteSpec.documents_assumed`) on a batch
+    whose documents the step check cannot see, before any batch showed them."""
+    return MaskMismatchError(
+        f"the attention mask of the CP attention at {spec.layer or spec.site} was made outside the compiled graphs "
+        "(in eager code, or in a graph that cpcompile did not compile), so whether it keeps packed documents apart "
+        "was not proved when the site was compiled, and the step check, which compares each rank's own block of "
+        "the mask with the same-document rule, cannot tell on this batch: every rank's tokens lie within one "
+        "document in every row (the documents end at chunk edges), where a mask without that condition looks "
+        "the same; cpcompile refuses to guess, since the two differ on the keys other ranks hold. Build the mask "
+        "inside the compiled model (compile the module that builds it, with no graph break or "
+        "torch.compiler.disable between it and the attention), or run first a batch whose documents cross a "
+        "chunk edge: once the check has seen the condition there, batches like this one run"
+    )
 
 
 def _mask_mismatch(spec: SiteSpec, plan: CPPlan, model_mask: torch.Tensor) -> MaskMismatchError | None:

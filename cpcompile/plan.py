@@ -296,6 +296,21 @@ class CPPlan:
         lo = first_visible(self.attention_docs(documents), g, window)  # global index of the first visible key
         return torch.searchsorted(g, lo.contiguous())
 
+    def documents_in_blocks(self, window: int | None) -> str:
+        """What the per-step mask check, which sees each rank's own block of the mask, can see of the same-document
+        condition on this batch: ``"shown"`` when some rank holds tokens of two documents in some row (padding is
+        a document of its own: the condition changes that rank's block), ``"hidden"`` when every rank's tokens of
+        every row lie in one document although a row's tokens lie in several (documents end at chunk edges: only
+        the keys of other ranks tell the condition apart), ``"irrelevant"`` when no row's tokens lie in two
+        documents, or a window of one token."""
+        if window is not None and window <= 1:
+            return "irrelevant"
+        docs = self.doc_ids[:, self.indices]  # [B, N, c]
+        if (docs != docs[..., :1]).any():
+            return "shown"
+        real = self.doc_ids[:, : self.seq_len]
+        return "hidden" if (real != real[:, :1]).any() else "irrelevant"
+
     def runs(self) -> int:
         """Number of runs of consecutive tokens this rank holds (1 with the contiguous layout)."""
         return int((torch.diff(self.token_indices()) != 1).sum()) + 1

@@ -545,7 +545,7 @@ _HANDED_CASES = {
     form: ParityCase(
         model=f"attn:{form}", doc_lens=_EDGE_DOCS, overrides=(("layers", 1),), expected_form=("bool-mask", False)
     )
-    for form in ("causal_mask_break", "packed_docs_break", "causal_cached", "causal_buffer")
+    for form in ("causal_mask_break", "causal_cached", "causal_buffer")
 }
 
 
@@ -571,12 +571,11 @@ def test_cp2_mask_handed_to_another_graph_or_kept_on_the_module():
     step check, which sees only this rank's block, is its guard. With documents ending at the chunk edge that check
     passes for ``k <= q`` too, which ran silently wrong (parity failed on the logits) when the mask came across a
     graph break. Now the graph that builds such a mask without a same-document condition refuses to hand it on
-    (also to module state a later call reads), a mask read from a buffer is refused where the attention runs, and
-    a handed mask with a document condition stays exact."""
+    (also to module state a later call reads), and a mask read from a buffer is refused where the attention runs
+    (a handed mask with a document condition: ``test_cp2_assumed_documents_wait_for_a_batch_that_shows_them``)."""
     results = run_distributed(_handed_worker, 2, timeout_s=360)
     assert results[0] == results[1], results
     got = results[0]
-    assert got["packed_docs_break"] == "", got
     for form in ("causal_mask_break", "causal_cached"):
         msg = got[form]
         assert msg.startswith("UnsupportedPositionError") and "without a same-document condition" in msg, (form, msg)
@@ -584,6 +583,60 @@ def test_cp2_mask_handed_to_another_graph_or_kept_on_the_module():
     msg = got["causal_buffer"]
     assert msg.startswith("UnsupportedAttentionError") and "module state" in msg, msg
     assert "layers.0.attn" in msg and "models/tiny.py:" in msg, msg  # the attention's call (TinyLM's SDPA)
+
+
+#: Masks made where no compiled graph proves them: across a graph break from a graph that proved its document
+#: condition, or in eager code (``torch.compiler.disable``), which nothing proves.
+_ASSUMED_FORMS = ("packed_docs_break", "packed_docs_eager", "causal_mask_eager")
+_CROSSING_DOCS = ((10, 20, 2), (5, 27))  # T = 32: documents cross the chunk edge in both rows
+
+
+def _assumed_worker(rank, world_size, check_hidden):
+    import torch.distributed as dist
+
+    from cpcompile.plan import CPPlan
+
+    out = {}
+    shows = CPPlan.documents_in_blocks
+    for form in _ASSUMED_FORMS:
+        torch._dynamo.reset()
+        case = ParityCase(model=f"attn:{form}", doc_lens=_EDGE_DOCS, overrides=(("layers", 1),))
+        runner, steps = ParityRunner(case, dist.group.WORLD), []
+        for doc_lens in (_EDGE_DOCS, _CROSSING_DOCS, _EDGE_DOCS):
+            try:
+                if not check_hidden:  # negative control: every batch as if documents did not matter to the check
+                    CPPlan.documents_in_blocks = lambda self, window: "irrelevant"
+                assert_parity(runner.run(batch=packed_batch([list(d) for d in doc_lens])))
+                steps.append("")
+            except Exception as e:  # noqa: BLE001 - the test asserts every step's error
+                steps.append(f"{type(e).__name__}: {' '.join(str(e).split())}")
+            finally:
+                CPPlan.documents_in_blocks = shows  # the pooled rank keeps no trace of the control
+        out[form] = steps
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_cp2_assumed_documents_wait_for_a_batch_that_shows_them():
+    """A mask made outside the attention's graph is assumed to keep documents apart, and the step check compares
+    each rank's block of it with that rule. Where documents end at chunk edges no block shows the condition, and a
+    mask without it (``k <= q`` made in eager code) passed the check and ran silently wrong (the negative control,
+    with that batch let through, fails parity). Now such a batch is refused on every rank until a batch whose
+    documents cross a chunk edge has shown the condition; then it runs, exactly."""
+    hidden = "every rank's tokens lie within one document"
+    results = run_distributed(_assumed_worker, 2, True, timeout_s=360)
+    assert results[0] == results[1], results
+    got = results[0]
+    for form in ("packed_docs_break", "packed_docs_eager"):
+        first, crossing, again = got[form]
+        assert first.startswith("MaskMismatchError") and hidden in first and "compile the module" in first, got
+        assert crossing == "" and again == "", got  # exact once the condition was seen
+    first, crossing, again = got["causal_mask_eager"]
+    assert first.startswith("MaskMismatchError") and hidden in first, got
+    assert crossing.startswith("MaskMismatchError") and "differs from the global causal same-document" in crossing
+    assert again.startswith("MaskMismatchError") and hidden in again, got  # never seen: still refused
+    control = run_distributed(_assumed_worker, 2, False, timeout_s=360)[0]["causal_mask_eager"]
+    assert control[0].startswith("AssertionError") and "logits" in control[0], control
 
 
 def test_window_matters_on_the_parity_batch():

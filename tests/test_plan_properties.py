@@ -209,3 +209,28 @@ def test_balanced_work_is_within_its_bound(case):
         assert float((band_loads - mean).abs().max()) <= bound + 1e-6 * mean
         if int(count_runs(bands).max()) <= MAX_RUNS:
             assert max(int(m[plan.indices[r]].sum()) for r in range(N)) <= 1.005 * (mean + bound) + 1e-9
+
+
+@SETTINGS
+@given(batches(), ALL_LAYOUTS)
+def test_documents_in_blocks_is_what_the_step_check_can_see(case, layout):
+    """``documents_in_blocks`` against the step check itself: ``"shown"`` exactly when a mask that ignores the
+    documents (the local causal mask, the window in local indices) fails the check on some rank; ``"hidden"``
+    when it passes every rank's check although the same-document condition changes which keys some query sees
+    in the whole sequence; ``"irrelevant"`` when the condition changes no query's keys."""
+    from cpcompile import ops
+
+    batch, N, window, rows, workload = case
+    ps = plans(batch, N, layout, workload)
+    spec = ops.SiteSpec(
+        site="t", layer="t", group_name="", cp_size=N, cp_rank=0, documents=True, window=window, kernel="dense",
+        needs_grad=False,
+    )  # fmt: skip
+    caught = [ops._mask_mismatch(spec, p, p.local_rule_mask(documents=False, window=window)) is not None for p in ps]
+    real = [p.token_indices() < p.seq_len for p in ps]
+    matters = any(
+        not torch.equal(p.mask(documents=True, window=window)[:, :, q], p.mask(documents=False, window=window)[:, :, q])
+        for p, q in zip(ps, real)
+    )
+    want = "shown" if any(caught) else ("hidden" if matters else "irrelevant")
+    assert {p.documents_in_blocks(window) for p in ps} == {want}, (rows, N, layout, window, caught, matters)

@@ -69,6 +69,10 @@ class MaskProof:
     #: when the mask has one, or was not analysed (a mask input made in another graph, whose maker refuses to hand
     #: it on without one), where the step check against the rule with documents is the guard.
     documents: bool = True
+    #: Whether :attr:`documents` is assumed, not proved: the mask (or the part of it that would hold a document
+    #: condition) was made outside this graph. The runtime then trusts it only after a batch on which the step
+    #: check could see the condition (:meth:`cpcompile.plan.CPPlan.documents_in_blocks`).
+    assumed: bool = False
     #: ``""`` when proved; else the refusal, naming the model's source line and the op.
     reason: str = ""
 
@@ -578,17 +582,19 @@ def prove_mask(mask: fx.Node, length: object, outer: dict | None = None) -> Mask
             "window) and equal document ids or position ids restarting at 0 per document, or run this attention "
             "without context parallelism"
         )
-    return MaskProof(windows=frozenset(prover.windows), documents=_documents(value, prover))
+    documents, assumed = _documents(value, prover)
+    return MaskProof(windows=frozenset(prover.windows), documents=documents, assumed=assumed)
 
 
-def _documents(value: object, prover: _Prover) -> bool:
-    """:attr:`MaskProof.documents` of a proved mask: ``False`` for a rule without a same-document condition and for
-    a mask of plain values made in the graph (``ones(T, T).tril()``), which depends on no per-token input; ``True``
-    for a rule with one, and wherever the mask was not analysed (a rule with a mask made elsewhere, plain values
-    read from inputs without a token dim, a per-token value that is not a ``[.., T, T]`` rule). Plain values read
-    from module state do not get here: :func:`prove_mask` refuses them."""
+def _documents(value: object, prover: _Prover) -> tuple[bool, bool]:
+    """:attr:`MaskProof.documents` and :attr:`MaskProof.assumed` of a proved mask: no documents for a rule without
+    a same-document condition and for a mask of plain values made in the graph (``ones(T, T).tril()``), which
+    depends on no per-token input; documents, proved, for a rule with one; documents, assumed, wherever the mask
+    was not analysed (a rule with a mask made elsewhere, plain values read from inputs without a token dim, a
+    per-token value that is not a ``[.., T, T]`` rule). Plain values read from module state do not get here:
+    :func:`prove_mask` refuses them."""
     if isinstance(value, _Rule):
-        return value.documents or value.opaque
+        return value.documents or value.opaque, not value.documents and value.opaque
     if value is _PLAIN or value == _ONES:
-        return prover.reads_plain_tensors
-    return True
+        return prover.reads_plain_tensors, prover.reads_plain_tensors
+    return True, True

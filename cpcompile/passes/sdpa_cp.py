@@ -188,6 +188,7 @@ def _site_spec(site: SDPASite, ctx: PassContext, window: int | None, kernel: str
         site.node,
         layer=site.layer,
         documents=site.attn_mask is not None and proof.documents,
+        documents_assumed=site.attn_mask is not None and proof.documents and proof.assumed,
         window=window,
         kernel=kernel,
         needs_grad=bool(k_meta is not None and v_meta is not None and (k_meta.requires_grad or v_meta.requires_grad)),

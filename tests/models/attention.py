@@ -33,6 +33,8 @@ Attention forms (``ATTENTION_FORMS``):
 * ``causal_mask_break``: ``causal_mask`` with a graph break (``torch._dynamo.graph_break()``) between the mask and
   the attention: one graph builds the mask and hands it on, the attention's graph gets it as an input.
 * ``packed_docs_break``: ``packed_docs`` with the same graph break: a handed mask with a document condition.
+* ``causal_mask_eager`` / ``packed_docs_eager``: ``causal_mask`` / ``packed_docs`` built in eager code (a
+  ``torch.compiler.disable`` function): no compiled graph builds the mask, the attention's graph gets it as an input.
 * ``causal_cached``: ``causal_mask`` built on the first call of a length and kept on the module, which later calls
   read (module state made by a compiled graph).
 * ``causal_buffer``: ``causal_mask`` read from a buffer made at construction, ``causal[:T, :T]`` (module state made
@@ -85,11 +87,13 @@ ATTENTION_FORMS = (
     "packed_docs_break",
     "causal_cached",
     "causal_buffer",
+    "causal_mask_eager",
+    "packed_docs_eager",
 )
 #: The forms whose bool mask is built from the documents of the batch.
 _DOCUMENT_FORMS = (
     "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff", "chunked",
-    "packed_docs_break",
+    "packed_docs_break", "packed_docs_eager",
 )  # fmt: skip
 #: The forms whose model has no learned positions: ``position_ids`` reach the mask alone.
 _WITHOUT_POSITIONS = ("position_lookup",)
@@ -123,6 +127,8 @@ class Mask:
             attn.register_buffer("causal", torch.ones(max_len, max_len, dtype=torch.bool).tril(), persistent=False)
 
     def __call__(self, attn: SDPA, q: torch.Tensor, batch: dict) -> dict:
+        if self.form.endswith("_eager"):  # no compiled graph builds the mask
+            return _eager_kwargs(self, attn, q, batch)
         kwargs = self._kwargs(attn, q, batch)
         if self.form.endswith("_break"):  # the mask is handed to the attention's graph
             torch._dynamo.graph_break()
@@ -138,7 +144,7 @@ class Mask:
             ids = _document_source(batch)
             doc = ids if self.form == "document_ids" else doc_ids(ids)
             mask = doc[:, :, None] == doc[:, None, :]
-            if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break"):
+            if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break", "packed_docs_eager"):
                 mask = mask & causal
             elif self.form == "window":
                 mask = mask & causal & (idx[None, :] > idx[:, None] - self.window)
@@ -159,7 +165,7 @@ class Mask:
             b = torch.arange(B, device=q.device)[:, None, None, None]
             q_idx, kv_idx = idx[None, None, :, None], idx[None, None, None, :]
             return {"attn_mask": (ids[b, kv_idx] <= ids[b, q_idx]) & (doc[b, q_idx] == doc[b, kv_idx])}
-        if self.form in ("causal_mask", "causal_mask_break"):
+        if self.form in ("causal_mask", "causal_mask_break", "causal_mask_eager"):
             return {"attn_mask": causal[None, None]}
         if self.form == "causal_cached":
             if attn.cached_mask is None or attn.cached_mask.shape[-1] != T:
@@ -174,6 +180,11 @@ class Mask:
         if self.form == "dropout":
             return {"is_causal": True, "dropout_p": 0.1}
         return {}  # no_mask
+
+
+@torch.compiler.disable
+def _eager_kwargs(mask: Mask, attn: SDPA, q: torch.Tensor, batch: dict) -> dict:
+    return mask._kwargs(attn, q, batch)
 
 
 def sdpa(form: str) -> AttentionFactory:
