@@ -280,9 +280,11 @@ class CPPlan:
         idx = self.token_indices()
         return visible_mask(idx[rows], idx, self.attention_docs(documents), window)
 
-    def local_first_visible(self, *, documents: bool, window: int | None = None, whole_sequence: bool = False):
-        """``[B, c]``: the local index of the first key visible to every local query, under
-        :meth:`local_rule_mask` (or, with ``whole_sequence``, :meth:`local_global_mask`).
+    def local_first_visible(
+        self, *, documents: bool, window: int | None = None, whole_sequence: bool = False, rank: int | None = None
+    ):
+        """``[B, c]``: the local index of the first key visible to every local query of ``rank`` (this rank by
+        default), under :meth:`local_rule_mask` (or, with ``whole_sequence``, :meth:`local_global_mask`).
 
         Both masks are intervals in local order: query ``i`` sees exactly the local keys ``[first, i]`` (documents
         are contiguous, and the rank's tokens are in ascending global order). The interval form of those masks
@@ -290,30 +292,53 @@ class CPPlan:
         """
         if not whole_sequence:
             idx = torch.arange(self.chunk_len, device=self.doc_ids.device)
-            docs = document_ids(self.local(self.position_ids)) if documents else torch.zeros_like(self.doc_ids[:, idx])
+            if documents:
+                docs = document_ids(self.local(self.position_ids, rank))
+            else:
+                docs = torch.zeros_like(self.doc_ids[:, idx])
             return first_visible(docs, idx, window)
-        g = self.token_indices()
+        g = self.token_indices(rank)
         lo = first_visible(self.attention_docs(documents), g, window)  # global index of the first visible key
         return torch.searchsorted(g, lo.contiguous())
 
     def documents_in_blocks(self, window: int | None) -> str:
         """What the per-step mask check, which sees each rank's own block of the mask, can see of the same-document
-        condition on this batch: ``"shown"`` when some rank holds tokens of two documents in some row (padding is
-        a document of its own: the condition changes that rank's block), ``"hidden"`` when every rank's tokens of
-        every row lie in one document although a row's tokens lie in several (documents end at chunk edges: only
-        the keys of other ranks tell the condition apart), ``"irrelevant"`` when no row's tokens lie in two
-        documents, or a window of one token."""
-        if window is not None and window <= 1:
-            return "irrelevant"
-        docs = self.doc_ids[:, self.indices]  # [B, N, c]
-        if (docs != docs[..., :1]).any():
-            return "shown"
-        real = self.doc_ids[:, : self.seq_len]
-        return "hidden" if (real != real[:, :1]).any() else "irrelevant"
+        condition on this batch (the same on every rank).
 
-    def runs(self) -> int:
-        """Number of runs of consecutive tokens this rank holds (1 with the contiguous layout)."""
-        return int((torch.diff(self.token_indices()) != 1).sum()) + 1
+        ``"shown"`` when a mask that passes the check with the condition is told apart from the same mask without
+        it: for either rule the check accepts (:meth:`local_rule_mask`, and with several runs
+        :meth:`local_global_mask`), that rule without documents fails the check on some rank. ``"hidden"`` when
+        not, although the condition changes the keys a real query sees in the whole sequence (documents that end
+        at chunk edges: only keys of other ranks tell the two apart); ``"irrelevant"`` when it changes none.
+        Interval forms only (:meth:`local_first_visible`) for every rank: O(B * T), cached on the plan.
+        """
+        key = ("documents_in_blocks", window)
+        if key not in self._cache:
+            self._cache[key] = self._documents_in_blocks(window)
+        return self._cache[key]
+
+    def _documents_in_blocks(self, window: int | None) -> str:
+        def first(rank: int, documents: bool, whole: bool) -> torch.Tensor:
+            return self.local_first_visible(documents=documents, window=window, whole_sequence=whole, rank=rank)
+
+        def passes(rank: int, mask: torch.Tensor) -> bool:
+            if torch.equal(mask, first(rank, True, False)):
+                return True
+            return self.runs(rank) > 1 and torch.equal(mask, first(rank, True, True))
+
+        ranks = range(self.cp_size)
+        if all(any(not passes(r, first(r, False, whole)) for r in ranks) for whole in (False, True)):
+            return "shown"
+        q = self.indices.reshape(-1)
+        q = q[q < self.seq_len]
+        with_docs = first_visible(self.doc_ids, q, window)
+        without = first_visible(torch.zeros_like(self.doc_ids), q, window)
+        return "irrelevant" if torch.equal(with_docs, without) else "hidden"
+
+    def runs(self, rank: int | None = None) -> int:
+        """Number of runs of consecutive tokens ``rank`` (this rank by default) holds (1 with the contiguous
+        layout)."""
+        return int((torch.diff(self.token_indices(rank)) != 1).sum()) + 1
 
     def visible_blocks(
         self, block_q: int, block_k: int, *, documents: bool = True, window: int | None = None, rank: int | None = None

@@ -214,10 +214,10 @@ def test_balanced_work_is_within_its_bound(case):
 @SETTINGS
 @given(batches(), ALL_LAYOUTS)
 def test_documents_in_blocks_is_what_the_step_check_can_see(case, layout):
-    """``documents_in_blocks`` against the step check itself: ``"shown"`` exactly when a mask that ignores the
-    documents (the local causal mask, the window in local indices) fails the check on some rank; ``"hidden"``
-    when it passes every rank's check although the same-document condition changes which keys some query sees
-    in the whole sequence; ``"irrelevant"`` when the condition changes no query's keys."""
+    """``documents_in_blocks`` against the step check itself, on dense masks: ``"shown"`` exactly when, for each
+    rule the check accepts (the local rule, and with several runs the whole-sequence rule among a rank's tokens),
+    the same rule without documents fails the check on some rank; else ``"hidden"`` when the same-document
+    condition changes the keys some real query sees in the whole sequence, ``"irrelevant"`` when it changes none."""
     from cpcompile import ops
 
     batch, N, window, rows, workload = case
@@ -226,11 +226,14 @@ def test_documents_in_blocks_is_what_the_step_check_can_see(case, layout):
         site="t", layer="t", group_name="", cp_size=N, cp_rank=0, documents=True, window=window, kernel="dense",
         needs_grad=False,
     )  # fmt: skip
-    caught = [ops._mask_mismatch(spec, p, p.local_rule_mask(documents=False, window=window)) is not None for p in ps]
+    told_apart = all(
+        any(ops._mask_mismatch(spec, p, rule(p, documents=False, window=window)) is not None for p in ps)
+        for rule in (type(ps[0]).local_rule_mask, type(ps[0]).local_global_mask)
+    )
     real = [p.token_indices() < p.seq_len for p in ps]
     matters = any(
         not torch.equal(p.mask(documents=True, window=window)[:, :, q], p.mask(documents=False, window=window)[:, :, q])
         for p, q in zip(ps, real)
     )
-    want = "shown" if any(caught) else ("hidden" if matters else "irrelevant")
-    assert {p.documents_in_blocks(window) for p in ps} == {want}, (rows, N, layout, window, caught, matters)
+    want = "shown" if told_apart else ("hidden" if matters else "irrelevant")
+    assert {p.documents_in_blocks(window) for p in ps} == {want}, (rows, N, layout, window, told_apart, matters)
