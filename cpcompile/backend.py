@@ -129,7 +129,7 @@ class CPBackend:
         plan = current_plan()
         chunk_len = plan.chunk_len if plan is not None else None
         guards = LengthGuards(())
-        if self.cp_size > 1 and self.options.positions == "rewrite" and not self.trace_only:
+        if self.cp_size > 1 and self.options.positions == "rewrite":
             guards = length_guards(sequence_length(gm, chunk_len))  # the model's decisions, before the passes'
         try:
             reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
@@ -137,16 +137,22 @@ class CPBackend:
             self.reports += reports
             if self.cp_size > 1 and self.options.positions == "rewrite":  # after attention: its refusals first
                 positions = positions_pass(target, ctx, chunk_len)
-                self.position_reports += positions
             if self.cp_size > 1 and self.options.mixing == "exact":  # last: it sees the rewritten attention
                 mixing = mixing_pass(target, ctx, chunk_len)
                 self.mixing_reports += mixing
             if guards and plan is not None:  # last: the passes' refusals name the code more precisely
-                guards.check(plan.seq_len, plan.chunk_len)
+                if self.trace_only:
+                    refused = guards.refusal(plan.seq_len, plan.chunk_len)
+                    if refused is not None:
+                        positions.append(PositionReport(graph_id, "(shape guard)", "", "length", "refused", refused))
+                else:
+                    guards.check(plan.seq_len, plan.chunk_len)
         except _compat.PassThroughCompileError as e:  # a refusal: the refused graph is the one to look at
             if self._dump is not None:
                 self._dump.add_graph(before, "", [], refused=str(e))
             raise
+        finally:
+            self.position_reports += positions
         after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
         trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size, mixing=mixing)  # TORCH_LOGS, TRACE
         if self._dump is not None:

@@ -37,3 +37,16 @@ def test_inspect_reports_refused_and_mask_sources(tmp_path):
     tiny_config("llama").save_pretrained(tmp_path)
     llama = cpcompile.inspect_model(str(tmp_path), cp_size=2, seq_len=37, ranks=[0])
     assert [(p.kind, p.action) for g in llama.graphs for p in g.positions] == [("arange", "mask")] * 2
+
+
+def test_inspect_reports_a_decision_on_the_local_length():
+    """A branch on the length that a rank's 19 tokens take otherwise than the whole 37: refused in the report, as
+    training would refuse it, with the line and the decision; 24 tokens (12 per rank) decide alike."""
+    refused = cpcompile.inspect_model("tests.models.positions:length_branch", cp_size=2, seq_len=37)
+    rows = [(g.rank, p.node, p.kind, p.action) for g in refused.graphs for p in g.positions]
+    assert ("length", "refused") in {(kind, action) for _, _, kind, action in rows}, rows
+    assert {rank for rank, node, _, _ in rows if node == "(shape guard)"} == {0, 1}, rows
+    text = refused.report()
+    assert "it decided `T <= 24`" in text and "tests/models/positions.py:" in text, text
+    alike = cpcompile.inspect_model("tests.models.positions:length_branch", cp_size=2, seq_len=24)
+    assert all(p.node != "(shape guard)" for g in alike.graphs for p in g.positions)

@@ -364,6 +364,11 @@ def position_only_lm(form: str, *, seed: int = 0, vocab: int = 64, hidden: int =
     return model
 
 
+def length_branch(*, seed: int = 0, **kwargs) -> tiny.TinyLM:
+    """:func:`position_only_lm` ``"length_branch"``: doubles its position embeddings when ``T > 24``."""
+    return position_only_lm("length_branch", seed=seed, **kwargs)
+
+
 class WithoutPositions(nn.Module):
     """A transformers causal LM called without ``position_ids`` (it derives them from the sequence length)."""
 

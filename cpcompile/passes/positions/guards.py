@@ -53,13 +53,17 @@ class LengthGuards:
                 return expr, where
         return None
 
-    def check(self, seq_len: int, chunk_len: int) -> None:
-        """Raise :class:`UnsupportedPositionError` when a decision taken on the local length ``chunk_len`` differs
-        for the global length ``seq_len``; each length is evaluated once."""
+    def refusal(self, seq_len: int, chunk_len: int) -> str | None:
+        """The refusal's text when a decision taken on the local length ``chunk_len`` differs for the global
+        length ``seq_len``, else ``None``; each length is evaluated once."""
         if seq_len not in self._checked:
             bad = self.failed(seq_len)
             self._checked[seq_len] = None if bad is None else _refusal_text(*bad, seq_len, chunk_len)
-        text = self._checked[seq_len]
+        return self._checked[seq_len]
+
+    def check(self, seq_len: int, chunk_len: int) -> None:
+        """Raise :class:`UnsupportedPositionError` with :meth:`refusal`'s text, if any."""
+        text = self.refusal(seq_len, chunk_len)
         if text is not None:
             raise UnsupportedPositionError(text)
 
