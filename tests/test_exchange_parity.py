@@ -6,9 +6,10 @@ and balanced layouts (balanced with ``Workload(split_keys=True)``, the layout th
 rewritten graph run as traced and one inductor case, one case with a receive buffer bounded by ``exchange_slots``.
 Every full-attention site must report ``exchange == "selective"``; the bytes each rank received equal the
 brute-force count of the keys its queries see on other ranks (tests/test_exchange.py), K and V, every site. A second
-batch with other documents (one row a single document) runs exact without a recompile, and the profiler sees
-all-to-alls and no all-gather. Negative control: every rank's first needed key left out of the exchange must fail
-the parity check.
+batch with other documents (one row a single document) runs exact without a recompile; the profiler sees
+all-to-alls and no all-gather, and the elements each forward all-to-all delivered, read from the profiler's record
+of the call (independent of cpcompile's accounting), equal the keys that batch's plan says the rank needs.
+Negative control: every rank's first needed key left out of the exchange must fail the parity check.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def _worker(rank, world_size, case, others):
     assert second.counter_delta.get("graphs", 0) == 0, second.counter_delta
     seen = sorted(second.collectives)
     assert any("all_to_all" in n for n in seen) and not any("all_gather" in n for n in seen), seen
+    # the profiler's own record of the forward exchanges (K and V of every site, before the backward's): each
+    # delivered the keys the second batch's plan says this rank's queries need from other ranks, every row
+    other_plan = build_plan(other, world_size, rank, layout=case.layout, **case.plan_kwargs())
+    forward = second.all_to_all_received[: 2 * len(sites)]
+    per_call = len(brute_force_needs(other_plan, None, rank)) * len(other["input_ids"]) * heads_dim
+    profiled = (forward, [per_call] * (2 * len(sites)))
     # negative control: every rank's first needed key left out of the exchange
     original = CPPlan.exchange_needs
 
@@ -89,7 +96,7 @@ def _worker(rank, world_size, case, others):
         control = str(e).splitlines()[0]
     summaries = [{"case": case.name, "cp": world_size, **outcome.errors()}]
     summaries += [check_case(other, group) for other in others]
-    return {"summaries": summaries, "bytes": bytes_check, "control": control}
+    return {"summaries": summaries, "bytes": bytes_check, "profiled": profiled, "control": control}
 
 
 # Generous limits: they only cut a hang (the machine may be shared).
@@ -104,6 +111,8 @@ def test_selective_exchange_parity(cp):
     for rank, res in enumerate(results):
         got, expected, _ = res["bytes"]
         assert got == expected, (rank, got, expected)
+        forward, expected = res["profiled"]
+        assert forward == expected and forward, (rank, forward, expected)
     assert all(res["control"] is not None for res in results if res["bytes"][2]), [r["control"] for r in results]
     for s in results[0]["summaries"]:
         print(f"{s['case']} CP={s['cp']}: logits {s['logits']:.1e} loss {s['loss']:.1e} grad {s['grad']:.1e}")

@@ -34,6 +34,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -198,6 +199,9 @@ class Step:
     #: CP side only: the collectives cpcompile counted, and the gloo events the profiler saw (``profile=True``).
     comm: cpcompile.runtime.CommStats | None = None
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Elements each all-to-all delivered to this rank, in the order they ran (``profile=True``): read from the
+    #: profiler's record of the call (the receive tensor's shape and split sizes), not from cpcompile.
+    all_to_all_received: list[int] = dataclasses.field(default_factory=list)
 
 
 def reference_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Step:
@@ -256,16 +260,22 @@ def cp_step(
             out.loss.backward()
         logits = cpcompile.gather(out.logits.detach())
     collectives: dict[str, int] = {}
+    received: list[int] = []
     if profile:
-        for event in profiler.events():
+        events = sorted(profiler.events(), key=lambda e: e.time_range.start)
+        for event in events:
             if event.name.startswith("gloo:"):
                 collectives[event.name] = collectives.get(event.name, 0) + 1
+            if event.name == "c10d::alltoall_base_":  # (output, input, group, output splits, input splits, ...)
+                rows = event.input_shapes[0][1:]
+                received.append(sum(event.concrete_inputs[3]) * math.prod(rows))
     return Step(
         logits=logits,
         loss=_all_reduce_sum(out.loss, group),
         grads=full_grads(model, group),
         comm=dataclasses.replace(cpcompile.comm_stats()),
         collectives=collectives,
+        all_to_all_received=received,
     )
 
 
@@ -296,6 +306,8 @@ class ParityOutcome:
     kernels: list[str] = dataclasses.field(default_factory=list)
     #: gloo collectives seen by the profiler in this step (``run(profile=True)``), by event name.
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Elements each all-to-all delivered to this rank in this step, in order, as the profiler recorded them.
+    all_to_all_received: list[int] = dataclasses.field(default_factory=list)
     #: SDPA sites the case must rewrite (``case.expected_sites``, else the model's attention layer count).
     expected_sites: int = 0
     #: (op, action) of every op the mixing pass reported for this runner's backend so far.
@@ -445,6 +457,7 @@ class ParityRunner:
             counter_delta={k: v - before.get(k, 0) for k, v in cpcompile.passes.counters.items()},
             comm=cp.comm,
             collectives=cp.collectives,
+            all_to_all_received=cp.all_to_all_received,
             seconds=time.perf_counter() - start,
             expected_sites=self.expected_sites,
             mixing=[(r.op, r.action) for r in self.backend.mixing_reports],
