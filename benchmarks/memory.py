@@ -1,6 +1,8 @@
 """Per-rank peak memory of one training step at a fixed global length: CP=1/2/4, dense vs block attention.
 
-With ``--sliding-window W`` the model is Mistral-shaped (every layer a sliding window of W tokens) and the two
+With ``--selective`` the variants are the block path with the all-gather and with ``exchange="selective"`` (a
+receive buffer of ``exchange_slots`` keys, sized to the most this batch needs). With ``--sliding-window W`` the
+model is Mistral-shaped (every layer a sliding window of W tokens) and the two
 variants are the block path with the halo exchange (only the keys a rank's queries see arrive) and with the
 all-gather of the whole sequence at every layer (``backend(..., halo=False)``).
 
@@ -29,7 +31,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _worker(rank: int, world_size: int, variant: str, doc_lens: list, hidden: int, layers: int, window: int | None):
+def _worker(rank: int, world_size: int, options: dict, doc_lens: list, hidden: int, layers: int, window: int | None):
     import torch
     import torch.distributed as dist
 
@@ -49,7 +51,6 @@ def _worker(rank: int, world_size: int, variant: str, doc_lens: list, hidden: in
         max_position_embeddings=65536,
     )
     group = dist.new_group(list(range(world_size)))
-    options = {"attention": variant} if window is None else {"attention": "block", "halo": variant == "halo"}
     compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager", **options))
     batch = packed_batch(doc_lens)
 
@@ -69,6 +70,33 @@ def _worker(rank: int, world_size: int, variant: str, doc_lens: list, hidden: in
     return (peak - before) / 1024.0
 
 
+def _options(variant: str, window: int | None, slots: int) -> dict:
+    """The backend options of one variant of the table."""
+    if variant in ("dense", "block"):
+        return {"attention": variant}
+    if window is not None:
+        return {"attention": "block", "halo": variant == "halo"}
+    if variant == "selective":
+        return {"attention": "block", "exchange": "selective", "exchange_slots": slots}
+    return {"attention": "block"}
+
+
+def _needed_slots(doc_lens: list, cp: int) -> int:
+    """The most keys of other ranks any rank's queries see in this batch, under every layout ``shard`` may pick
+    for a full-attention model (contiguous; balanced, also keeping documents whole), rounded up to 64 slots."""
+    from cpcompile.plan import Workload, build_plan
+    from cpcompile.testing import packed_batch
+
+    batch = packed_batch(doc_lens)
+    most = 0
+    for layout, workload in (("contiguous", None), ("balanced", Workload()), ("balanced", Workload(split_keys=True))):
+        kwargs = {} if workload is None else {"workload": workload}
+        for rank in range(cp):
+            plan = build_plan(batch, cp, rank, layout=layout, **kwargs)
+            most = max(most, int(plan.needs(None).sum(-1).max()))
+    return max(64, -(-most // 64) * 64)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seq", type=int, default=16384)
@@ -77,6 +105,12 @@ def main() -> None:
     ap.add_argument("--docs", default="256,4096", help="document length range lo,hi of the packed row")
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--sliding-window", type=int, help="Mistral-shaped model with this window: halo vs all-gather")
+    ap.add_argument(
+        "--selective",
+        action="store_true",
+        help="full attention, block path: the all-gather vs exchange='selective' with a receive buffer of the keys "
+        "this batch needs (exchange_slots: the most any rank needs under any layout shard may pick)",
+    )
     args = ap.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
@@ -85,22 +119,27 @@ def main() -> None:
     lo, hi = (int(x) for x in args.docs.split(","))
     doc_lens = packed_doc_lens(args.seq, 1, lo, hi)
     window = args.sliding_window
-    variants = ("dense", "block") if window is None else ("all-gather", "halo")
+    if args.selective:
+        variants, column = ("all-gather", "selective"), "full-attention exchange"
+    elif window is None:
+        variants, column = ("dense", "block"), "attention"
+    else:
+        variants, column = ("all-gather", "halo"), "sliding-window exchange"
     rows, base = [], {}
     for n in (int(x) for x in args.cp.split(",")):
+        slots = _needed_slots(doc_lens, n) if args.selective else 0
         for variant in variants:
-            peaks = run_distributed(_worker, n, variant, doc_lens, args.hidden, args.layers, window, timeout_s=900)
+            options = _options(variant, window, slots)
+            peaks = run_distributed(_worker, n, options, doc_lens, args.hidden, args.layers, window, timeout_s=900)
             peak = max(peaks)
+            row = {"CP": n, column: variant, "peak above baseline, max rank (MiB)": peak}
+            if args.selective:  # the two exchanges side by side at each CP size
+                base.setdefault(n, peak)
+                row["exchange_slots"] = slots if variant == "selective" else "-"
+                rows.append({**row, "ratio to the all-gather": peak / base[n]})
+                continue
             base.setdefault(variant, peak)
-            rows.append(
-                {
-                    "CP": n,
-                    "attention" if window is None else "sliding-window exchange": variant,
-                    "peak above baseline, max rank (MiB)": peak,
-                    "ratio to CP=1 (same path)": peak / base[variant],
-                    "ideal 1/N": 1 / n,
-                }
-            )
+            rows.append({**row, "ratio to CP=1 (same path)": peak / base[variant], "ideal 1/N": 1 / n})
     model = f"qwen3 hidden {args.hidden}" if window is None else f"mistral (window {window}) hidden {args.hidden}"
     print_table(
         f"per-rank peak memory of a training step: global T={args.seq}, B=1, {model}, {args.layers} layers, "
