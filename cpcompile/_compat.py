@@ -344,6 +344,12 @@ def guard_equal(a: object, b: object) -> bool:
     return statically_true(a == b)
 
 
+def in_backward() -> bool:
+    """Whether the calling code runs inside the autograd engine's backward pass (an op recomputed there for the
+    backward: ``regather_kv_in_backward``). torch 2.11-2.13: ``torch._C._current_graph_task_id()`` is -1 outside."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def shape_guards() -> list[tuple[object, str]]:
     """The shape guards recorded so far for the frame Dynamo is compiling, as ``(sympy boolean, the model's source
     line or "")``: every decision the traced code took on a dynamic size (``if T > 24:`` not taken is ``T <= 24``).

@@ -479,8 +479,10 @@ def _(t, send_slots, counts, site):
 
 
 def _count_halo(spec: SiteSpec, nbytes: int) -> None:
-    """Record one halo exchange of ``nbytes`` received bytes in the active context's CommStats."""
-    active_context(f"the CP attention at {spec.layer or spec.site}").comm.record_halo(nbytes, spec.needs_grad)
+    """Record one halo exchange of ``nbytes`` received bytes in the active context's CommStats (an exchange run
+    again in backward, ``regather_kv_in_backward``, moves its bytes again; its gradients were counted once)."""
+    needs_grad = spec.needs_grad and not _compat.in_backward()
+    active_context(f"the CP attention at {spec.layer or spec.site}").comm.record_halo(nbytes, needs_grad)
 
 
 @torch.library.custom_op("cpcompile::halo_exchange_backward", mutates_args=())

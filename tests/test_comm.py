@@ -86,12 +86,12 @@ def test_gather_issued_early_and_waited_at_attention(family):
         assert order[waits[1].args[0]] < order[q_rope] or order[waits[0].args[0]] < order[q_rope]
 
 
-def _case(family: str, regather: bool) -> ParityCase:
+def _case(family: str, regather: bool, exchange: str = "all_gather") -> ParityCase:
     return ParityCase(
         model=family,
         doc_lens=((10, 20, 7), (5, 30, 2)),
         batch_seed=3,
-        backend_kwargs=(("regather_kv_in_backward", regather),),
+        backend_kwargs=(("regather_kv_in_backward", regather), ("exchange", exchange)),
         inner="aot_eager" if regather else "eager",  # recomputation is AOTAutograd's partitioner's
     )
 
@@ -105,8 +105,9 @@ def _kv_bytes_per_gather(family: str, world: int, batch: int, chunk: int) -> int
 
 @pytest.fixture(scope="module")
 def profiled():
-    """One spawned CP=2 group: each family plainly, and qwen3 re-gathering K/V in backward (profiled steps)."""
-    cases = [_case(family, False) for family in FAMILIES] + [_case("qwen3", True)]
+    """One spawned CP=2 group: each family plainly, and qwen3 re-gathering K/V in backward, also with the
+    selective exchange (profiled steps)."""
+    cases = [_case(family, False) for family in FAMILIES] + [_case("qwen3", True), _case("qwen3", True, "selective")]
     return run_distributed(parity_worker, 2, cases, None, True, timeout_s=400)
 
 
@@ -134,6 +135,21 @@ def test_regather_kv_in_backward_gathers_again_and_stays_exact(profiled):
         # forward gathers K and V once per layer; backward gathers them again instead of saving them
         assert outcome.collectives.get("gloo:all_gather", 0) == 4 * layers
         check_outcome(outcome)
+
+
+def test_regather_with_the_selective_exchange_fetches_again_and_stays_exact(profiled):
+    """The exchanged keys are fetched again in backward instead of being saved: per layer, K and V exchanged in
+    forward, again in backward, and their gradients sent back (6 all-to-alls, 4 without regathering); the
+    gradients' bytes are counted once."""
+    case = _case("qwen3", True, "selective")
+    layers = tiny_config("qwen3").num_hidden_layers
+    for per_rank in profiled:
+        outcome, _ = per_rank[case.name]
+        check_outcome(outcome)
+        assert outcome.collectives.get("gloo:all_to_all", 0) == 6 * layers, outcome.collectives
+        assert "gloo:all_gather" not in outcome.collectives, outcome.collectives
+        comm = outcome.comm
+        assert comm.halo_exchanges == 4 * layers and comm.halo_bytes == 2 * comm.halo_backward_bytes, comm
 
 
 def test_regather_without_a_partitioner_is_refused():

@@ -15,6 +15,7 @@ This module holds the rewrite and the entry point; every name of ``__all__`` is 
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
@@ -80,9 +81,9 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     ``repeat_kv``; otherwise the tensors SDPA received are gathered. ``site_check`` (the active plan, the mask
     check, the site's control round) comes before the site's collectives are issued, as early as the first of K
     and V and the model's mask exist: a check that fails raises on every rank with nothing in flight.
-    ``regather_kv_in_backward`` tags the gathers for recomputation in backward, so only the local K/V are kept
-    between forward and backward. With ``cp_size == 1`` (block
-    kernel only) nothing is gathered.
+    ``regather_kv_in_backward`` tags the gathers (or the halo / selective exchanges) for recomputation in
+    backward, so only the local K/V (and the exchange's routing) are kept between forward and backward. With
+    ``cp_size == 1`` (block kernel only) nothing is gathered.
     """
     node = site.node
     graph = node.graph
@@ -114,6 +115,12 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
     if ctx.options.regather_kv_in_backward and gather:
         for n in (*started, k_all, v_all):
             n.meta.update(_compat.must_recompute_meta())
+    elif ctx.options.regather_kv_in_backward and spec.cp_size > 1 and spec.exchange in ops.EXCHANGES_OF_NEEDED_KEYS:
+        for n in (k_all, v_all):  # the exchanged keys are fetched again in backward; the routing stays saved
+            n.meta.update(_compat.must_recompute_meta())
+            for exchanged in n.all_input_nodes:
+                if exchanged.target is torch.ops.cpcompile.halo_exchange.default:
+                    exchanged.meta.update(_compat.must_recompute_meta())
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)

@@ -33,11 +33,14 @@ class CommStats:
     reduce_scatters: int = 0
     #: Bytes this rank sends in those reduce-scatters: (N-1) chunks each.
     reduce_scatter_bytes: int = 0
-    #: Number of halo exchanges of sliding-window sites (one for K, one for V per attention call).
+    #: Number of exchanges of the keys a rank's queries see (the halo of sliding-window sites, the selective
+    #: exchange of full-attention sites: one for K, one for V per attention call, and again when backward runs
+    #: it again: ``regather_kv_in_backward``, activation checkpointing).
     halo_exchanges: int = 0
     #: Bytes this rank received in those exchanges (only the keys its queries see that other ranks hold).
     halo_bytes: int = 0
-    #: Bytes this rank sends back in their backward (the gradients of the keys it received).
+    #: Bytes this rank sends back in their backward (the gradients of the keys it received), once per attention
+    #: call.
     halo_backward_bytes: int = 0
     #: Control rounds through the CP group's store (never a collective of the group; see
     #: :mod:`cpcompile.failsafe`): the first-call mask check of each attention site, and one per batch with
