@@ -1,5 +1,6 @@
 """Tokens/s of a training step (forward+backward): cpcompile with inductor vs with aot_eager vs the unsharded
-eager model, CP=1/2/4, measured side by side in one run.
+eager model, CP=1/2/4, measured side by side in one run; also layouts (``--layouts``) and full-attention K/V
+exchanges (``--exchanges all_gather,selective``) side by side.
 
 Each rank is a CPU process (gloo, one thread); the step time is the slowest rank's median over the timed steps,
 after warm-up steps that compile. Tokens/s counts the global tokens of the batch (B * T).
@@ -14,7 +15,16 @@ import time
 from benchmarks._common import packed_doc_lens, print_table
 
 
-def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: list, steps: int, layout: str):
+def _worker(
+    rank: int,
+    world_size: int,
+    inner: str,
+    attention: str,
+    doc_lens: list,
+    steps: int,
+    layout: str,
+    exchange: str = "all_gather",
+):
     import torch
     import torch.distributed as dist
 
@@ -31,7 +41,8 @@ def _worker(rank: int, world_size: int, inner: str, attention: str, doc_lens: li
         barrier = lambda: None  # noqa: E731
     else:
         group = dist.new_group(list(range(world_size)))
-        compiled = torch.compile(model, backend=cpcompile.backend(group, inner=inner, attention=attention))
+        backend = cpcompile.backend(group, inner=inner, attention=attention, exchange=exchange)
+        compiled = torch.compile(model, backend=backend)
 
         def step():
             with cpcompile.shard(batch, group, layout=layout) as local:
@@ -62,6 +73,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--layouts", default="balanced", help="shard's layouts, side by side (e.g. contiguous,balanced)")
     ap.add_argument("--inners", default="inductor,aot_eager", help="inner compilers, side by side")
+    ap.add_argument("--exchanges", default="all_gather", help="K/V exchanges of full attention, side by side")
     args = ap.parse_args()
     from tests.harness.dist import run_distributed
 
@@ -77,21 +89,27 @@ def main() -> None:
             "CP": 1,
             "model": "unsharded eager",
             "layout": "-",
+            "exchange": "-",
             "step (ms)": 1e3 * eager_s,
             "tokens/s": tokens / eager_s,
             "vs unsharded eager": 1.0,
             "warm-up incl. compile (s)": 0.0,
         }
     )
+    inners, layouts, exchanges = (v.split(",") for v in (args.inners, args.layouts, args.exchanges))
+    variants = [(i, lay, x) for i in inners for lay in layouts for x in exchanges]
     for n in (int(x) for x in args.cp.split(",")):
-        for inner, layout in ((i, lay) for i in args.inners.split(",") for lay in args.layouts.split(",")):
-            res = run_distributed(_worker, n, inner, args.attention, doc_lens, args.steps, layout, timeout_s=900)
+        for inner, layout, exchange in variants:
+            res = run_distributed(
+                _worker, n, inner, args.attention, doc_lens, args.steps, layout, exchange, timeout_s=900
+            )
             step_s = max(r[0] for r in res)
             rows.append(
                 {
                     "CP": n,
                     "model": f"cpcompile inner={inner}",
                     "layout": layout,
+                    "exchange": exchange,
                     "step (ms)": 1e3 * step_s,
                     "tokens/s": tokens / step_s,
                     "vs unsharded eager": eager_s / step_s,
