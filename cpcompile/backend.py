@@ -18,9 +18,16 @@ from cpcompile.passes.common import PassContext
 from cpcompile.passes.flex_cp import flex_cp_pass
 from cpcompile.passes.mixing import MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass, sequence_length
+from cpcompile.passes.positions.check import proved_handed_masks
 from cpcompile.passes.positions.guards import LengthGuards, length_guards
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
-from cpcompile.runtime import check_group, current_plan, meet_before_backward, record_attention_free_graph
+from cpcompile.runtime import (
+    check_group,
+    current_plan,
+    meet_before_backward,
+    record_attention_free_graph,
+    record_proved_masks,
+)
 
 __all__ = ["BackendOptions", "CPBackend", "TracedGraph", "backend"]
 
@@ -128,9 +135,11 @@ class CPBackend:
         mixing: list[MixingReport] = []
         plan = current_plan()
         chunk_len = plan.chunk_len if plan is not None else None
-        guards = LengthGuards(())
+        guards, handed = LengthGuards(()), []
         if self.cp_size > 1 and self.options.positions == "rewrite":
-            guards = length_guards(sequence_length(gm, chunk_len))  # the model's decisions, before the passes'
+            seq = sequence_length(gm, chunk_len)
+            guards = length_guards(seq)  # the model's decisions, before the passes'
+            handed = proved_handed_masks(gm, seq) if seq is not None and not self.trace_only else []
         try:
             reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
             reports += cp_attention_pass(target, ctx)
@@ -178,6 +187,8 @@ class CPBackend:
             compiled = _noting_attention_free(compiled, self.group_name, _frame_of(gm, graph_id))
         if rewritten or any(r.action == "gathered" for r in mixing):  # the graph's backward runs collectives
             compiled = _meeting_before_backward(compiled, self.group_name)
+        if handed:
+            compiled = _recording_proved_masks(compiled, handed)
         if guards:
             compiled = _checking_length_guards(compiled, guards)
         return compiled
@@ -214,6 +225,19 @@ def _checking_length_guards(compiled, guards: LengthGuards):
         if plan is not None:
             guards.check(plan.seq_len, plan.chunk_len)
         return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
+
+
+def _recording_proved_masks(compiled, outputs: list[int]):
+    """``compiled``, noting the masks at ``outputs`` (proved with documents in this graph, handed on) in the active
+    shard step (``runtime.record_proved_masks``), so that the graph that receives one trusts its documents."""
+
+    def run(*args):
+        out = compiled(*args)
+        record_proved_masks([out[i] for i in outputs])
+        return out
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)
     return run

@@ -76,7 +76,7 @@ from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cp
 from cpcompile.errors import MaskMismatchError
 from cpcompile.mask import visible_mask
 from cpcompile.plan import CPPlan
-from cpcompile.runtime.context import Active, active_context
+from cpcompile.runtime.context import Active, active_context, is_proved_mask, mask_key
 
 __all__ = [
     "SiteSpec",
@@ -286,8 +286,8 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
       input is caught on the batch where it starts to differ: every rank raises the same
       :class:`MaskMismatchError`, naming the ranks whose mask differs.
     """
-    mask_key = None if model_mask is None else (model_mask.data_ptr(), model_mask._version, tuple(model_mask.shape))
-    key = (mask_key, spec.documents, spec.window)
+    model_key = None if model_mask is None else mask_key(model_mask)
+    key = (model_key, spec.documents, spec.window)
     if spec.site in _VERIFIED and key in context.checked_masks:
         return
     layer = _site_name(spec)
@@ -296,7 +296,8 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
         error, what = None, f"the step check of the CP attention at {layer} (no model mask)"
     else:
         error, what = _mask_mismatch(spec, context.plan, model_mask), f"the mask check of the CP attention at {layer}"
-        if error is None and spec.documents_assumed and spec.site not in _DOCUMENTS_SEEN:
+        proved = is_proved_mask(context, model_mask)  # proved with documents by the graph that handed it on
+        if error is None and spec.documents_assumed and spec.site not in _DOCUMENTS_SEEN and not proved:
             seen = context.plan.documents_in_blocks(spec.window)
             error = _hidden_documents(spec) if seen == "hidden" else None
     failsafe.agree(context.group, "site", error, what=what, kinds=(MaskMismatchError,), stats=context.comm)

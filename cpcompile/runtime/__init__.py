@@ -20,9 +20,12 @@ from cpcompile.runtime.context import (
     comm_stats,
     current_plan,
     gather,
+    is_proved_mask,
+    mask_key,
     meet_before_backward,
     real_tokens,
     record_attention_free_graph,
+    record_proved_masks,
 )
 from cpcompile.runtime.shard_options import default_pad_value
 from cpcompile.runtime.sharding import check_group, mark_local_dynamic, shard
@@ -38,11 +41,14 @@ __all__ = [
     "current_plan",
     "default_pad_value",
     "gather",
+    "is_proved_mask",
     "mark_local_dynamic",
+    "mask_key",
     "real_tokens",
     "record_attention_form",
     "meet_before_backward",
     "record_attention_free_graph",
+    "record_proved_masks",
     "shard",
     "sync_grads",
 ]

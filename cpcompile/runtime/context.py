@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -59,7 +60,31 @@ class Active:
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
     #: The model masks already compared with the plan in this step (written only by the attention ops).
     checked_masks: set = dataclasses.field(default_factory=set)
+    #: The masks a compiled graph proved to keep documents apart and handed on in this step: :func:`mask_key` ->
+    #: a weak reference to the tensor (written by :func:`record_proved_masks`, read through :func:`is_proved_mask`).
+    proved_masks: dict = dataclasses.field(default_factory=dict)
     ran: StepRecord = dataclasses.field(default_factory=StepRecord)
+
+
+def mask_key(mask: torch.Tensor) -> tuple:
+    """What identifies a mask tensor within a step: its storage, its version (an in-place write changes it) and its
+    shape."""
+    return (mask.data_ptr(), mask._version, tuple(mask.shape))
+
+
+def record_proved_masks(masks: list[torch.Tensor]) -> None:
+    """Note, in the active shard context, masks that the graph which built them proved to keep packed documents
+    apart before handing them on (no-op outside a shard context). Held weakly: a mask freed in the step is no
+    longer trusted, so a later tensor at its address is not taken for it."""
+    current = _STATE.active
+    if current is not None:
+        current.proved_masks.update((mask_key(m), weakref.ref(m)) for m in masks)
+
+
+def is_proved_mask(context: Active, mask: torch.Tensor) -> bool:
+    """Whether ``mask`` is a mask :func:`record_proved_masks` noted in ``context`` and still alive."""
+    ref = context.proved_masks.get(mask_key(mask))
+    return ref is not None and ref() is not None
 
 
 class _State(threading.local):

@@ -1,6 +1,7 @@
 """check: what to do with a position source (:func:`check_source`): leave it to the mask, leave it unchanged,
 rewrite it, or refuse it with a one-line reason. Its uses are followed forward, each judged by
-:func:`~cpcompile.passes.positions.uses.check_use`.
+:func:`~cpcompile.passes.positions.uses.check_use`. Also the masks a graph proves and hands on
+(:func:`proved_handed_masks`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from cpcompile.passes.common import arg as _arg
 from cpcompile.passes.common import node_located
 from cpcompile.passes.mask_rules import prove_mask
 from cpcompile.passes.positions.graph import leaves_graph, pairwise, shape_of, value_inputs
-from cpcompile.passes.positions.model import GraphFacts, PositionCheck, PositionSource
+from cpcompile.passes.positions.model import GraphFacts, PositionCheck, PositionSource, SequenceLength
 from cpcompile.passes.positions.uses import check_use
 
 #: Why an arange that only numbers this rank's own rows is left unchanged.
@@ -111,6 +112,22 @@ def _handed_mask_reason(src: PositionSource) -> str:
             elif u in facts.mask_only and u in facts.live:
                 stack.append(u)
     return ""
+
+
+def proved_handed_masks(gm: fx.GraphModule, seq: SequenceLength) -> list[int]:
+    """The positions, among ``gm``'s outputs, of the ``[.., T, T]`` masks this graph builds and proves to keep
+    packed documents apart (:func:`cpcompile.passes.mask_rules.prove_mask`, not assumed from an input) before
+    handing them on: the graph that receives one does not see how it was built, and the runtime lets it trust
+    them (:func:`cpcompile.runtime.record_proved_masks`)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    found = []
+    for i, n in enumerate(values):
+        if isinstance(n, fx.Node) and n.op != "placeholder" and pairwise(n, seq):
+            proof = prove_mask(n, shape_of(n)[-1])
+            if not proof.reason and proof.documents and not proof.assumed:
+                found.append(i)
+    return found
 
 
 def check_source(src: PositionSource) -> PositionCheck:
