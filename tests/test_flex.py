@@ -6,17 +6,22 @@
   refusals, with a fake CP group of 2 (nothing is communicated before a compile-time refusal).
 * ONE spawned group of 4 gloo processes runs every parity case (``tests.models.flex``: a torchtitan-style
   document BlockMask, a sliding window, soft-capping plus an ALiBi-style bias with the logsumexp; K/V with
-  fewer heads). T = 37 is not a multiple of 2 or 4; documents cross chunk edges. CP=2 on ranks {0, 1}
-  (contiguous layout, with the negative control) and on {2, 3} (sliding window, balanced layout, aot_eager),
-  then CP=4 on all four (soft-capping, balanced layout: every rank holds several runs of tokens). The
-  one-process reference is the same weights with an equivalent SDPA mask (explicit softmax where a score_mod
-  or the logsumexp is needed), since CPU flex cannot train.
-* Negative control: the mask_mod evaluated at this rank's local query indices (as the model would see them
-  without the rewrite) must fail the parity check.
+  fewer heads; transformers' flex path, ``attn_implementation="flex_attention"``, on the tiny Llama (dense),
+  Qwen3-MoE (MoE), LFM2 (hybrid: a short conv layer, then attention) and Gemma 3 (sliding-window and global
+  layers)). T = 37 is not a multiple of 2 or 4; documents cross chunk edges. CP=2 on ranks {0, 1}
+  (contiguous layout: document, soft-capping, Llama, Qwen3-MoE) and on {2, 3} (balanced layout, aot_eager:
+  sliding window, LFM2), then CP=4 on all four (balanced layout, every rank holds several runs of tokens:
+  soft-capping, Gemma 3). The one-process reference is the same weights with an equivalent SDPA mask
+  (explicit softmax where a score_mod or the logsumexp is needed; transformers' own SDPA path), since CPU flex
+  cannot train.
+* Negative controls, each must fail the parity check: the mask_mod evaluated at this rank's local query indices
+  (as the model would see them without the rewrite); transformers' packed-sequence ids computed from this
+  rank's tokens only; LFM2's conv unseen in the mixed graph after the BlockMask's graph break.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -114,9 +119,20 @@ def _case(form: str, layout: str = "contiguous", inner: str = "eager") -> Parity
     )
 
 
-PAIR0 = [_case("document"), _case("softcap")]
-PAIR1 = [_case("sliding", "balanced", "aot_eager")]
-CP4 = [_case("softcap", "balanced")]
+def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> ParityCase:
+    """transformers' flex path: the family's tiny model with ``attn_implementation="flex_attention"``."""
+    return ParityCase(
+        model="tests.models.flex:hf_flex",
+        doc_lens=DOCS,
+        inner="aot_eager",
+        layout=layout,
+        overrides=(("family", family), ("num_hidden_layers", layers)),
+    )
+
+
+PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe")]
+PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
+CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
 TIMEOUT_S = 600.0
 
@@ -135,10 +151,52 @@ def _local_query_indices(rank: int, chunk: int):
     return original, local
 
 
-def _run(cases, group, control: bool = False) -> list[dict]:
+@contextlib.contextmanager
+def _patched(owner: object, name: str, value: object):
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _control(case: ParityCase, group):
+    """The negative control of ``case`` (a context), or ``None``.
+
+    * a hand-written flex model: the mods see this rank's queries at local indices;
+    * transformers' llama: the packed-sequence ids (``diff`` and ``cumsum`` of ``position_ids``) are computed from
+      this rank's tokens only, as without the mixing pass's regions;
+    * transformers' LFM2: the mixing pass reads a mixed graph (hidden states of the constant local length, mask
+      tensors with its symbol) by the symbols only, so it does not see the conv of the graph after the mask's
+      graph break.
+    """
     import torch.distributed as dist
 
     from cpcompile.kernels import flex_mods
+    from cpcompile.passes import mixing
+
+    overrides = dict(case.overrides)
+    if not case.model.endswith("hf_flex"):
+        if case.layout != "contiguous":
+            return None
+        chunk = -(-sum(DOCS[0]) // dist.get_world_size(group))
+        _, local = _local_query_indices(dist.get_rank(group), chunk)
+        return _patched(flex_mods.BoundMods, "_indices", local)
+    if overrides["family"] == "llama":
+        check_op = mixing.check_op
+
+        def local_ids(op, data):
+            return ("per_token", "") if op.kind in ("shift", "scan") else check_op(op, data)
+
+        return _patched(mixing, "check_op", local_ids)
+    if overrides["family"] == "lfm2":
+        sequence_length = mixing.sequence_length
+        return _patched(mixing, "sequence_length", lambda gm, chunk_len, mixed=False: sequence_length(gm, chunk_len))
+    return None
+
+
+def _run(cases, group, control: bool = False) -> list[dict]:
     from tests.harness.parity import ParityRunner, assert_parity, failing_quantities
 
     out = []
@@ -155,15 +213,13 @@ def _run(cases, group, control: bool = False) -> list[dict]:
             "rewritten": outcome.counter_delta.get("flex_rewritten", 0),
             "all_gathers": outcome.comm.all_gathers,
             "reduce_scatters": outcome.comm.reduce_scatters,
+            "mixing": outcome.mixing,
         }
-        if control:
-            chunk = -(-sum(DOCS[0]) // dist.get_world_size(group))
-            original, local = _local_query_indices(dist.get_rank(group), chunk)
-            flex_mods.BoundMods._indices = local
-            try:
+        patch = _control(case, group) if control else None
+        if patch is not None:
+            torch.compiler.reset()
+            with patch:
                 summary["control_failing"] = failing_quantities(runner.run())
-            finally:
-                flex_mods.BoundMods._indices = original
         out.append(summary)
     return out
 
@@ -177,7 +233,7 @@ def _worker(rank: int, world: int) -> dict:
     if rank < 2:
         out["pair0"] = _run(PAIR0, pairs[0], control=True)
     else:
-        out["pair1"] = _run(PAIR1, pairs[1])
+        out["pair1"] = _run(PAIR1, pairs[1], control=True)
     out["cp4"] = _run(CP4, dist.group.WORLD)
     return out
 
@@ -188,21 +244,31 @@ def results() -> dict:
     return {**per_rank[2], **per_rank[0]}  # pair0 from rank 0, pair1 from rank 2, CP=4 from rank 0
 
 
-def _check(summaries: list[dict], layers: int = 1) -> None:
+def _check(summaries: list[dict]) -> None:
     for s in summaries:
         errors = f"logits {s['logits']:.1e}, loss {s['loss']:.1e}, grad {s['grad']:.1e}"
-        print(f"{s['case']}: {errors} in {s['seconds']:.1f}s")
-        assert s["actions"] == ["rewritten"] * layers and s["rewritten"] == layers, s
-        assert s["all_gathers"] == s["reduce_scatters"] == 2 * layers, s  # K and V per site, each with its backward
+        print(f"{s['case']}: {errors} in {s['seconds']:.1f}s, all-gathers {s['all_gathers']}, mixing {s['mixing']}")
+        sites = len(s["actions"])
+        assert sites and s["actions"] == ["rewritten"] * sites and s["rewritten"] == sites, s
+        assert s["all_gathers"] == s["reduce_scatters"] == 2 * sites, s  # K and V per site, each with its backward
+        if "hf_flex" in s["case"]:  # transformers' packed-sequence ids run on the whole sequence
+            assert ("diff", "gathered") in s["mixing"] and ("cumsum", "gathered") in s["mixing"], s
+        if "lfm2" in s["case"]:
+            assert ("conv1d", "gathered") in s["mixing"], s
 
 
 def test_parity_cp2_contiguous(results):
     _check(results["pair0"])
 
 
-def test_local_indices_control_fails_parity(results):
-    for s in results["pair0"]:
-        assert s["control_failing"], f"{s['case']}: the mask_mod at local query indices passed the parity check"
+def test_negative_controls_fail_parity(results):
+    """Each control fails the parity check: the mods at local query indices (hand-written models), the
+    packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
+    graph after the BlockMask's graph break."""
+    controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
+    assert len(controlled) == 4, [s["case"] for s in controlled]
+    for s in controlled:
+        assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
 
 
 def test_parity_cp2_balanced(results):
@@ -214,13 +280,19 @@ def test_parity_cp4(results):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_transformers_flex_path_is_refused_with_the_fix(world):
-    """transformers' flex mask reads packed-sequence ids it detects from this rank's position_ids with the first
-    token's position (``position_ids[:, :1] - 1``): refused at compile time, naming transformers' line and a fix."""
+def test_transformers_flex_path_runs_the_packed_ids_on_the_whole_sequence(world):
+    """transformers' flex path (tiny llama): the packed-sequence ids (``position_ids[:, :1] - 1``, ``diff``,
+    ``cumsum``) run on the whole sequence, and the graph that builds the BlockMask (``create_block_mask(...,
+    _compile=True)``: the mask_mod on a grid of local indices) is left to the flex site, which reads only its
+    mask_mod: nothing is refused."""
+    from cpcompile.backend import CPBackend
+    from cpcompile.options import BackendOptions
+
+    backend = CPBackend(world, BackendOptions(inner="eager"), trace_only=True)
     model = _flex_models.hf_flex(num_hidden_layers=1)
-    compiled = torch.compile(model, backend=cpcompile.backend(world, inner="aot_eager"))
     with cpcompile.shard(packed_batch([list(r) for r in DOCS]), world) as local:
-        with pytest.raises(cpcompile.UnsupportedMixingError) as info:
-            compiled(**local)
-    assert "masking_utils.py" in str(info.value) and "position_ids[:, :1]" in str(info.value), str(info.value)
-    assert "attn_implementation='sdpa'" in str(info.value), str(info.value)
+        torch.compile(model, backend=backend)(**local)
+    mixing = [(r.op, r.action, r.source.split(" ")[0].rsplit("/", 1)[-1]) for r in backend.mixing_reports]
+    assert mixing[:2] == [("diff", "gathered", "masking_utils.py:757"), ("cumsum", "gathered", "masking_utils.py:758")]
+    assert [r.action for r in backend.mixing_reports + backend.position_reports if r.action == "refused"] == []
+    assert [r.action for r in backend.reports] == ["rewritten"]

@@ -55,6 +55,7 @@ LOSS = ("", "cross_entropy", "loss", "partial_sum")
     [
         ("conv", ("mixer.conv", "conv1d", "convolution", "gathered")),
         ("shift", ("mixer", "pad", "shift", "gathered")),
+        ("first_diff", ("mixer", "diff", "shift", "gathered")),  # with the first-token slice it reads
         ("mask_cumsum", ("mixer", "cumsum", "scan", "gathered")),
     ],
 )
@@ -165,6 +166,7 @@ def test_listed_custom_op_is_per_token(world):
         ("mean_pool", "mean at mixer (node mean)", "mean along the sequence", "cpcompile.gather"),
         ("last_token", "getitem at mixer", "picks tokens [-1:] of the sequence", "cpcompile.gather"),
         ("chunked_scan", "matmul at mixer (node within)", "matmul contracts the sequence dim", "causal conv1d"),
+        ("next_diff", "diff at mixer", "reads up to 1 token(s) after it (not causal)", "diff with prepend"),
         ("custom_scan", "cpcompile_tests::prefix_sum at mixer", "cannot see into it", "per_token_ops=("),
         ("custom_per_token", "cpcompile_tests::softsign at mixer", "cannot see into it", "per_token_ops=("),
         # the dim of norm comes after p; msort sorts along the first dim (here the sequence); tril reads the index

@@ -144,16 +144,12 @@ def find_flex_sites(gm: fx.GraphModule) -> list[FlexSite]:
 
 
 def _local_dims(t: torch.Tensor, local_len: object) -> list[int]:
-    """The dims of ``t`` whose size is the local sequence length ``local_len`` (symbolic: the same symbol, or
-    a symbol with the same value at this compilation, as the local length of separately marked inputs is)."""
-    dims = []
-    for d, size in enumerate(t.shape):
-        if isinstance(local_len, int):
-            if isinstance(size, int) and size == local_len:
-                dims.append(d)
-        elif not isinstance(size, int) and _compat.sym_hint(size) == _compat.sym_hint(local_len):
-            dims.append(d)
-    return dims
+    """The dims of ``t`` whose size is the local sequence length ``local_len``: the same value at this
+    compilation, whether each is a constant or a symbol (the local length of separately marked inputs is a
+    symbol of its own; transformers' flex path traces the query with a constant length and the tensors its
+    ``mask_mod`` reads with symbols)."""
+    want = _compat.sym_hint(local_len)
+    return [d for d, size in enumerate(t.shape) if want is not None and _compat.sym_hint(size) == want]
 
 
 @dataclasses.dataclass(frozen=True)

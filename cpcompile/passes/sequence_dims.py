@@ -34,9 +34,9 @@ def _expr(size: object) -> object:
 
 
 def _size_is_seq(size: object, seq: SequenceLength) -> bool:
-    """Whether a size alone says its dim holds the sequence: it involves the length's symbol. In a static graph
-    no size says so (a hidden size may equal the chunk length): dims are followed from the inputs instead."""
-    return not seq.static and seq.involves(size)
+    """Whether a size alone says its dim holds the sequence: it involves the length's symbol. A constant size
+    never says so (a hidden size may equal the chunk length): dims are followed from the inputs instead."""
+    return bool(seq.symbols) and bool(_compat.free_symbols(size) & seq.symbols)
 
 
 def _involved(shape: tuple, seq: SequenceLength) -> Tags:
@@ -46,8 +46,9 @@ def _involved(shape: tuple, seq: SequenceLength) -> Tags:
 def _input_tags(shape: tuple, seq: SequenceLength) -> Tags:
     """Tags of a graph input: the dims of the local length; in a static graph the sequence dim ``shard`` gives
     ``[B, T, ...]`` tensors (dim 1) when it has the chunk length, else the first dim that has it."""
-    if not seq.static:
-        return _involved(shape, seq)
+    tags = _involved(shape, seq)
+    if any(tags) or not seq.by_size:
+        return tags
     dims = [d for d, size in enumerate(shape) if seq.involves(size)]
     pick = 1 if 1 in dims else (dims[0] if dims else None)
     return tuple(d == pick for d in range(len(shape)))
@@ -90,12 +91,13 @@ def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Ta
                 return _involved(out, seq)
         if not any(tags[k] for k in gi):
             continue
-        if seq.static:  # sizes only: the pieces holding whole multiples of the chunk, else all (chunks of it)
+        if not any(_size_is_seq(src[k], seq) for k in gi):  # constant sizes (a static graph, or a mixed
+            # graph's constant-length tensor): the pieces holding whole multiples of the chunk, else all
             whole = [k for k in gj if seq.chunk_len and b[k] % seq.chunk_len == 0]
             for k in gj:
                 res[k] = b[k] != 1 and (k in whole or not whole)
             continue
-        symbolic = [k for k in gj if seq.involves(out[k])]
+        symbolic = [k for k in gj if _size_is_seq(out[k], seq)]
         ratio = sympy.simplify(math.prod(_expr(src[k]) for k in gi) / math.prod(_expr(out[k]) for k in symbolic))
         pieces_are_seq = not symbolic or bool(ratio.free_symbols)
         for k in gj:

@@ -177,6 +177,14 @@ ROW_MOVES = frozenset({"index_select", "gather", "take_along_dim", "index_add", 
 #: expert given by the row's place among the offsets (the dispatch's sorted layout).
 PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
 
+#: The torch functions (in ``torch/nn/attention/flex_attention.py``) that compute a BlockMask's block tables.
+#: A graph output computed inside one of them is a block table, which only lets flex skip blocks: the flex pass
+#: evaluates the site's ``mask_mod`` at global indices and never reads the tables, so the ops that compute them
+#: (the ``mask_mod`` evaluated on a grid of local indices, transformers' ``create_block_mask(..., _compile=True)``
+#: in a graph of its own) belong to the attention pass like an SDPA mask. Dynamo names the frame it resumes after
+#: a graph break in one of them ``torch_dynamo_resume_in_<name>_at_<line>``.
+BLOCK_MASK_MAKERS = ("create_block_mask",)
+
 
 # -- the positions pass ------------------------------------------------------------------------------------------
 # A position-derived value is a tensor indexed by position (``arange(T)``, ``table[:T]``, and what the model

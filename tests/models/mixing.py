@@ -6,6 +6,9 @@ attention block (``layers.0``, the ``packed_docs`` mask of :mod:`tests.models.at
 
 * ``conv``: LFM2's short conv: depthwise ``conv1d(padding=k-1, groups=C)`` over ``[B, C, T]``, then ``[..., :T]``;
 * ``shift``: token shift, ``F.pad(x, (0, 0, 1, 0))[:, :-1]`` mixed into ``x`` (RWKV-style);
+* ``first_diff``: the change from the previous token, the first token's from itself minus one,
+  ``torch.diff(x, dim=1, prepend=x[:, :1] - 1)`` (transformers' packed-sequence detection on ``position_ids``);
+* ``next_diff``: the change to the next token, ``F.pad(torch.diff(x, dim=1), (0, 0, 0, 1))`` (not causal);
 * ``mask_cumsum``: positions from a mask inside the model, ``(input_ids > 0).cumsum(-1) - 1``, looked up in a
   learned position table;
 * ``mean_pool``: adds the mean over the sequence to every token (a reduction over the sequence);
@@ -38,8 +41,8 @@ from tests.models.attention import sdpa
 from tests.models.tiny import TinyLM, seeded
 
 MIXERS = (
-    "conv", "shift", "mask_cumsum", "mean_pool", "last_token", "chunked_scan", "custom_per_token", "custom_scan",
-    "norm_pool", "sort_tokens", "tril_tokens", "token_norm", "feature_setitem",
+    "conv", "shift", "first_diff", "next_diff", "mask_cumsum", "mean_pool", "last_token", "chunked_scan",
+    "custom_per_token", "custom_scan", "norm_pool", "sort_tokens", "tril_tokens", "token_norm", "feature_setitem",
     "token_setitem", "head_repeat", "token_repeat",
 )  # fmt: skip
 KERNEL = 3
@@ -113,6 +116,10 @@ class Mixer(nn.Module):
         if self.form == "shift":
             shifted = F.pad(x, (0, 0, 1, 0))[:, :-1]
             return x + self.mix(shifted)
+        if self.form == "first_diff":
+            return x + self.mix(torch.diff(x, dim=1, prepend=x[:, :1] - 1))
+        if self.form == "next_diff":
+            return x + self.mix(F.pad(torch.diff(x, dim=1), (0, 0, 0, 1)))
         if self.form == "mask_cumsum":
             return x + self.pos((input_ids > 0).long().cumsum(-1) - 1)
         if self.form == "mean_pool":

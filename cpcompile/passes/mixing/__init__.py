@@ -10,7 +10,8 @@ tensor with a sequence dim (:mod:`cpcompile.passes.vocabulary` says which ops ke
 mixing op (:class:`MixingOp`) :func:`check_op` decides:
 
 * ``gathered``: a causal region (:class:`CausalRegion`: a causal depthwise ``conv1d`` with its trim, a
-  pad-and-slice token shift, a forward ``cumsum``) is run on the whole sequence: its input is all-gathered in
+  pad-and-slice token shift, a forward ``cumsum``, a ``diff`` whose ``prepend`` comes from the first token) is
+  run on the whole sequence: its input is all-gathered in
   global token order, the original ops run on it, and this rank's tokens are taken back (:func:`rewrite_region`).
   Exact under every layout, packed documents included (the region does what the one-process model does on the
   whole row); padding tokens sit after every real token, so a causal region never lets them reach a real one.
@@ -33,7 +34,8 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
 
 Masks the model builds from positions (they feed SDPA's ``attn_mask``) belong to the attention pass, which
-replaces and checks them; this pass skips every node whose uses all end there.
+replaces and checks them, and so do a BlockMask's block tables (the flex pass reads only the site's
+``mask_mod``); this pass skips every node whose uses all end there.
 
 find -> check -> rewrite: :func:`find_mixing_ops`, :func:`check_op`, :func:`rewrite_region`; :func:`mixing_pass` is
 the entry point the backend runs on every graph (after the attention and positions passes) when the CP group
@@ -111,7 +113,7 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
     ``ctx.refuse == "raise"`` raises :class:`UnsupportedMixingError` for the first op that cannot be made exact,
     before anything is rewritten; ``"report"`` only records it (inspection).
     """
-    seq = sequence_length(gm, chunk_len)
+    seq = sequence_length(gm, chunk_len, mixed=True)
     if seq is None:
         return []
     found = find_mixing_ops(gm, seq, ctx.options.per_token_ops)

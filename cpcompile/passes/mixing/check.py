@@ -93,8 +93,9 @@ def _fix(op: MixingOp) -> str:
             "cpcompile.shard passes), or run this model without context parallelism"
         )
     return (
-        "write the op as a causal conv1d (padding kernel-1, then [..., :T]), a left pad then a slice, or a forward "
-        "cumsum, which cpcompile runs on the whole sequence; or run this model without context parallelism"
+        "write the op as a causal conv1d (padding kernel-1, then [..., :T]), a left pad then a slice, a forward "
+        "cumsum or a diff with prepend=x[:, :1] (the change from the previous token), which cpcompile runs on the "
+        "whole sequence; or run this model without context parallelism"
     )
 
 

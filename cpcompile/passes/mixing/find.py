@@ -359,4 +359,5 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
                 op = dataclasses.replace(op, region=region, problem=problem)
                 in_region.update(region.nodes if region is not None else ())
             found.append(op)
-    return found
+    # a selection of the first token that a region found later reads (a diff's prepend) runs in that region
+    return [op for op in found if op.region is not None or op.node not in in_region]

@@ -1,7 +1,7 @@
 """Causal regions: ops that together run on the whole sequence (a causal depthwise ``conv1d`` with its trim, a
-pad-and-slice token shift, a forward scan). :func:`causal_region` finds the region that begins at a mixing op;
-:func:`rewrite_region` runs it on the all-gathered sequence in global token order and takes this rank's tokens
-back."""
+pad-and-slice token shift, a forward scan, a ``diff`` after the sequence's first token). :func:`causal_region`
+finds the region that begins at a mixing op; :func:`rewrite_region` runs it on the all-gathered sequence in global
+token order and takes this rank's tokens back."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
     """
     seq = g.seq
     operands = _seq_operands(start, g)
+    heads = {o: _first_token(o, g) for o in operands}
+    operands = [o for o in operands if heads[o] is None or heads[o][0] not in operands]
     x = operands[0]
     tags = _seq_tags(x, g)
     dims = [d for d, t in enumerate(tags) if t and seq.is_length(shape_of(x)[d])]
@@ -58,13 +60,15 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
     trims: list[tuple[fx.Node, int]] = []
     hi = 0
     while True:
-        step = _region_step(n, cur, dim, g)
+        head = _prepended_head(n, cur, dim, g)
+        step = _region_step(n, cur, dim, g, head[-1] if head else None)
         if isinstance(step, str):
             return None, f"{n.name}: {step}"
         dim, dhi, trim = step
         hi += dhi
         if trim is not None:
             trims.append((n, trim))
+        nodes.extend(head)
         nodes.append(n)
         shape = shape_of(n)
         if shape is not None and seq.is_length(shape[dim]):
@@ -78,11 +82,53 @@ def causal_region(start: fx.Node, g: _Graph) -> tuple[CausalRegion | None, str]:
     return CausalRegion(operand, dims[0], tuple(nodes), dim, tuple(trims)), ""
 
 
-def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, int, int | None] | str:
+def _first_token(h: fx.Node, g: _Graph) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """``(x, dim, nodes)`` when ``h`` is computed from the first token of ``x`` alone: ``x[..., :1]`` along its
+    sequence dim ``dim``, then element-wise ops with values that are not sharded data (``position_ids[:, :1] - 1``),
+    each used once. On the whole sequence these nodes read the global first token, which is never padding."""
+    chain = []
+    while vocab.op_name(h) != "getitem":
+        if vocab.op_name(h) not in vocab.ELEMENTWISE and vocab.op_name(h) not in _SHAPE_ONLY_CASTS:
+            return None
+        inputs = [i for i in h.all_input_nodes if i in g.data]
+        if len(inputs) != 1 or len(h.users) != 1:
+            return None
+        chain.append(h)
+        h = inputs[0]
+    x = h.args[0] if h.args else None
+    if not isinstance(x, fx.Node) or x not in g.data or len(h.users) != 1:
+        return None
+    entries = _index_entries(h)
+    tags, shape = _seq_tags(x, g), shape_of(x)
+    if shape is None or any(not (isinstance(e, slice) or e is Ellipsis) for e in entries):
+        return None
+    rows = [r for r in index_dims(entries, len(shape)) if r.dim is not None and r.entry not in (Ellipsis, slice(None))]
+    if len(rows) != 1 or not tags[rows[0].dim] or not g.seq.is_length(shape[rows[0].dim]):
+        return None
+    e = rows[0].entry
+    if e.start not in (None, 0) or e.stop != 1 or e.step not in (None, 1):
+        return None
+    return x, rows[0].dim, [h, *reversed(chain)]
+
+
+def _prepended_head(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> list[fx.Node]:
+    """The nodes of ``diff(cur, prepend=p)``'s ``p`` when ``p`` is computed from ``cur``'s first token along
+    ``dim`` (:func:`_first_token`); they run on the whole sequence with the region. Else ``[]``."""
+    if vocab.op_name(n) != "diff":
+        return []
+    prepend = arg(n, 3, "prepend")
+    head = _first_token(prepend, g) if isinstance(prepend, fx.Node) else None
+    return head[2] if head is not None and head[0] is cur and head[1] == dim else []
+
+
+def _region_step(
+    n: fx.Node, cur: fx.Node, dim: int, g: _Graph, head: fx.Node | None = None
+) -> tuple[int, int, int | None] | str:
     """``(dim of the sequence in n's output, shift of the last input token read, index entry of a static trim)``
-    for one op of a region, or why it cannot be part of one."""
+    for one op of a region, or why it cannot be part of one. ``head``: an input computed from ``cur``'s first
+    token (:func:`_prepended_head`), which runs in the region too."""
     name = vocab.op_name(n)
-    others = [i for i in n.all_input_nodes if i is not cur and i in g.data and any(_seq_tags(i, g))]
+    others = [i for i in n.all_input_nodes if i is not cur and i is not head and i in g.data and any(_seq_tags(i, g))]
     if others:
         return f"{name} combines it with another sequence-sharded tensor"
     for a in _flat_args(n):
@@ -118,9 +164,9 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
         start = e_dim.start or 0
         if start < 0:
             return "a slice that starts from the end"
-        stop, trim = e_dim.stop, None
+        stop, trim = _constant(e_dim.stop), None
         if isinstance(stop, int) and stop > 0:
-            if not (g.seq.static and stop == g.seq.chunk_len):
+            if not (g.seq.by_size and stop == g.seq.chunk_len):
                 return f"a slice to the fixed length {stop}"
             trim = entry  # a static graph's trim to the local length
         return dim, start, trim
@@ -134,6 +180,19 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
         if any(not isinstance(s, int) for s in sizes):
             return "a cat after tensors of run-time length"
         return dim, -sum(sizes), None
+    if name == "diff":
+        ddim, order, prepend = arg(n, 2, "dim", -1), arg(n, 1, "n", 1), arg(n, 3, "prepend")
+        if n.args[0] is not cur or not isinstance(ddim, int) or ddim % ndim != dim or not isinstance(order, int):
+            return "only a diff along the sequence dim runs on the whole sequence"
+        if arg(n, 4, "append") is not None:
+            return "a diff with append reads past the last token"
+        before = 0
+        if prepend is not None:
+            p = shape_of(prepend)
+            if p is None or not isinstance(p[dim], int) or (prepend in g.data and prepend is not head):
+                return "a diff with a prepend of run-time length or of other sharded data"
+            before = p[dim]
+        return dim, order - before, None
     if name in _SCANS:
         sdim = arg(n, 1, "dim")
         if n.args[0] is not cur or not isinstance(sdim, int) or sdim % ndim != dim:
@@ -144,6 +203,15 @@ def _region_step(n: fx.Node, cur: fx.Node, dim: int, g: _Graph) -> tuple[int, in
             return f"{name} changes the number of dims"
         return dim, 0, None
     return f"{name} is not one of the ops a causal region is built from"
+
+
+def _constant(a: object) -> object:
+    """``a``, or the int a node stands for when its value is a constant size (``x.shape[-1]`` of a tensor whose
+    length Dynamo specialised)."""
+    v = _val(a) if isinstance(a, fx.Node) else a
+    if isinstance(v, torch.SymInt) and not _compat.free_symbols(v):
+        return _compat.sym_hint(v)
+    return v if isinstance(a, fx.Node) and type(v) is int else a
 
 
 def _flat_args(n: fx.Node) -> list[object]:

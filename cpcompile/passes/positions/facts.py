@@ -12,11 +12,19 @@ from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import mutated, op_name, viewed_bases
 from cpcompile.passes.common import node_value as _val
-from cpcompile.passes.positions.graph import has_seq, is_tensorish, leaves_graph, mask_args, pairwise, value_inputs
+from cpcompile.passes.positions.graph import (
+    block_mask_table,
+    has_seq,
+    is_tensorish,
+    leaves_graph,
+    mask_args,
+    pairwise,
+    value_inputs,
+)
 from cpcompile.passes.positions.model import GraphFacts, SequenceLength
 
 
-def sequence_length(gm: fx.GraphModule, chunk_len: int | None) -> SequenceLength | None:
+def sequence_length(gm: fx.GraphModule, chunk_len: int | None, mixed: bool = False) -> SequenceLength | None:
     """The local length of ``gm``: the symbols of its inputs' sizes that stand for it, else ``chunk_len``.
 
     A symbol is the local length when it is a whole dim of a tensor input that is not module state (token
@@ -24,13 +32,19 @@ def sequence_length(gm: fx.GraphModule, chunk_len: int | None) -> SequenceLength
     (the backend compiles inside the shard context whose plan fixes ``c``). Without a plan, the symbols of
     dim 1 (the sequence dim of ``[B, T, ...]`` inputs, the one ``shard`` marks dynamic) are taken. ``None``
     when the graph has no symbol and no plan tells ``c``.
+
+    ``mixed``: also say whether the graph has such symbols and a ``[B, c, ...]`` input with the constant
+    length ``c`` (:attr:`SequenceLength.mixed`).
     """
-    symbols = set()
+    symbols, constant = set(), False
     for n in gm.graph.nodes:
         v = _val(n)
         if n.op != "placeholder" or not isinstance(v, torch.Tensor) or _compat.is_module_state(n):
             continue
         dims = range(v.dim()) if chunk_len is not None else ([1] if v.dim() >= 2 else [])
+        constant = constant or (
+            v.dim() >= 2 and not _compat.free_symbols(v.shape[1]) and _compat.sym_hint(v.shape[1]) == chunk_len
+        )
         for d in dims:
             size = v.shape[d]
             if not isinstance(size, torch.SymInt) or _compat.free_symbols(size) != {_compat.sym_expr(size)}:
@@ -39,7 +53,7 @@ def sequence_length(gm: fx.GraphModule, chunk_len: int | None) -> SequenceLength
                 symbols.add(_compat.sym_expr(size))
     if not symbols and chunk_len is None:
         return None
-    return SequenceLength(frozenset(symbols), chunk_len)
+    return SequenceLength(frozenset(symbols), chunk_len, mixed=mixed and bool(symbols) and constant)
 
 
 def graph_facts(gm: fx.GraphModule, seq: SequenceLength) -> GraphFacts:
@@ -67,12 +81,29 @@ def graph_facts(gm: fx.GraphModule, seq: SequenceLength) -> GraphFacts:
                         data.add(written)
                         changed = True
     live = live_nodes(gm)
-    mask_only: set[fx.Node] = set()
+    mask_only: set[fx.Node] = _block_tables(nodes, live)
     for n in reversed(nodes):
+        if n in mask_only:
+            continue
         users = [u for u in n.users if u in live]
         if users and all(_mask_use(n, u, seq, mask_only) for u in users):
             mask_only.add(n)
     return GraphFacts(gm, seq, frozenset(data), frozenset(mask_only), live)
+
+
+def _block_tables(nodes: list[fx.Node], live: frozenset) -> set[fx.Node]:
+    """The nodes of torch's BlockMask construction (:func:`block_mask_table`) whose values reach only other such
+    nodes (in-place writes into its buffers included) and the graph's output: they compute block tables, which
+    the flex pass never reads (:data:`~cpcompile.passes.vocabulary.BLOCK_MASK_MAKERS`)."""
+    tables = {n for n in nodes if n.op in ("call_function", "call_method") and block_mask_table(n)}
+    changed = True
+    while changed:
+        changed = False
+        for n in list(tables):
+            if any(u in live and u not in tables and u.op != "output" for u in n.users):
+                tables.discard(n)
+                changed = True
+    return tables
 
 
 def _has_side_effect(n: fx.Node) -> bool:

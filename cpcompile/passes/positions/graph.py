@@ -5,8 +5,11 @@ the value of an index or size argument.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
+import torch.nn.attention.flex_attention as flex_attention_module
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
@@ -45,6 +48,24 @@ def mask_args(u: fx.Node) -> tuple[object, tuple]:
     bound.update(u.kwargs)
     others = tuple(v for k, v in bound.items() if k != "model_mask" and isinstance(v, fx.Node))
     return bound.get("model_mask"), others
+
+
+_FLEX_FILE = flex_attention_module.__file__.removesuffix("c")  # the .py, also when loaded from a .pyc
+_BLOCK_MASK_FRAME = re.compile(
+    r'File "(?P<file>[^"]+)", line \d+, in (?:torch_dynamo_resume_in_)?(?P<fn>{})(?:_at_\d+)?$'.format(
+        "|".join(vocab.BLOCK_MASK_MAKERS)
+    )
+)
+
+
+def block_mask_table(n: fx.Node) -> bool:
+    """Whether ``n`` was computed inside torch's BlockMask construction (:data:`~cpcompile.passes.vocabulary.
+    BLOCK_MASK_MAKERS`), by the stack Dynamo recorded for it: a block table, when the graph hands it on."""
+    for line in (n.meta.get("stack_trace") or "").splitlines():
+        m = _BLOCK_MASK_FRAME.search(line.strip())
+        if m is not None and m["file"] == _FLEX_FILE:
+            return True
+    return False
 
 
 def leaves_graph(n: fx.Node) -> bool:

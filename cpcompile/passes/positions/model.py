@@ -94,22 +94,40 @@ class SequenceLength:
     symbols: frozenset
     #: The active plan's chunk length (``None`` when the graph was compiled outside a shard context).
     chunk_len: int | None
+    #: A graph with symbols whose inputs also hold the local length as the constant ``chunk_len`` (after a
+    #: graph break, Dynamo specialises the tensors the previous graph returned, while the ones the user marked
+    #: stay symbolic): sizes equal to ``chunk_len`` stand for the local length too (the mixing pass's view).
+    mixed: bool = False
 
     @property
     def static(self) -> bool:
         """True when the graph has no symbol for the length (sizes are compared with ``chunk_len`` instead)."""
         return not self.symbols
 
+    @property
+    def by_size(self) -> bool:
+        """True when constant sizes equal to ``chunk_len`` stand for the local length (static or mixed)."""
+        return not self.symbols or self.mixed
+
     def involves(self, size: object) -> bool:
         """Whether a size (or a symbolic scalar) depends on the local length."""
-        if self.symbols:
-            return bool(_compat.free_symbols(size) & self.symbols)
-        return type(size) is int and size == self.chunk_len
+        if self.symbols and _compat.free_symbols(size) & self.symbols:
+            return True
+        return self.is_chunk_constant(size)
 
     def is_length(self, size: object) -> bool:
         """Whether a size is exactly the local length."""
-        if self.symbols:
-            return isinstance(size, torch.SymInt) and _compat.sym_expr(size) in self.symbols
+        if self.symbols and isinstance(size, torch.SymInt) and _compat.sym_expr(size) in self.symbols:
+            return True
+        return self.is_chunk_constant(size)
+
+    def is_chunk_constant(self, size: object) -> bool:
+        """Whether a constant size stands for the local length: it equals ``chunk_len`` in a static or mixed
+        graph. In a graph with symbols a constant dim is a SymInt without free symbols."""
+        if not self.by_size or self.chunk_len is None:
+            return False
+        if isinstance(size, torch.SymInt) and self.mixed and not _compat.free_symbols(size):
+            return _compat.sym_hint(size) == self.chunk_len
         return type(size) is int and size == self.chunk_len
 
 
@@ -122,7 +140,8 @@ class GraphFacts:
     #: Nodes whose values depend on sharded data.
     data: frozenset
     #: Nodes every use of which ends in an SDPA ``attn_mask`` (or, for a pairwise ``[.., T, T]`` value, leaves
-    #: the graph: the graph that receives it checks it as a mask).
+    #: the graph: the graph that receives it checks it as a mask), and the nodes of torch's BlockMask
+    #: construction whose values reach only its block tables (the flex pass never reads them).
     mask_only: frozenset
     #: Nodes whose value reaches the graph's output or a side effect (see
     #: :func:`~cpcompile.passes.positions.live_nodes`); the others are dead code Dynamo keeps (``max_pos =
