@@ -18,14 +18,17 @@ from cpcompile.passes.common import PassContext
 from cpcompile.passes.flex_cp import flex_cp_pass
 from cpcompile.passes.mixing import MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass, sequence_length
-from cpcompile.passes.positions.check import proved_handed_masks
+from cpcompile.passes.positions.check import exact_outputs, proved_handed_masks
 from cpcompile.passes.positions.guards import LengthGuards, length_guards
 from cpcompile.passes.sdpa_cp import SiteReport, cp_attention_pass
 from cpcompile.runtime import (
     check_group,
+    current_context,
     current_plan,
+    is_exact,
     meet_before_backward,
     record_attention_free_graph,
+    record_exact,
     record_proved_masks,
 )
 
@@ -135,11 +138,14 @@ class CPBackend:
         mixing: list[MixingReport] = []
         plan = current_plan()
         chunk_len = plan.chunk_len if plan is not None else None
-        guards, handed = LengthGuards(()), []
+        guards, handed, exact = LengthGuards(()), [], []
         if self.cp_size > 1 and self.options.positions == "rewrite":
             seq = sequence_length(gm, chunk_len)
             guards = length_guards(seq)  # the model's decisions, before the passes'
             handed = proved_handed_masks(gm, seq) if seq is not None and not self.trace_only else []
+        if self.cp_size > 1 and not self.trace_only:
+            seq = sequence_length(gm, chunk_len, mixed=True)
+            exact = exact_outputs(gm, seq) if seq is not None else []
         try:
             reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
             reports += cp_attention_pass(target, ctx)
@@ -189,6 +195,8 @@ class CPBackend:
             compiled = _meeting_before_backward(compiled, self.group_name)
         if handed:
             compiled = _recording_proved_masks(compiled, handed)
+        if exact:
+            compiled = _recording_exact_outputs(compiled, exact)
         if guards:
             compiled = _checking_length_guards(compiled, guards)
         return compiled
@@ -225,6 +233,24 @@ def _checking_length_guards(compiled, guards: LengthGuards):
         if plan is not None:
             guards.check(plan.seq_len, plan.chunk_len)
         return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
+
+
+def _recording_exact_outputs(compiled, outputs: list[tuple[int, tuple[int, ...]]]):
+    """``compiled``, noting in the active shard step each per-token output computed only from inputs that were
+    noted there (``runtime.record_exact``; see :func:`~cpcompile.passes.positions.check.exact_outputs`)."""
+
+    def run(*args):
+        context = current_context()
+        boxed = len(args) == 1 and isinstance(args[0], list)  # one list of the graph's inputs: a boxed call
+        inputs = list(args[0] if boxed else args)  # (which may clear that list)
+        out = compiled(*args)
+        if context is not None:
+            trusted = [out[i] for i, deps in outputs if all(is_exact(context, inputs[j]) for j in deps)]
+            record_exact(trusted, context)
+        return out
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)
     return run

@@ -33,7 +33,9 @@ __all__ = [
 class UnsupportedAttentionError(_compat.PassThroughCompileError):
     """An attention call that cpcompile cannot run across CP ranks with exactly the model's semantics.
 
-    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
+    Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``). A flex site
+    whose mods read a per-token tensor made before its graph raises it at run time instead, on every rank, when
+    that tensor was not made exactly (:func:`cpcompile.ops.exact_input`).
     """
 
 

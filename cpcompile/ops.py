@@ -73,15 +73,16 @@ import torch.fx as fx
 
 from cpcompile import _compat, failsafe
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
-from cpcompile.errors import MaskMismatchError
+from cpcompile.errors import MaskMismatchError, UnsupportedAttentionError
 from cpcompile.mask import visible_mask
 from cpcompile.plan import CPPlan
-from cpcompile.runtime.context import Active, active_context, is_proved_mask, mask_key
+from cpcompile.runtime.context import Active, active_context, is_exact, is_proved_mask, mask_key
 
 __all__ = [
     "SiteSpec",
     "emit_attention",
     "emit_buffer_gather",
+    "emit_exact_input",
     "emit_flex_attention",
     "emit_flex_site_plan",
     "flex_site_plan",
@@ -91,6 +92,7 @@ __all__ = [
     "emit_site_check",
     "emit_site_plan",
     "emit_token_positions",
+    "exact_input",
     "token_positions",
     "last_of",
     "register_site",
@@ -637,6 +639,44 @@ def emit_flex_site_plan(
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Insert ``cpcompile::flex_site_plan`` at the current insertion point; returns (q_pos, kv_pos, seq_len)."""
     return _emit_plan_call(graph, torch.ops.cpcompile.flex_site_plan.default, k, v, checked, spec.site)
+
+
+@torch.library.custom_op("cpcompile::exact_input", mutates_args=())
+def exact_input(t: torch.Tensor, site: str, what: str) -> torch.Tensor:
+    """A copy of the graph input ``t``, a per-token tensor a flex site's mods read, after checking that it holds
+    the whole-sequence run's values at this rank's tokens: the local batch :func:`cpcompile.shard` made, or what
+    a compiled graph of the CP group computed from such tensors (:func:`~cpcompile.runtime.context.is_exact`).
+
+    A tensor computed in eager code from this rank's tokens (document ids from a ``cumsum`` of the local
+    positions, torchtitan's masks made by its trainer) holds this rank's values only, which no all-gather makes
+    the whole sequence's: :class:`~cpcompile.errors.UnsupportedAttentionError`, on every rank (each rank runs
+    the same code on its own tokens), before the site communicates anything.
+    """
+    context = active_context(f"the flex_attention site {site}")
+    if not is_exact(context, t):
+        raise UnsupportedAttentionError(
+            f"cpcompile cannot run the flex_attention call at {_site_name(site_spec(site))} across CP ranks: its "
+            f"{what} reads a tensor of "
+            f"shape {tuple(t.shape)} with this rank's tokens that was computed outside the compiled model (in eager "
+            "code, or from such a tensor), so it holds this rank's values only, not the whole sequence's. Fix: "
+            "compute it inside the compiled model from the batch cpcompile.shard passes (document ids as "
+            "(position_ids == 0).cumsum(-1), which cpcompile runs on the whole sequence), and build the BlockMask "
+            "there too"
+        )
+    return t.clone()
+
+
+@exact_input.register_fake
+def _(t, site, what):
+    return torch.empty_like(t)
+
+
+def emit_exact_input(graph: fx.Graph, t: fx.Node, spec: SiteSpec, what: str) -> fx.Node:
+    """Insert :func:`exact_input` of the graph input ``t`` before the first op of ``graph`` (before any
+    collective of the graph); returns the checked copy."""
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        return graph.call_function(torch.ops.cpcompile.exact_input.default, (t, spec.site, what))
 
 
 def emit_buffer_gather(graph: fx.Graph, t: fx.Node, dim: int, spec: SiteSpec) -> fx.Node:

@@ -14,6 +14,8 @@
   soft-capping, Gemma 3). The one-process reference is the same weights with an equivalent SDPA mask
   (explicit softmax where a score_mod or the logsumexp is needed; transformers' own SDPA path), since CPU flex
   cannot train.
+* Document ids made in eager code from one rank's tokens (``document_eager``, CP=2): refused at run time on each
+  rank, and wrong (parity fails) with the check told every tensor is exact.
 * Negative controls, each must fail the parity check: the mask_mod evaluated at this rank's local query indices
   (as the model would see them without the rewrite); transformers' packed-sequence ids computed from this
   rank's tokens only; LFM2's conv unseen in the mixed graph after the BlockMask's graph break.
@@ -130,7 +132,9 @@ def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> Parity
     )
 
 
-PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe")]
+PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe"), _case("document_eager")]
+#: Cases refused at run time on every rank (the document ids were made in eager code from one rank's tokens).
+REFUSED_AT_RUN_TIME = ("tests.models.flex:document_eager",)
 PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
@@ -196,6 +200,23 @@ def _control(case: ParityCase, group):
     return None
 
 
+def _refused_at_run_time(case: ParityCase, runner) -> dict:
+    """Run a case that must raise ``UnsupportedAttentionError`` on this rank; then its negative control, the
+    check told every tensor is exact, which must fail the parity check."""
+    from cpcompile import ops
+    from tests.harness.parity import failing_quantities
+
+    try:
+        runner.run()
+        message = ""
+    except cpcompile.UnsupportedAttentionError as e:
+        message = str(e)
+    torch.compiler.reset()
+    with _patched(ops, "is_exact", lambda context, t: True):
+        failing = failing_quantities(runner.run())
+    return {"case": case.model, "refused": message, "control_failing": failing}
+
+
 def _run(cases, group, control: bool = False) -> list[dict]:
     from tests.harness.parity import ParityRunner, assert_parity, failing_quantities
 
@@ -203,6 +224,9 @@ def _run(cases, group, control: bool = False) -> list[dict]:
     for case in cases:
         torch.compiler.reset()
         runner = ParityRunner(case, group)
+        if case.model in REFUSED_AT_RUN_TIME:
+            out.append(_refused_at_run_time(case, runner))
+            continue
         outcome = runner.run()
         assert_parity(outcome)
         summary = {
@@ -246,6 +270,8 @@ def results() -> dict:
 
 def _check(summaries: list[dict]) -> None:
     for s in summaries:
+        if s["case"] in REFUSED_AT_RUN_TIME:
+            continue
         errors = f"logits {s['logits']:.1e}, loss {s['loss']:.1e}, grad {s['grad']:.1e}"
         print(f"{s['case']}: {errors} in {s['seconds']:.1f}s, all-gathers {s['all_gathers']}, mixing {s['mixing']}")
         sites = len(s["actions"])
@@ -266,9 +292,19 @@ def test_negative_controls_fail_parity(results):
     packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
-    assert len(controlled) == 4, [s["case"] for s in controlled]
+    assert len(controlled) == 5, [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
+
+
+def test_document_ids_made_in_eager_code_are_refused_on_every_rank(results):
+    """Document ids a mask_mod reads, made outside the compiled model from one rank's tokens (torchtitan's trainer
+    makes its masks so): refused at run time on each rank, naming the fix; with the check off, parity fails
+    (``test_negative_controls_fail_parity``)."""
+    (s,) = [s for s in results["pair0"] if s["case"] in REFUSED_AT_RUN_TIME]
+    assert "computed outside the compiled model" in s["refused"], s
+    assert "shape (2, 19)" in s["refused"] and "mask_mod" in s["refused"], s
+    assert "build the BlockMask there too" in s["refused"], s
 
 
 def test_parity_cp2_balanced(results):

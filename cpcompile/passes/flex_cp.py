@@ -235,6 +235,11 @@ def _buffers(site: FlexSite, local_len: object) -> tuple[_Buffers | None, str | 
     return _Buffers(mask_slots, score_slots, tuple(tensors)), None
 
 
+def _reader(site: FlexSite, t: fx.Node) -> str:
+    """Which of the site's mods reads the graph input ``t``, for messages."""
+    return "mask_mod" if t in site.mask_buffers else "score_mod"
+
+
 def rewrite_site(
     gm: fx.GraphModule, site: FlexSite, spec: ops.SiteSpec, buffers: _Buffers, ctx: PassContext
 ) -> fx.Node:
@@ -267,8 +272,10 @@ def rewrite_site(
         for t, dim in buffers.tensors:
             if dim is None or not gather:
                 tensors.append(t)
-            else:
-                tensors.append(ops.emit_buffer_gather(graph, t, dim, spec))
+                continue
+            if t.op == "placeholder" and t.graph is gm.graph:  # made before this graph: only an exact one
+                t = ops.emit_exact_input(graph, t, spec, _reader(site, t))
+            tensors.append(ops.emit_buffer_gather(graph, t, dim, spec))
         q_pos, kv_pos, seq_len = ops.emit_flex_site_plan(graph, site.key, site.value, checked, spec)
         if gather:
             k_all, v_all = (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)

@@ -29,12 +29,15 @@ __all__ = [
     "activated",
     "active_context",
     "comm_stats",
+    "current_context",
     "current_plan",
     "ensure_inactive",
     "gather",
+    "is_exact",
     "meet_before_backward",
     "real_tokens",
     "record_attention_free_graph",
+    "record_exact",
     "warn_if_no_attention",
 ]
 
@@ -63,6 +66,10 @@ class Active:
     #: The masks a compiled graph proved to keep documents apart and handed on in this step: :func:`mask_key` ->
     #: a weak reference to the tensor (written by :func:`record_proved_masks`, read through :func:`is_proved_mask`).
     proved_masks: dict = dataclasses.field(default_factory=dict)
+    #: Per-token tensors known to hold, at this rank's tokens, what the whole-sequence run holds there: the
+    #: local batch ``shard`` made, and what compiled graphs of the CP group computed from such tensors only
+    #: (:func:`mask_key` -> a weak reference; written by :func:`record_exact`, read through :func:`is_exact`).
+    exact: dict = dataclasses.field(default_factory=dict)
     ran: StepRecord = dataclasses.field(default_factory=StepRecord)
 
 
@@ -87,6 +94,28 @@ def is_proved_mask(context: Active, mask: torch.Tensor) -> bool:
     return ref is not None and ref() is not None
 
 
+def record_exact(tensors: list[torch.Tensor], context: Active | None = None) -> None:
+    """Note per-token tensors whose values at this rank's tokens are the whole-sequence run's in ``context`` (the
+    active shard context by default; no-op outside one). Held weakly, keyed like masks (:func:`mask_key`): an
+    in-place write afterwards, or a freed tensor's address taken by another, is not trusted."""
+    current = context if context is not None else _STATE.active
+    if current is not None:
+        for t in tensors:
+            current.exact.setdefault(_exact_key(t), []).append(weakref.ref(t))
+
+
+def _exact_key(t: torch.Tensor) -> tuple:
+    """:func:`mask_key` with the strides: tensors with the same key hold the same values (a view that covers its
+    base, ``position_ids.expand(B, -1)`` of a ``[B, T]`` tensor, shares its base's key)."""
+    return (*mask_key(t), t.stride())
+
+
+def is_exact(context: Active, t: torch.Tensor) -> bool:
+    """Whether ``t`` holds what a tensor :func:`record_exact` noted in ``context`` holds: same storage, version,
+    shape and strides, the noted tensor still alive."""
+    return any(ref() is not None for ref in context.exact.get(_exact_key(t), ()))
+
+
 class _State(threading.local):
     """The shard context that is active in this thread; owned by :func:`shard`."""
 
@@ -102,6 +131,11 @@ def current_plan() -> CPPlan | None:
     """The plan of the innermost active :func:`shard` context of this thread, or ``None``."""
     current = _STATE.active
     return None if current is None else current.plan
+
+
+def current_context() -> Active | None:
+    """The innermost active :func:`shard` context of this thread, or ``None``."""
+    return _STATE.active
 
 
 def ensure_inactive() -> None:

@@ -20,7 +20,7 @@ from cpcompile.layouts import DEFAULT_LAYOUT, Workload
 from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 from cpcompile.runtime.batch_check import checked_plan, unchecked_round
 from cpcompile.runtime.comm import CommStats
-from cpcompile.runtime.context import Active, activated, ensure_inactive, warn_if_no_attention
+from cpcompile.runtime.context import Active, activated, ensure_inactive, record_exact, warn_if_no_attention
 from cpcompile.runtime.shard_options import OWN_PADDING, ShardOptions, default_pad_value, validate_options
 
 __all__ = ["check_group", "mark_local_dynamic", "shard"]
@@ -159,7 +159,9 @@ def shard(
         )
     if dynamic:
         mark_local_dynamic(local, plan.chunk_len)
-    with activated(Active(plan, cp_group, comm)) as context:
+    context = Active(plan, cp_group, comm)
+    record_exact([v for v in local.values() if isinstance(v, torch.Tensor)], context)
+    with activated(context) as context:
         try:
             yield local
             if cp_size > 1:

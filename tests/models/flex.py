@@ -11,6 +11,10 @@ positions at 0):
   an ALiBi-style per-head bias, and ``return_lse=True``: the logsumexp feeds the residual stream, so its
   gradient matters.
 
+``document_eager`` (:data:`EAGER_FORMS`) is ``document`` with the document ids made in eager code
+(``torch.compiler.disable``) from the positions the model is given, as torchtitan's trainer makes its masks:
+under CP they are one rank's ids, which the flex site refuses at run time.
+
 Refused forms (:data:`REFUSED_FORMS`): ``dense_mask`` (its mask_mod reads a ``[B, T, T]`` mask precomputed over the
 tokens the model is given) and ``learned_bias`` (its score_mod reads a learned per-head bias, a parameter).
 
@@ -34,6 +38,8 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, cre
 from tests.models.tiny import Attention, LearnedPositions, TinyLM, batch_positions, seeded
 
 FORMS = ("document", "sliding", "softcap")
+#: Forms whose document ids are computed outside the compiled graphs, from the positions the model is given.
+EAGER_FORMS = ("document_eager",)
 REFUSED_FORMS = ("dense_mask", "learned_bias")
 #: Sliding window of the ``sliding`` form, in tokens.
 WINDOW = 7
@@ -83,8 +89,11 @@ class FlexAttention(Attention):
 
     def attend(self, q, k, v, batch):
         B, _, T, _ = q.shape
-        docs = (batch_positions(batch) == 0).cumsum(-1)  # torchtitan: document ids from the document starts
-        mask_mod, score_mod = mods(self.form, docs, self.heads, self.bias)
+        if self.form in EAGER_FORMS:
+            docs = _eager_document_ids(batch_positions(batch))
+        else:
+            docs = (batch_positions(batch) == 0).cumsum(-1)  # torchtitan: document ids from the document starts
+        mask_mod, score_mod = mods(self.form.removesuffix("_eager"), docs, self.heads, self.bias)
         want_lse = self.form == "softcap"
         flex = self.impl == "flex" or (self.impl == "auto" and torch.compiler.is_compiling())
         if flex:
@@ -97,6 +106,12 @@ class FlexAttention(Attention):
         else:
             out, lse = reference_attention(q, k, v, mask_mod, score_mod, want_lse)
         return out, None if lse is None else self.lse_proj(lse.transpose(1, 2))
+
+
+@torch.compiler.disable
+def _eager_document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Document ids made in eager code (as torchtitan's trainer makes its masks, outside the model)."""
+    return (positions == 0).cumsum(-1)
 
 
 def reference_attention(q, k, v, mask_mod, score_mod, want_lse: bool):
@@ -120,7 +135,7 @@ def flex_lm(form: str, *, seed: int = 0, layers: int = 2, impl: str = "auto", **
     """A :class:`TinyLM` of ``layers`` flex attention layers in ``form`` (modules ``layers.<i>.attn``) and learned
     positions, weights drawn from ``seed``, in train mode; ``sizes``: TinyLM's ``vocab``, ``hidden``, ``heads``,
     ``kv_heads``, ``max_len`` (rows of the position table)."""
-    if form not in (*FORMS, *REFUSED_FORMS) or impl not in ("auto", "flex", "reference"):
+    if form not in (*FORMS, *REFUSED_FORMS, *EAGER_FORMS) or impl not in ("auto", "flex", "reference"):
         raise ValueError(f"unknown form {form!r} or impl {impl!r}; forms {FORMS}, impls auto/flex/reference")
     attention = partial(FlexAttention, form=form, impl=impl)
     return seeded(TinyLM, [attention] * layers, positions=LearnedPositions(), seed=seed, **sizes)
@@ -166,3 +181,7 @@ def hf_flex(*, seed: int = 0, family: str = "llama", **overrides) -> EagerRefere
     from cpcompile.testing import tiny_model
 
     return EagerReferenceSDPA(tiny_model(family, seed=seed, attn_implementation="flex_attention", **overrides))
+
+
+def document_eager(*, seed: int = 0, **kwargs) -> TinyLM:
+    return flex_lm("document_eager", seed=seed, **kwargs)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes.aliasing import op_name
 from cpcompile.passes.common import arg as _arg
-from cpcompile.passes.common import node_located
+from cpcompile.passes.common import node_located, node_value
 from cpcompile.passes.mask_rules import prove_mask
-from cpcompile.passes.positions.graph import leaves_graph, pairwise, shape_of, value_inputs
+from cpcompile.passes.positions.graph import has_seq, leaves_graph, pairwise, shape_of, value_inputs
 from cpcompile.passes.positions.model import GraphFacts, PositionCheck, PositionSource, SequenceLength
 from cpcompile.passes.positions.uses import check_use
 
@@ -127,6 +128,38 @@ def proved_handed_masks(gm: fx.GraphModule, seq: SequenceLength) -> list[int]:
             proof = prove_mask(n, shape_of(n)[-1])
             if not proof.reason and proof.documents and not proof.assumed:
                 found.append(i)
+    return found
+
+
+def exact_outputs(gm: fx.GraphModule, seq: SequenceLength) -> list[tuple[int, tuple[int, ...]]]:
+    """``(output position, input positions)`` for each output of ``gm`` with a dim of the local length: the
+    graph's inputs with such a dim (not module state) that it is computed from.
+
+    The passes make every value a graph computes exact at this rank's tokens when its inputs are, so the runtime
+    trusts such an output when those inputs were trusted (:func:`cpcompile.runtime.record_exact`): a per-token
+    tensor handed on through a graph break keeps its provenance."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sharded = {
+        n: i
+        for i, n in enumerate(placeholders)
+        if has_seq(n, seq) and not _compat.is_module_state(n) and isinstance(node_value(n), torch.Tensor)
+    }
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    found = []
+    for i, n in enumerate(values):
+        if not isinstance(n, fx.Node) or not isinstance(node_value(n), torch.Tensor) or not has_seq(n, seq):
+            continue
+        seen, stack, inputs = set(), [n], set()
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m in sharded:
+                inputs.add(sharded[m])
+            stack.extend(m.all_input_nodes)
+        found.append((i, tuple(sorted(inputs))))
     return found
 
 
