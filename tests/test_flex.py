@@ -37,6 +37,7 @@ from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase
 from tests.harness.tolerances import KERNEL_TOL, LOGITS_TOL
 from tests.models import flex as _flex_models
+from tests.models.positions import package_missing
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 
@@ -135,7 +136,10 @@ def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> Parity
 PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe"), _case("document_eager")]
 #: Cases refused at run time on every rank (the document ids were made in eager code from one rank's tokens).
 REFUSED_AT_RUN_TIME = ("tests.models.flex:document_eager",)
+#: torchtitan's Llama 3 on its default FlexAttention (optional test dependency, installed by scripts/setup.sh).
+TORCHTITAN = ParityCase(model="tests.models.flex:torchtitan_flex", doc_lens=DOCS, inner="aot_eager", layout="balanced")
 PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
+PAIR1 += [TORCHTITAN] if package_missing("torchtitan") is None else []
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
 TIMEOUT_S = 600.0
@@ -169,8 +173,9 @@ def _control(case: ParityCase, group):
     """The negative control of ``case`` (a context), or ``None``.
 
     * a hand-written flex model: the mods see this rank's queries at local indices;
-    * transformers' llama: the packed-sequence ids (``diff`` and ``cumsum`` of ``position_ids``) are computed from
-      this rank's tokens only, as without the mixing pass's regions;
+    * transformers' llama and torchtitan's Llama 3: the document ids (transformers: ``diff`` and ``cumsum`` of
+      ``position_ids``; torchtitan: ``cumsum`` of the document starts) are computed from this rank's tokens only,
+      as without the mixing pass's regions;
     * transformers' LFM2: the mixing pass reads a mixed graph (hidden states of the constant local length, mask
       tensors with its symbol) by the symbols only, so it does not see the conv of the graph after the mask's
       graph break.
@@ -181,7 +186,9 @@ def _control(case: ParityCase, group):
     from cpcompile.passes import mixing
 
     overrides = dict(case.overrides)
-    if not case.model.endswith("hf_flex"):
+    if case.model == TORCHTITAN.model:
+        overrides["family"] = "llama"  # the same control: document ids from this rank's tokens
+    elif not case.model.endswith("hf_flex"):
         if case.layout != "contiguous":
             return None
         chunk = -(-sum(DOCS[0]) // dist.get_world_size(group))
@@ -277,6 +284,8 @@ def _check(summaries: list[dict]) -> None:
         sites = len(s["actions"])
         assert sites and s["actions"] == ["rewritten"] * sites and s["rewritten"] == sites, s
         assert s["all_gathers"] == s["reduce_scatters"] == 2 * sites, s  # K and V per site, each with its backward
+        if "torchtitan" in s["case"]:  # its document ids (cumsum of the starts) run on the whole sequence
+            assert ("cumsum", "gathered") in s["mixing"], s
         if "hf_flex" in s["case"]:  # transformers' packed-sequence ids run on the whole sequence
             assert ("diff", "gathered") in s["mixing"] and ("cumsum", "gathered") in s["mixing"], s
         if "lfm2" in s["case"]:
@@ -292,7 +301,7 @@ def test_negative_controls_fail_parity(results):
     packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
-    assert len(controlled) == 5, [s["case"] for s in controlled]
+    assert len(controlled) == 5 + (TORCHTITAN in PAIR1), [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
 
@@ -305,6 +314,17 @@ def test_document_ids_made_in_eager_code_are_refused_on_every_rank(results):
     assert "computed outside the compiled model" in s["refused"], s
     assert "shape (2, 19)" in s["refused"] and "mask_mod" in s["refused"], s
     assert "build the BlockMask there too" in s["refused"], s
+
+
+def test_torchtitan_llama3_on_its_flex_attention(results):
+    """torchtitan's own Llama 3 on its default FlexAttention, the BlockMask built in the forward from its own
+    mask mods (causal and document) and ``positions`` passed to its RoPE (a ``gather`` of ``rope_cache`` at the
+    positions), is exact at CP=2 under the balanced layout (``_check`` in ``test_parity_cp2_balanced``)."""
+    missing = package_missing("torchtitan")
+    if missing is not None:
+        pytest.skip(missing)
+    (s,) = [s for s in results["pair1"] if "torchtitan" in s["case"]]
+    assert s["actions"] == ["rewritten"] and s["control_failing"], s
 
 
 def test_parity_cp2_balanced(results):

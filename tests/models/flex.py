@@ -185,3 +185,81 @@ def hf_flex(*, seed: int = 0, family: str = "llama", **overrides) -> EagerRefere
 
 def document_eager(*, seed: int = 0, **kwargs) -> TinyLM:
     return flex_lm("document_eager", seed=seed, **kwargs)
+
+
+class TorchtitanFlexLM(nn.Module):
+    """torchtitan's ``Llama3Model`` with its ``FlexAttention`` inner attention (its default), called as
+    ``model(tokens, positions=..., attention_masks=...)`` with the BlockMask built inside the forward from
+    torchtitan's own mask mods, ``and_masks(get_causal_mask_mod(), get_document_mask_mod(position_ids))``, and
+    its ``create_attention_mask``. In eager mode (the one-process reference, where CPU flex has no backward) its
+    ``FlexAttention.compiled_flex_attn`` is SDPA under ``create_mask`` of the same mask_mod."""
+
+    def __init__(self, model: nn.Module, layers: int) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = layers
+
+    @property
+    def layers(self) -> list:
+        return [None] * self.num_layers  # the attention layer count tests.harness.parity expects rewritten
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        from torch.nn.attention.flex_attention import and_masks
+        from torchtitan.models.common import attention as tt
+
+        B, T = input_ids.shape
+        mask_mod = and_masks(tt.get_causal_mask_mod(), tt.get_document_mask_mod(position_ids))
+        if torch.compiler.is_compiling():
+            masks = tt.create_attention_mask(mask_mod, B, None, T, T, device=input_ids.device)
+            logits = self.model(input_ids, positions=position_ids, attention_masks=masks)
+        else:
+            masks = create_block_mask(mask_mod, B, None, T, T, device=input_ids.device)
+            original = tt.FlexAttention.compiled_flex_attn
+            tt.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex)
+            try:
+                logits = self.model(input_ids, positions=position_ids, attention_masks=masks)
+            finally:
+                tt.FlexAttention.compiled_flex_attn = original
+        from tests.models.tiny import lm_output
+
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
+
+
+def _dense_flex(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+    """torchtitan's ``FlexAttention.compiled_flex_attn`` densely: SDPA under the BlockMask's mask_mod."""
+    assert score_mod is None and not return_aux.lse
+    B, _, L, _ = q.shape
+    mask = create_mask(block_mask.mask_mod, B, 1, L, L, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa), None
+
+
+def torchtitan_flex(*, seed: int = 0, layers: int = 1, max_len: int = 128) -> TorchtitanFlexLM:
+    """torchtitan's Llama 3 (dim 64, 4 heads, 2 KV heads, complex RoPE with llama scaling) on its default
+    flex attention (``attn_backend="flex"``), as :class:`TorchtitanFlexLM`."""
+    from tests.models.positions import _stub_triton_only_modules
+
+    _stub_triton_only_modules()
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    dim, heads, vocab = 64, 4, 128
+    config = llama3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            n_layers=layers,
+            dim=dim,
+            n_heads=heads,
+            n_kv_heads=2,
+            hidden_dim=128,
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_len, theta=500000, scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+    torch.manual_seed(seed)
+    return TorchtitanFlexLM(config.build(), layers).train()

@@ -280,8 +280,8 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
         return found("order", f"{name} of rows by the MoE dispatch permutation", accounted="dispatch")
     if isinstance(dim, int) and tags and dim % len(tags) not in seq_dims and n.args[0] in g.data:
         return None
-    if n.args[0] not in g.data and isinstance(dim, int) and name == "index_select":
-        return None
+    if n.args[0] not in g.data and isinstance(dim, int) and name in ("index_select", "gather"):
+        return None  # a table (not data) looked up at per-token indices: torchtitan's rope_cache at positions
     return found("selection", f"{name} along the sequence")
 
 
