@@ -228,6 +228,26 @@ def test_static_graph_refuses_what_it_would_rewrite(world):
     assert "dynamic=True" in message and FIX_WORDS in message, message
 
 
+class _MixedLengths(torch.nn.Module):
+    """Token ids whose sequence dim is a symbol, hidden states whose sequence dim is the constant 16 (a graph
+    after a graph break), and positions from the hidden states' length."""
+
+    def forward(self, input_ids, hidden):
+        return hidden + torch.arange(hidden.shape[1])[:, None], input_ids * 2
+
+
+def test_mixed_graph_refuses_a_source_of_the_constant_length():
+    """In a graph with the length's symbol and the constant chunk length side by side, a source of the constant
+    length is found by its size (as in a static graph) and refused; without that, it was left alone, silently
+    giving every rank positions [0, c)."""
+    input_ids, hidden = torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, 8)
+    torch._dynamo.mark_dynamic(input_ids, 1)
+    gm = dynamo_graph(_MixedLengths(), input_ids=input_ids, hidden=hidden)
+    with pytest.raises(cpcompile.UnsupportedPositionError) as info:
+        positions_pass(gm, context(), chunk_len=16)
+    assert "static sequence length (16 tokens per rank" in str(info.value), str(info.value)
+
+
 def test_positions_off_leaves_the_graph_alone(world):
     backend, _ = _compile_and_run(pm.position_lm("titan_style"), world, positions="off")
     assert backend.position_reports == []

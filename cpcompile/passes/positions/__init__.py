@@ -102,11 +102,22 @@ def positions_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) 
     if seq is None:
         return []
     sources = find_position_sources(gm, seq)
+    by_size: set[fx.Node] = set()
+    if not seq.static and sequence_length(gm, chunk_len, mixed=True).mixed:
+        # inputs with the length's symbol next to inputs with the constant chunk length (after a graph break):
+        # a source of the constant length is found by its size only, as in a static graph
+        found = {src.node for src in sources}
+        extra = [s for s in find_position_sources(gm, SequenceLength(frozenset(), chunk_len, mixed=True))
+                 if s.node not in found]  # fmt: skip
+        by_size = {s.node for s in extra}
+        sources += extra
     counters["position_sources_found"] += len(sources)
     decided: list[tuple[PositionSource, PositionCheck]] = []
     for src in sources:
         check = check_source(src)
-        if check.action == "rewrite" and seq.static:
+        if check.action == "rewrite" and src.node in by_size:
+            check = PositionCheck("refuse", static_reason(seq), static=True)
+        elif check.action == "rewrite" and seq.static:
             if refuse == "raise":
                 check = PositionCheck("refuse", static_reason(seq), static=True)
             else:
