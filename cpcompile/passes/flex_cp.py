@@ -17,7 +17,9 @@ BlockMask built inside the model for the local length, or outside it for the glo
 The tensors the mods read (``mask_mod``/``score_mod`` closures) are mapped to global indices by their length:
 
 * a tensor with the local sequence length on one dim (per-token data such as document ids made from this
-  rank's inputs) is all-gathered along that dim into global token order;
+  rank's inputs) is all-gathered along that dim into global token order; one made before the graph (an input)
+  first goes through ``cpcompile::exact_input``, which refuses at run time a tensor not known to hold the
+  whole-sequence run's values at this rank's tokens (made in eager code from them);
 * a tensor without the local length (a table for the whole sequence, per-head constants) is read as it is,
   at global indices;
 * anything else is refused (:func:`check_site`): a tensor with the local length on several dims (a

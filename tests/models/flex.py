@@ -35,7 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
 
-from tests.models.tiny import Attention, LearnedPositions, TinyLM, batch_positions, seeded
+from tests.models.positions import TokensLM, torchtitan_llama3_model
+from tests.models.tiny import Attention, LearnedPositions, TinyLM, batch_positions, lm_output, seeded
 
 FORMS = ("document", "sliding", "softcap")
 #: Forms whose document ids are computed outside the compiled graphs, from the positions the model is given.
@@ -187,21 +188,12 @@ def document_eager(*, seed: int = 0, **kwargs) -> TinyLM:
     return flex_lm("document_eager", seed=seed, **kwargs)
 
 
-class TorchtitanFlexLM(nn.Module):
+class TorchtitanFlexLM(TokensLM):
     """torchtitan's ``Llama3Model`` with its ``FlexAttention`` inner attention (its default), called as
     ``model(tokens, positions=..., attention_masks=...)`` with the BlockMask built inside the forward from
     torchtitan's own mask mods, ``and_masks(get_causal_mask_mod(), get_document_mask_mod(position_ids))``, and
     its ``create_attention_mask``. In eager mode (the one-process reference, where CPU flex has no backward) its
     ``FlexAttention.compiled_flex_attn`` is SDPA under ``create_mask`` of the same mask_mod."""
-
-    def __init__(self, model: nn.Module, layers: int) -> None:
-        super().__init__()
-        self.model = model
-        self.num_layers = layers
-
-    @property
-    def layers(self) -> list:
-        return [None] * self.num_layers  # the attention layer count tests.harness.parity expects rewritten
 
     def forward(
         self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
@@ -222,8 +214,6 @@ class TorchtitanFlexLM(nn.Module):
                 logits = self.model(input_ids, positions=position_ids, attention_masks=masks)
             finally:
                 tt.FlexAttention.compiled_flex_attn = original
-        from tests.models.tiny import lm_output
-
         return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
@@ -236,30 +226,7 @@ def _dense_flex(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux
 
 
 def torchtitan_flex(*, seed: int = 0, layers: int = 1, max_len: int = 128) -> TorchtitanFlexLM:
-    """torchtitan's Llama 3 (dim 64, 4 heads, 2 KV heads, complex RoPE with llama scaling) on its default
-    flex attention (``attn_backend="flex"``), as :class:`TorchtitanFlexLM`."""
-    from tests.models.positions import _stub_triton_only_modules
-
-    _stub_triton_only_modules()
-    import torchtitan.models.llama3 as llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-
-    dim, heads, vocab = 64, 4, 128
-    config = llama3.Llama3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
-        layers=llama3._build_llama3_layers(
-            n_layers=layers,
-            dim=dim,
-            n_heads=heads,
-            n_kv_heads=2,
-            hidden_dim=128,
-            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_len, theta=500000, scaling="llama"),
-            attn_backend="flex",
-        ),
-    )
-    torch.manual_seed(seed)
-    return TorchtitanFlexLM(config.build(), layers).train()
+    """torchtitan's Llama 3 (:func:`tests.models.positions.torchtitan_llama3_model`) on its default flex
+    attention, as :class:`TorchtitanFlexLM`."""
+    model = torchtitan_llama3_model(seed=seed, layers=layers, max_len=max_len, flex=True)
+    return TorchtitanFlexLM(model, layers).train()

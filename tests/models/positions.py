@@ -426,6 +426,13 @@ def _stub_triton_only_modules() -> None:
 def torchtitan_llama3(*, seed: int = 0, max_len: int = 128) -> TokensLM:
     """torchtitan's ``Llama3Model`` (2 layers, dim 64, 4 heads, 2 KV heads, complex RoPE with llama scaling)
     with its ``ScaledDotProductAttention`` inner attention (``is_causal=True, enable_gqa=True``)."""
+    return TokensLM(torchtitan_llama3_model(seed=seed, layers=2, max_len=max_len, flex=False), layers=2).train()
+
+
+def torchtitan_llama3_model(*, seed: int, layers: int, max_len: int, flex: bool) -> nn.Module:
+    """torchtitan's ``Llama3Model`` (dim 64, 4 heads, 2 KV heads, complex RoPE with llama scaling, ``layers``
+    layers), weights drawn from ``seed``, on its ``FlexAttention`` inner attention (``flex``: its default) or its
+    ``ScaledDotProductAttention``."""
     _stub_triton_only_modules()
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -435,16 +442,17 @@ def torchtitan_llama3(*, seed: int = 0, max_len: int = 128) -> TokensLM:
     # torchtitan 0.3.0 maps every attn_backend name of its language models to flex/varlen attention; its SDPA
     # inner attention is built directly, as torchtitan's own Flux model does.
     original = llama3.get_attention_config
-    llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
+    if not flex:
+        llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
     try:
-        layers = llama3._build_llama3_layers(
-            n_layers=2,
+        built = llama3._build_llama3_layers(
+            n_layers=layers,
             dim=dim,
             n_heads=heads,
             n_kv_heads=2,
             hidden_dim=128,
             rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_len, theta=500000, scaling="llama"),
-            attn_backend="sdpa",
+            attn_backend="flex" if flex else "sdpa",
         )
     finally:
         llama3.get_attention_config = original
@@ -454,10 +462,10 @@ def torchtitan_llama3(*, seed: int = 0, max_len: int = 128) -> TokensLM:
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
-        layers=layers,
+        layers=built,
     )
     torch.manual_seed(seed)
-    return TokensLM(config.build(), layers=2).train()
+    return config.build()
 
 
 def litgpt_gpt(*, seed: int = 0, max_len: int = 128) -> TokensLM:
@@ -516,4 +524,5 @@ __all__ = [
     "position_only_lm",
     "titan_style",
     "torchtitan_llama3",
+    "torchtitan_llama3_model",
 ]
