@@ -43,6 +43,7 @@ those of :mod:`cpcompile.passes.vocabulary`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import torch.fx as fx
@@ -98,12 +99,13 @@ def positions_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) 
     it is rewritten as a dynamic graph would be, and the report says it was found by its size.
     """
     refuse, graph_id, site_prefix = ctx.refuse, ctx.graph_id, ctx.site_prefix
-    seq = sequence_length(gm, chunk_len)
-    if seq is None:
+    mixed = sequence_length(gm, chunk_len, mixed=True)
+    if mixed is None:
         return []
+    seq = dataclasses.replace(mixed, mixed=False)  # sources are found by the length's symbols
     sources = find_position_sources(gm, seq)
     by_size: set[fx.Node] = set()
-    if not seq.static and sequence_length(gm, chunk_len, mixed=True).mixed:
+    if mixed.mixed:
         # inputs with the length's symbol next to inputs with the constant chunk length (after a graph break):
         # a source of the constant length is found by its size only, as in a static graph
         found = {src.node for src in sources}

@@ -61,7 +61,10 @@ _BLOCK_MASK_FRAME = re.compile(
 def block_mask_table(n: fx.Node) -> bool:
     """Whether ``n`` was computed inside torch's BlockMask construction (:data:`~cpcompile.passes.vocabulary.
     BLOCK_MASK_MAKERS`), by the stack Dynamo recorded for it: a block table, when the graph hands it on."""
-    for line in (n.meta.get("stack_trace") or "").splitlines():
+    trace = n.meta.get("stack_trace") or ""
+    if not any(name in trace for name in vocab.BLOCK_MASK_MAKERS):  # most nodes: no line to parse
+        return False
+    for line in trace.splitlines():
         m = _BLOCK_MASK_FRAME.search(line.strip())
         if m is not None and m["file"] == _FLEX_FILE:
             return True
