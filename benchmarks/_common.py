@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import random
 import shlex
 import sys
 
 import torch
 from tabulate import tabulate
 
-__all__ = ["machine", "command", "print_table", "packed_doc_lens"]
+__all__ = ["machine", "command", "print_table", "packed_doc_lens", "lognormal_doc_lens"]
 
 
 def machine() -> str:
@@ -48,3 +50,15 @@ def packed_doc_lens(total: int, rows: int, lo: int, hi: int, seed: int = 0) -> l
         lens[-1] -= sum(lens) - total
         out.append([n for n in lens if n > 0])
     return out
+
+
+def lognormal_doc_lens(total: int, mean: float, seed: int, sigma: float = 1.0) -> list[int]:
+    """Document lengths of log-normal distribution (``mean`` tokens, ``sigma`` of the log) adding up to ``total``,
+    drawn from ``random.Random(seed)``; the last document is cut to fit."""
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    out: list[int] = []
+    while sum(out) < total:
+        out.append(max(1, int(rng.lognormvariate(mu, sigma))))
+    out[-1] -= sum(out) - total
+    return [n for n in out if n > 0]

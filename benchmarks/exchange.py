@@ -18,14 +18,12 @@ Layouts: ``contiguous``, ``balanced`` (fewest runs within 0.5% of the best work)
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import statistics
 import time
 
 import torch
 
-from benchmarks._common import print_table
+from benchmarks._common import lognormal_doc_lens, print_table
 from cpcompile.plan import Workload, build_plan
 from cpcompile.testing import packed_batch
 
@@ -34,16 +32,6 @@ LAYOUTS = {
     "balanced": ("balanced", Workload()),
     "balanced+split_keys": ("balanced", Workload(split_keys=True)),
 }
-
-
-def lognormal_row(T: int, mean: float, rng: random.Random, sigma: float = 1.0) -> list[int]:
-    """Document lengths of log-normal distribution with ``mean`` (and ``sigma`` of the log) adding up to ``T``."""
-    mu = math.log(mean) - sigma**2 / 2
-    out: list[int] = []
-    while sum(out) < T:
-        out.append(max(1, int(rng.lognormvariate(mu, sigma))))
-    out[-1] -= sum(out) - T
-    return [n for n in out if n > 0]
 
 
 def measure(docs: list[list[int]], N: int, layout: str, workload: Workload) -> dict:
@@ -75,7 +63,7 @@ def main() -> None:
     rows = []
     for mean in (int(m) for m in args.means.split(",")):
         for T in (int(t) for t in args.seqs.split(",")):
-            batches = [[lognormal_row(T, mean, random.Random(seed))] for seed in range(args.batches)]
+            batches = [[lognormal_doc_lens(T, mean, seed)] for seed in range(args.batches)]
             for N in (int(n) for n in args.cps.split(",")):
                 for name, (layout, workload) in LAYOUTS.items():
                     got = [measure(docs, N, layout, workload) for docs in batches]

@@ -32,7 +32,12 @@ runs per rank and exactly ``c`` tokens per rank, and keeps the one whose slowest
   gives head/tail bands (2 runs). Each rank gets two runs for every valley of ``E`` its levels cut, one valley
   per long document, so this candidate is kept only when it has at most ``MAX_RUNS`` runs;
 * ``atoms{K}``: the sequence cut into ``K`` block-aligned pieces per rank, given out largest first to the rank
-  with the least work that still has room (at most ``K`` runs), for ``K = 2..MAX_RUNS``.
+  with the least work that still has room (at most ``K`` runs), for ``K = 2..MAX_RUNS``;
+* ``halves`` (:func:`_halves`): the sequence read as a circle and halved recursively, each half an arc of
+  exactly its ranks' tokens and their share of the work. Every rank ends within a few tokens' work of the mean
+  for any documents, in at most ``ceil(log2 N) + 1`` runs (4 up to N = 8). Packed mixes with a few long
+  documents among many short ones (log-normal lengths), which ``bands`` balance only with more runs and
+  the fixed pieces of ``atoms`` too coarsely, need it.
 
 Candidates are built for every attention form of the :class:`Workload` (full causal, each
 window) and for their layer-weighted sum. The objective is the work every layer waits for: the sum over forms
@@ -40,16 +45,19 @@ of ``layers x`` the slowest rank's work. Among the candidates within 0.5% of the
 runs wins (one document: ``head_tail``; no imbalance to fix: ``contiguous``).
 
 **Keeping documents whole.** With ``Workload(split_keys=True)`` (what a selective K/V exchange wants, which
-moves only the keys a rank's queries see on other ranks), the candidates within 5% of the best objective are
+moves only the keys a rank's queries see on other ranks), the candidates within 5% of the best objective and
+4% of perfectly even work (or within 0.5% of the best) are
 compared by the keys they split across ranks (:func:`split_keys`: summed over ranks, the keys of other ranks
 some local query sees), and the one splitting the fewest wins (then fewest runs). A document that lies whole on
-one rank costs no exchange at all. One more candidate is built for it: ``pairs`` (:func:`_pairs`), a head and a
-tail piece per rank like ``head_tail`` but with free cut points, each chosen among those that keep the rank's
-work within 1% of the mean as the one splitting the fewest keys.
+one rank costs no exchange at all. Two more candidates are built for it: ``pairs`` (:func:`_pairs`), a head and
+a tail piece per rank like ``head_tail`` but with free cut points, each chosen among those that keep the rank's
+work within 1% of the mean as the one splitting the fewest keys; and ``halves+keys``, ``halves`` whose cuts,
+among those as balanced, split the fewest keys.
 
-Cost: O(T log T) on the batch's device (sorts of ``T`` keys; with ``split_keys``, O(T) more per candidate), plus
-one device-to-host copy of the pieces' work (``N * K`` numbers per form) for the greedy assignment, which runs on
-the host. Integer arithmetic, so every rank computes the same layout from the same batch.
+Cost: O(T log T) on the batch's device (sorts of ``T`` keys; ``halves`` O(T) per halving level; with
+``split_keys``, O(T) more per candidate), plus one device-to-host copy of the pieces' work (``N * K`` numbers per
+form) for the greedy assignment, which runs on the host. Integer arithmetic, so every rank computes the same
+layout from the same batch.
 """
 
 from __future__ import annotations
@@ -120,7 +128,8 @@ class Workload:
     forms: tuple[AttentionForm, ...] = (AttentionForm(),)
     #: Query and key block size of the block kernel (``cpcompile.backend(..., block_size=...)``).
     block_size: int = DEFAULT_BLOCK_SIZE
-    #: Keep documents whole: among the candidates within :data:`SPLIT_TOLERANCE` (5%) of the best objective,
+    #: Keep documents whole: among the candidates within :data:`SPLIT_TOLERANCE` (5%) of the best objective and
+    #: :data:`EVEN_TOLERANCE` (4%) of perfectly even work (or within :data:`TOLERANCE` of the best),
     #: choose the one whose ranks need the fewest keys of other ranks (:func:`split_keys`, the keys a selective
     #: exchange moves for full-attention layers). ``False`` (default): fewest runs within :data:`TOLERANCE`,
     #: which is what an all-gather, moving every key anyway, wants.
@@ -176,8 +185,12 @@ def count_runs(indices: torch.Tensor) -> torch.Tensor:
 #: A candidate with fewer runs is preferred when its objective is within this factor of the best (0.5%).
 TOLERANCE = (1000, 1005)
 #: With ``Workload(split_keys=True)``: a candidate that splits fewer keys across ranks is preferred when its
-#: objective is within this factor of the best (5%).
+#: objective is within this factor of the best (5%) and within :data:`EVEN_TOLERANCE` of a perfectly even
+#: layout's, or within :data:`TOLERANCE` of the best.
 SPLIT_TOLERANCE = (100, 105)
+#: The most a layout that keeps documents whole may cost over perfectly even work (4%), when a candidate that
+#: close exists: its slowest rank stays within the 1.05 x mean the balanced layout aims for.
+EVEN_TOLERANCE = (100, 104)
 
 
 def split_keys(indices: torch.Tensor, doc_ids: torch.Tensor, workload: Workload) -> torch.Tensor:
@@ -258,16 +271,21 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
         atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
         names += atoms_names
         candidates += atoms
+        names += [f"halves[{vname}]" for vname, _ in vectors]
+        candidates += [_halves(work, N) for _, work in vectors]
         if workload.split_keys:
             cut_cost = _cut_cost(doc_ids)
             names += [f"pairs[{vname}]" for vname, _ in vectors]
             candidates += [_pairs(work, N, cut_cost) for _, work in vectors]
+            names += [f"halves+keys[{vname}]" for vname, _ in vectors]
+            candidates += [_halves(work, N, cut_cost) for _, work in vectors]
     stack = torch.stack(candidates)  # [M, N, c]
     loads = works[:, stack].sum(-1)  # [F, M, N]
     objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
     runs = count_runs(stack).amax(-1)
     split = split_keys(stack, doc_ids, workload) if workload.split_keys else None
-    choice = _choose(objective, runs, split)
+    even = (weights * works.sum(-1)).sum()  # N x the objective of perfectly even work
+    choice = _choose(objective, runs, split, (even, N))
     return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, split, choice)
 
 
@@ -280,15 +298,22 @@ def _form_work(doc_ids: torch.Tensor, block: int, form: AttentionForm) -> torch.
     return token_work(docs, block, block, form.window)
 
 
-def _choose(objective: torch.Tensor, runs: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
+def _choose(
+    objective: torch.Tensor, runs: torch.Tensor, split: torch.Tensor | None, even: tuple[torch.Tensor, int]
+) -> torch.Tensor:
     """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties. With
-    ``split`` (keys split across ranks per candidate): fewest split keys within :data:`SPLIT_TOLERANCE`, then
-    fewest runs, then first."""
+    ``split`` (keys split across ranks per candidate): fewest split keys among those and the ones within both
+    :data:`SPLIT_TOLERANCE` of the best and :data:`EVEN_TOLERANCE` of perfectly even work (``even``: ``N`` x its
+    objective, and ``N``), then fewest runs, then first."""
     big = torch.iinfo(torch.int64).max
     valid = runs <= MAX_RUNS
     best = torch.where(valid, objective, big).min()
-    num, den = TOLERANCE if split is None else SPLIT_TOLERANCE
-    near = valid & (objective * num <= best * den)
+    num, den = TOLERANCE
+    near = objective * num <= best * den
+    if split is not None:
+        (snum, sden), (enum, eden), (total, N) = SPLIT_TOLERANCE, EVEN_TOLERANCE, even
+        near |= (objective * snum <= best * sden) & (objective * N * enum <= total * eden)
+    near &= valid
     M = objective.numel()
     order = torch.arange(M, device=objective.device)
     rank = runs * M + order
@@ -425,6 +450,57 @@ def _pairs(work: torch.Tensor, N: int, cut_cost: torch.Tensor) -> torch.Tensor:
         x = nxt
     owner[x : x + c] = N - 1
     return torch.argsort(owner, stable=True).view(N, -1)
+
+
+#: ``halves``: a cut is chosen among those within this factor of the best reachable work split (0.2%).
+HALVES_TOLERANCE = (1000, 1002)
+
+
+def _halves(work: torch.Tensor, N: int, cut_cost: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, c]``: recursive halving of the sequence read as a circle, each half an arc of exactly its tokens.
+
+    A group of ``n`` ranks holds ``n * c`` tokens in a circular order (at first the sequence, its end joined to
+    its start). It is cut into an arc of ``n // 2 * c`` consecutive tokens of that order for the first
+    ``n // 2`` ranks and the rest of the circle for the others, each again a circle. An arc of that length whose
+    work is ``n // 2 / n`` of the group's exists up to one token's work (sliding it by one token changes its
+    work by at most one token's, and its mean over all starts is exactly that share), so every rank ends
+    within a few tokens' work of the mean, for any documents. Among the starts within
+    :data:`HALVES_TOLERANCE` of the best split, the one whose two cuts fall on the most *seams* (places where
+    the circle's order jumps in the sequence) wins, then, with ``cut_cost`` (:func:`_cut_cost`), the one that
+    splits the fewest keys. An arc holding ``j`` seams is ``j + 1`` runs and a circle of ``j + 1`` seams, so
+    ``ceil(log2 N)`` halvings leave at most that plus one run per rank: 2 runs at N=2, 3 at N<=4, 4 at
+    N<=8. No device-to-host copy: the cuts stay on the device.
+    """
+    T = work.shape[0]
+    c = T // N
+    device = work.device
+    num, den = HALVES_TOLERANCE
+    big = torch.iinfo(torch.int64).max
+    groups, leaves = [(torch.arange(T, device=device), N)], []
+    while groups:
+        order, n = groups.pop()
+        if n == 1:
+            leaves.append(order)
+            continue
+        L, n1 = order.numel(), n // 2
+        arc_len = n1 * c
+        w = work[order]
+        prefix = torch.nn.functional.pad(torch.cumsum(torch.cat([w, w]), 0), (1, 0))
+        starts = torch.arange(L, device=device)
+        ends = (starts + arc_len) % L
+        total = prefix[L]
+        miss = ((prefix[starts + arc_len] - prefix[starts]) * n - total * n1).abs()  # n x |arc work - share|
+        near = miss * num <= miss.min() * num + total * n1 * (den - num)
+        seam = order != torch.roll(order, 1) + 1  # a cut before circle position p falls on a seam
+        rank = (2 - seam[starts].long() - seam[ends].long()) * (2 * T + 1) ** 2
+        if cut_cost is not None:
+            rank = rank + (cut_cost[order[starts]] + cut_cost[order[ends]]) * (2 * T + 1)
+        rank = rank + starts
+        x = torch.where(near, rank, big).argmin()
+        arc = (x + torch.arange(L, device=device)) % L
+        groups += [(order[arc[:arc_len]], n1), (order[arc[arc_len:]], n - n1)]
+    layout = torch.stack(leaves).sort(dim=1).values
+    return layout[layout[:, 0].argsort()]  # rank 0 holds the sequence's first token, as in every layout
 
 
 def _largest_first(costs: list[int], grid: _Grid, N: int) -> list[int]:

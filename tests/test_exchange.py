@@ -5,7 +5,8 @@
   brute-force dense mask shows some local query sees and another rank holds; every rank computes the same routing
   (what one sends is what the other expects), for the selective exchange's ``(N - 1) * c`` slots as for the halo.
 - The balancer's count of them (``needed_key_counts``, from the runs) equals the sets' size for every candidate.
-- ``Workload(split_keys=True)`` chooses within 5% of the best work the candidate that splits the fewest keys.
+- ``Workload(split_keys=True)`` chooses within 5% of the best work and 4% of perfectly even work (or within 0.5%
+  of the best) the candidate that splits the fewest keys.
 - Bad exchange options raise naming the value.
 """
 
@@ -16,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpcompile.layouts import balance, split_keys
+from cpcompile.layouts import balance, split_keys, token_work
 from cpcompile.mask import needed_key_counts, needed_keys
 from cpcompile.plan import LAYOUTS, CPPlan, Workload, build_plan
 
@@ -88,16 +89,19 @@ def test_needed_key_counts_count_the_needed_keys(case):
 
 @SETTINGS
 @given(packed())
-def test_split_keys_layout_splits_fewest_keys_within_five_percent(case):
-    """``Workload(split_keys=True)``: the chosen layout's objective is within 5% of the best candidate's, and it
-    splits no more keys across ranks than the default choice (fewest runs within 0.5%), counted by the plan."""
+def test_split_keys_layout_splits_fewest_keys_within_its_tolerance(case):
+    """``Workload(split_keys=True)``: the chosen layout's objective is within 0.5% of the best candidate's, or
+    within 5% of it and 4% of perfectly even work, and it splits no more keys across ranks than the default
+    choice (fewest runs within 0.5%), counted by the plan."""
     batch, N, layout, _, _ = case
     plan = build_plan(batch, N, 0, layout="contiguous")
     base = layout["workload"]
     keep = Workload(block_size=base.block_size, split_keys=True)
     default, whole = (balance(plan.padded_len, N, plan.doc_ids, w) for w in (base, keep))
     valid = whole.runs <= 4
-    assert int(whole.objective[whole.choice]) * 100 <= int(whole.objective[valid].min()) * 105
+    chosen, best = int(whole.objective[whole.choice]), int(whole.objective[valid].min())
+    even = int(token_work(plan.doc_ids, base.block_size, base.block_size).sum())  # one form, one layer
+    assert chosen * 1000 <= best * 1005 or (chosen * 100 <= best * 105 and chosen * N * 100 <= even * 104)
     assert torch.equal(whole.split, split_keys(whole.candidates, plan.doc_ids, keep))
     split = [
         sum(len(p.keys_needed(None, r)) for r in range(N))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import cpcompile
-from benchmarks._common import packed_doc_lens
-from cpcompile import _compat
+from benchmarks._common import lognormal_doc_lens, packed_doc_lens
+from cpcompile import _compat, layouts
 from cpcompile.kernels import cp_attention, dense_cp_attention
 from cpcompile.layouts import balance, token_work
 from cpcompile.plan import MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
@@ -103,7 +103,10 @@ def test_token_work_is_the_kernels_work():
             for r, work in enumerate(computed(plan, wl)):
                 idx = plan.token_indices(r)
                 predicted = int(model[idx].sum())
-                aligned = bool(((idx[:-1] + 1 != idx[1:]) <= ((idx[1:] % 32 == 0) & (idx[:-1] % 32 == 31))).all())
+                jump = torch.cat([torch.tensor([True]), idx[1:] != idx[:-1] + 1])  # a run starts here
+                ends = torch.cat([jump[1:], torch.tensor([True])])  # a run ends here
+                ragged = (jump & (idx % 32 != 0)) | (ends & (idx % 32 != 31) & (idx != plan.padded_len - 1))
+                aligned = not bool(ragged.any())
                 assert work <= predicted, (layout, n, r)
                 if aligned:
                     assert work == predicted, (layout, n, r)
@@ -246,3 +249,29 @@ def test_inspect_columns_and_picture_follow_the_layout(tmp_path):
             shades = {colour, tuple(x * 3 // 5 for x in colour), tuple((x + 255) // 2 for x in colour)}
             # masked cells are light gray; the lines where the owning rank changes are gray
             assert row - {(236, 236, 236), (170, 170, 170), (60, 60, 60)} <= shades, (cell, row, shades)
+
+
+#: Log-normal packed mixes (sigma 1.0 of the log) where the candidates before ``halves`` missed the target on
+#: 1 to 6 of 12 seeds (worst 1.18 at CP=8); ``halves`` is within 1% on each (BENCHMARKS.md, exchange).
+LOGNORMAL = [(T, n, mean) for T in (16384, 32768) for n in (4, 8) for mean in (1024, 2048)]
+
+
+def _lognormal_worst(halves: bool) -> float:
+    worst = 0.0
+    with mock.patch.object(layouts, "_halves", layouts._halves if halves else _no_halves):
+        for T, n, mean in LOGNORMAL:
+            for seed in range(12):
+                plan = build_plan(packed_batch([lognormal_doc_lens(T, mean, seed)]), n, 0, layout="balanced")
+                worst = max(worst, max_over_mean(computed(plan, Workload())))
+    return worst
+
+
+def _no_halves(work, N, cut_cost=None):
+    return layouts._contiguous(work.shape[0], N, work, Workload())
+
+
+def test_lognormal_mixes_are_balanced_and_need_the_halves_candidate():
+    """Every batch of the log-normal mixes within 1.05 at CP 4 and 8; without the ``halves`` candidate some
+    batch is not (the control)."""
+    assert _lognormal_worst(halves=True) <= TARGET
+    assert _lognormal_worst(halves=False) > TARGET

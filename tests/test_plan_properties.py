@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpcompile import layouts
 from cpcompile.layouts import balance, token_work
 from cpcompile.plan import IGNORE_INDEX, LAYOUTS, MAX_RUNS, AttentionForm, Workload, build_plan, count_runs
 
@@ -209,6 +210,34 @@ def test_balanced_work_is_within_its_bound(case):
         assert float((band_loads - mean).abs().max()) <= bound + 1e-6 * mean
         if int(count_runs(bands).max()) <= MAX_RUNS:
             assert max(int(m[plan.indices[r]].sum()) for r in range(N)) <= 1.005 * (mean + bound) + 1e-9
+
+
+@SETTINGS
+@given(batches())
+def test_halves_candidate_is_within_its_bound(case):
+    """The ``halves`` candidate for every form's work: every token once, ``c`` per rank, at most
+    ``ceil(log2 N) + 1`` runs per rank, and every rank's work within its bound.
+
+    Each halving cuts a group's circle at the arc start whose work is within one token's work ``w`` of its share
+    (the arc's work over all starts has exactly the share as mean and moves by at most ``w`` per start) plus
+    ``HALVES_TOLERANCE``; a child's work per rank is then at most ``1.002 x`` its parent's plus ``w``, so after
+    ``L`` halvings a rank has at most ``(mean + L w) 1.002^L``.
+    """
+    batch, N, _, _, workload = case
+    if N == 1:
+        return
+    plan = build_plan(batch, N, 0, layout="contiguous")
+    levels = (N - 1).bit_length()
+    num, den = layouts.HALVES_TOLERANCE
+    for f in workload.forms:
+        m = _model(plan, f, workload.block_size)
+        for cut_cost in (None, layouts._cut_cost(plan.doc_ids)):
+            found = layouts._halves(m, N, cut_cost)
+            assert torch.equal(found.flatten().sort().values, torch.arange(plan.padded_len))
+            assert found.shape == (N, plan.chunk_len)
+            assert int(count_runs(found).max()) <= levels + 1
+            mean, w = float(m.sum()) / N, float(m.max())
+            assert float(m[found].sum(1).max()) <= (mean + levels * w) * (den / num) ** levels + 1e-9
 
 
 @SETTINGS
