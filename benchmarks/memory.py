@@ -20,7 +20,7 @@ import argparse
 import gc
 import os
 
-from benchmarks._common import packed_doc_lens, print_table
+from benchmarks._common import lognormal_doc_lens, packed_doc_lens, print_table
 
 
 def _status_kib(field: str) -> int:
@@ -103,6 +103,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64, help="hidden size (heads = hidden/16, kv heads = heads/2)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--docs", default="256,4096", help="document length range lo,hi of the packed row")
+    ap.add_argument(
+        "--lognormal-mean",
+        type=int,
+        help="documents of log-normal lengths with this mean (sigma 1.0 of the log, seed 0) instead of --docs",
+    )
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--sliding-window", type=int, help="Mistral-shaped model with this window: halo vs all-gather")
     ap.add_argument(
@@ -118,6 +123,10 @@ def main() -> None:
 
     lo, hi = (int(x) for x in args.docs.split(","))
     doc_lens = packed_doc_lens(args.seq, 1, lo, hi)
+    docs_text = f"documents {lo}..{hi} tokens"
+    if args.lognormal_mean:
+        doc_lens = [lognormal_doc_lens(args.seq, args.lognormal_mean, 0)]
+        docs_text = f"log-normal documents of mean {args.lognormal_mean} (sigma 1.0, seed 0)"
     window = args.sliding_window
     if args.selective:
         variants, column = ("all-gather", "selective"), "full-attention exchange"
@@ -143,7 +152,7 @@ def main() -> None:
     model = f"qwen3 hidden {args.hidden}" if window is None else f"mistral (window {window}) hidden {args.hidden}"
     print_table(
         f"per-rank peak memory of a training step: global T={args.seq}, B=1, {model}, {args.layers} layers, "
-        f"documents {lo}..{hi} tokens, aot_eager",
+        f"{docs_text}, aot_eager",
         rows,
     )
 

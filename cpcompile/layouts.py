@@ -35,9 +35,9 @@ runs per rank and exactly ``c`` tokens per rank, and keeps the one whose slowest
   with the least work that still has room (at most ``K`` runs), for ``K = 2..MAX_RUNS``;
 * ``halves`` (:func:`_halves`): the sequence read as a circle and halved recursively, each half an arc of
   exactly its ranks' tokens and their share of the work. Every rank ends within a few tokens' work of the mean
-  for any documents, in at most ``ceil(log2 N) + 1`` runs (4 up to N = 8). Packed mixes with a few long
-  documents among many short ones (log-normal lengths), which ``bands`` balance only with more runs and
-  the fixed pieces of ``atoms`` too coarsely, need it.
+  for any documents, in at most ``ceil(log2 N) + 1`` runs (4 up to N = 8; built only up to there). Packed
+  mixes with a few long documents among many short ones (log-normal lengths), which ``bands`` balance only with
+  more runs and the fixed pieces of ``atoms`` too coarsely, need it.
 
 Candidates are built for every attention form of the :class:`Workload` (full causal, each
 window) and for their layer-weighted sum. The objective is the work every layer waits for: the sum over forms
@@ -271,14 +271,17 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
         atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
         names += atoms_names
         candidates += atoms
-        names += [f"halves[{vname}]" for vname, _ in vectors]
-        candidates += [_halves(work, N) for _, work in vectors]
+        halves = (N - 1).bit_length() + 1 <= MAX_RUNS  # its bound on runs (beyond N = 8 it may exceed 4)
+        if halves:
+            names += [f"halves[{vname}]" for vname, _ in vectors]
+            candidates += [_halves(work, N) for _, work in vectors]
         if workload.split_keys:
             cut_cost = _cut_cost(doc_ids)
             names += [f"pairs[{vname}]" for vname, _ in vectors]
             candidates += [_pairs(work, N, cut_cost) for _, work in vectors]
-            names += [f"halves+keys[{vname}]" for vname, _ in vectors]
-            candidates += [_halves(work, N, cut_cost) for _, work in vectors]
+            if halves:
+                names += [f"halves+keys[{vname}]" for vname, _ in vectors]
+                candidates += [_halves(work, N, cut_cost) for _, work in vectors]
     stack = torch.stack(candidates)  # [M, N, c]
     loads = works[:, stack].sum(-1)  # [F, M, N]
     objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
