@@ -2,8 +2,9 @@
 
 Against the unsharded eager model (tests.harness.parity): Llama at CP = 2 and 4, packed documents that cross
 ranks and documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous
-and balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole), the
-rewritten graph run as traced and one inductor case, one case with a receive buffer bounded by ``exchange_slots``.
+and balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole, and
+without, which here is the ``halves`` candidate), the rewritten graph run as traced and one inductor case, one case
+with a receive buffer bounded by ``exchange_slots``.
 Every full-attention site must report ``exchange == "selective"``; the bytes each rank received equal the
 brute-force count of the keys its queries see on other ranks (tests/test_exchange.py), K and V, every site. A second
 batch with other documents (one row a single document) runs exact without a recompile; the profiler sees
@@ -18,6 +19,7 @@ from unittest import mock
 
 import pytest
 
+from cpcompile.layouts import balance, count_runs
 from cpcompile.plan import CPPlan, Workload, build_plan
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
@@ -29,6 +31,9 @@ SELECTIVE = (("exchange", "selective"),)
 #: chunk, a one-token document.
 DOCS_63 = ((24, 29, 10), (5, 50, 1, 7))
 KEEP_WHOLE = (("workload", Workload(block_size=4, split_keys=True)),)
+#: Blocks of 4 tokens without keeping documents whole: on DOCS_63 at CP=4 the balanced layout is the ``halves``
+#: candidate (checked by ``test_cases_run_the_layouts_they_name``).
+HALVES = (("workload", Workload(block_size=4)),)
 
 #: Per CP size: (the case whose bytes and negative control are checked, further cases).
 CASES = {
@@ -44,7 +49,11 @@ CASES = {
         ParityCase(
             model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, layout="balanced", shard_kwargs=KEEP_WHOLE
         ),
-        (ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, layout="balanced"),),
+        (
+            ParityCase(
+                model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, layout="balanced", shard_kwargs=HALVES
+            ),
+        ),
     ),
 }
 
@@ -97,6 +106,17 @@ def _worker(rank, world_size, case, others):
     summaries = [{"case": case.name, "cp": world_size, **outcome.errors()}]
     summaries += [check_case(other, group) for other in others]
     return {"summaries": summaries, "bytes": bytes_check, "profiled": profiled, "control": control}
+
+
+def test_cases_run_the_layouts_they_name():
+    """The CP=4 cases: keeping documents whole picks the ``pairs`` candidate, the other the ``halves`` one, and
+    both give some rank several runs of tokens."""
+    batch = packed_batch([list(row) for row in DOCS_63])
+    plan = build_plan(batch, 4, 0, layout="contiguous")
+    for kwargs, name in ((KEEP_WHOLE, "pairs[doc]"), (HALVES, "halves[doc]")):
+        found = balance(plan.padded_len, 4, plan.doc_ids, dict(kwargs)["workload"])
+        assert found.chosen == name, (found.chosen, name)
+        assert int(count_runs(found.indices).max()) > 1
 
 
 # Generous limits: they only cut a hang (the machine may be shared).
