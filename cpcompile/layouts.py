@@ -35,9 +35,10 @@ runs per rank and exactly ``c`` tokens per rank, and keeps the one whose slowest
   with the least work that still has room (at most ``K`` runs), for ``K = 2..MAX_RUNS``;
 * ``halves`` (:func:`_halves`): the sequence read as a circle and halved recursively, each half an arc of
   exactly its ranks' tokens and their share of the work. Every rank ends within a few tokens' work of the mean
-  for any documents, in at most ``ceil(log2 N) + 1`` runs (4 up to N = 8; built only up to there). Packed
-  mixes with a few long documents among many short ones (log-normal lengths), which ``bands`` balance only with
-  more runs and the fixed pieces of ``atoms`` too coarsely, need it.
+  for any documents, in at most ``ceil(log2 N) + 1`` runs: 4 up to N = 8; beyond, cuts that fall where the
+  order already jumps keep it at 4 in most batches, and it is kept only where it does, like every candidate.
+  Packed mixes with a few long documents among many short ones (log-normal lengths), which ``bands`` balance only
+  with more runs and the fixed pieces of ``atoms`` too coarsely, need it.
 
 Candidates are built for every attention form of the :class:`Workload` (full causal, each
 window) and for their layer-weighted sum. The objective is the work every layer waits for: the sum over forms
@@ -271,24 +272,22 @@ def balance(padded_len: int, cp_size: int, doc_ids: torch.Tensor, workload: Work
         atoms_names, atoms = _atoms(T, N, workload.block_size, vectors)
         names += atoms_names
         candidates += atoms
-        halves = (N - 1).bit_length() + 1 <= MAX_RUNS  # its bound on runs (beyond N = 8 it may exceed 4)
-        if halves:
-            names += [f"halves[{vname}]" for vname, _ in vectors]
-            candidates += [_halves(work, N) for _, work in vectors]
-        if workload.split_keys:
-            cut_cost = _cut_cost(doc_ids)
-            names += [f"pairs[{vname}]" for vname, _ in vectors]
-            candidates += [_pairs(work, N, cut_cost) for _, work in vectors]
-            if halves:
-                names += [f"halves+keys[{vname}]" for vname, _ in vectors]
-                candidates += [_halves(work, N, cut_cost) for _, work in vectors]
+        names += [f"halves[{vname}]" for vname, _ in vectors]
+        candidates += [_halves(work, N) for _, work in vectors]
+    plain = len(candidates)  # what the default workload builds; the ones below aim at fewer split keys
+    if N > 1 and workload.split_keys:
+        cut_cost = _cut_cost(doc_ids)
+        names += [f"pairs[{vname}]" for vname, _ in vectors]
+        candidates += [_pairs(work, N, cut_cost) for _, work in vectors]
+        names += [f"halves+keys[{vname}]" for vname, _ in vectors]
+        candidates += [_halves(work, N, cut_cost) for _, work in vectors]
     stack = torch.stack(candidates)  # [M, N, c]
     loads = works[:, stack].sum(-1)  # [F, M, N]
     objective = (weights[:, None] * loads.amax(-1)).sum(0)  # [M]
     runs = count_runs(stack).amax(-1)
     split = split_keys(stack, doc_ids, workload) if workload.split_keys else None
     even = (weights * works.sum(-1)).sum()  # N x the objective of perfectly even work
-    choice = _choose(objective, runs, split, (even, N))
+    choice = _choose(objective, runs, split, (even, N), plain)
     return Balance(stack.index_select(0, choice.view(1))[0], tuple(names), stack, objective, runs, split, choice)
 
 
@@ -302,15 +301,21 @@ def _form_work(doc_ids: torch.Tensor, block: int, form: AttentionForm) -> torch.
 
 
 def _choose(
-    objective: torch.Tensor, runs: torch.Tensor, split: torch.Tensor | None, even: tuple[torch.Tensor, int]
+    objective: torch.Tensor,
+    runs: torch.Tensor,
+    split: torch.Tensor | None,
+    even: tuple[torch.Tensor, int],
+    plain: int,
 ) -> torch.Tensor:
     """Fewest runs among the candidates within :data:`TOLERANCE` of the best objective; first on ties. With
     ``split`` (keys split across ranks per candidate): fewest split keys among those and the ones within both
     :data:`SPLIT_TOLERANCE` of the best and :data:`EVEN_TOLERANCE` of perfectly even work (``even``: ``N`` x its
-    objective, and ``N``), then fewest runs, then first."""
+    objective, and ``N``), then fewest runs, then first. The best is that of the first ``plain`` candidates
+    (those built without ``split_keys``), so that the layout chosen without it stays among the choices and
+    keeping documents whole never splits more keys."""
     big = torch.iinfo(torch.int64).max
     valid = runs <= MAX_RUNS
-    best = torch.where(valid, objective, big).min()
+    best = torch.where(valid, objective, big)[:plain].min()
     num, den = TOLERANCE
     near = objective * num <= best * den
     if split is not None:
