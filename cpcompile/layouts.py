@@ -508,7 +508,7 @@ def _halves(work: torch.Tensor, N: int, cut_cost: torch.Tensor | None = None) ->
         arc = (x + torch.arange(L, device=device)) % L
         groups += [(order[arc[:arc_len]], n1), (order[arc[arc_len:]], n - n1)]
     layout = torch.stack(leaves).sort(dim=1).values
-    return layout[layout[:, 0].argsort()]  # rank 0 holds the sequence's first token, as in every layout
+    return layout[layout[:, 0].argsort()]  # ranks in the order of their first tokens: one order on every rank
 
 
 def _largest_first(costs: list[int], grid: _Grid, N: int) -> list[int]:
