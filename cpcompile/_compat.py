@@ -29,6 +29,9 @@ __all__ = [
     "sym_hint",
     "flex_attention_with_lse",
     "flex_block_mask",
+    "FLEX_NO_TABLES_BLOCK",
+    "flex_no_tables_mask",
+    "is_sliced_block_mask",
     "trace_flex_attention_on_cpu",
     "SDPA_TARGETS",
     "FLEX_ATTENTION_TARGETS",
@@ -481,6 +484,36 @@ def flex_block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(mask_mod, batch_size, None, q_len, kv_len, device=device, _compile=True)
+
+
+#: Block size of a BlockMask without block tables (one block as long as any sequence): what flex makes when a call
+#: passes no BlockMask, and a size flex checks no sequence length against. torch 2.11-2.13:
+#: ``flex_attention._LARGE_SPARSE_BLOCK_SIZE``.
+FLEX_NO_TABLES_BLOCK = 1 << 30
+
+
+def flex_no_tables_mask(mask_mod, rows: int, heads: int, device):
+    """A BlockMask of ``mask_mod`` for ``rows`` x ``heads`` over one block of :data:`FLEX_NO_TABLES_BLOCK`
+    tokens, with the lengths flex's own table-less mask has (``seq_lengths=(1, 1)``), so that no guard ties it to
+    the length of the queries it is used with."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=torch.ones((rows, heads, 1), dtype=torch.int32, device=device),
+        kv_indices=torch.zeros((rows, heads, 1, 1), dtype=torch.int32, device=device),
+        BLOCK_SIZE=FLEX_NO_TABLES_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(1, 1),
+    )
+
+
+def is_sliced_block_mask(mask) -> bool:
+    """Whether ``mask`` was sliced (``block_mask[...]``), which drops its mask_mod. torch 2.13: the mask_mod is
+    then the private ``flex_attention._sliced_mask_mod_error``."""
+    from torch.nn.attention import flex_attention
+
+    sliced = getattr(flex_attention, "_sliced_mask_mod_error", None)
+    return sliced is not None and mask.mask_mod is sliced
 
 
 def mark_seq_dynamic(t: torch.Tensor, dim: int = 1) -> None:

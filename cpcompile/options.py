@@ -132,6 +132,15 @@ class BackendOptions:
                 f"per_token_ops holds {bad!r}; every entry must name a custom op as 'namespace::name' (the name "
                 'torch.library.custom_op was given), e.g. per_token_ops=("mylib::fused_norm",)'
             )
+        from cpcompile.passes.vocabulary import attention_op_fix
+
+        attention = [(op, attention_op_fix(op)) for op in self.per_token_ops if attention_op_fix(op) is not None]
+        if attention:
+            op, fix = attention[0]
+            raise ValueError(
+                f"per_token_ops lists {op!r}, an attention op: its outputs mix every token's keys and values, so "
+                f"under context parallelism it cannot run on one rank's tokens; {fix}"
+            )
         object.__setattr__(self, "per_token_ops", tuple(self.per_token_ops))
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be a positive int (e.g. 128)")

@@ -32,6 +32,10 @@ EXPECTED = {
     ),
     "check_batch_same": ("none", []),
     "check_batch_labels": ("ValueError", ["batch['labels']", "[[0], [1]]"]),
+    "block_mask_length": ("ValueError", ["batch['masks']", "(14, 14)", "16 tokens", "get_attention_masks"]),
+    "block_mask_rows": ("ValueError", ["batch['masks']['full']", "3 rows", "the batch has 2"]),
+    "block_mask_without_mask_mod": ("ValueError", ["batch['masks']", "without a mask_mod", "create_block_mask"]),
+    "check_batch_block_mask": ("ValueError", ["check_batch=True", "batch['masks.mask_mod[0]']", "[[0], [1]]"]),
     "nested": ("RuntimeError", ["cannot be nested", "already active", "finish the current step"]),
     "gather_outside": (
         "RuntimeError",

@@ -11,14 +11,18 @@
   layers)). T = 37 is not a multiple of 2 or 4; documents cross chunk edges. CP=2 on ranks {0, 1}
   (contiguous layout: document, soft-capping, Llama, Qwen3-MoE) and on {2, 3} (balanced layout, aot_eager:
   sliding window, LFM2), then CP=4 on all four (balanced layout, every rank holds several runs of tokens:
-  soft-capping, Gemma 3). The one-process reference is the same weights with an equivalent SDPA mask
+  soft-capping, Gemma 3). torchtitan's Llama 3 on its default FlexAttention runs twice: with its masks built in
+  the forward (CP=2, balanced) and as its trainer runs it, with its default masks built outside the model for
+  the whole batch and passed through ``shard`` (CP=2 contiguous with two rows; CP=4 balanced with one row, over
+  packed rows of changing length). The one-process reference is the same weights with an equivalent SDPA mask
   (explicit softmax where a score_mod or the logsumexp is needed; transformers' own SDPA path), since CPU flex
   cannot train.
 * Document ids made in eager code from one rank's tokens (``document_eager``, CP=2): refused at run time on each
   rank, and wrong (parity fails) with the check told every tensor is exact.
 * Negative controls, each must fail the parity check: the mask_mod evaluated at this rank's local query indices
-  (as the model would see them without the rewrite); transformers' packed-sequence ids computed from this
-  rank's tokens only; LFM2's conv unseen in the mixed graph after the BlockMask's graph break.
+  (as the model would see them without the rewrite; hand-written models and torchtitan's trainer masks);
+  transformers' packed-sequence ids computed from this rank's tokens only; LFM2's conv unseen in the mixed
+  graph after the BlockMask's graph break.
 """
 
 from __future__ import annotations
@@ -114,6 +118,45 @@ def test_unmappable_mods_are_refused_at_compile_time(world, form, words):
     assert cpcompile.passes.counters["flex_refused"] - before.get("flex_refused", 0) == 1
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_torchtitan_masks_built_in_the_forward_are_refused_with_the_fix(world):
+    """torchtitan's default masks built inside the compiled forward from a rank's positions (its efficient
+    document mask fills a table with the local length and scatters by document id): refused at compile time,
+    naming the fix in torchtitan's terms (build them outside on the global batch and pass them to ``shard``)."""
+    missing = package_missing("torchtitan")
+    if missing is not None:
+        pytest.skip(missing)
+    backend = cpcompile.backend(world, inner="aot_eager")
+    compiled = torch.compile(_flex_models.torchtitan_masks_in_forward(), backend=backend)
+    with cpcompile.shard(packed_batch([list(r) for r in DOCS]), world) as local:
+        with pytest.raises((cpcompile.UnsupportedPositionError, cpcompile.UnsupportedMixingError)) as info:
+            compiled(**local)
+    message = str(info.value)
+    assert "get_attention_masks" in message and "before cpcompile.shard" in message, message
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_torchtitan_varlen_attention_is_refused_naming_its_flex_path(world):
+    """torchtitan's ``VarlenAttention`` (``attn_backend="varlen"``, masks as ``VarlenMetadata`` built outside):
+    a custom attention op cpcompile does not rewrite, refused at compile time with torchtitan's flex path as the
+    fix, not with the per-token listing offered for other custom ops (which would make it silently wrong)."""
+    missing = package_missing("torchtitan")
+    if missing is not None:
+        pytest.skip(missing)
+    from tests.models.positions import torchtitan_llama3_model
+
+    model = torchtitan_llama3_model(seed=0, layers=1, max_len=128, flex=False, varlen=True)
+    batch = packed_batch([list(r) for r in DOCS])
+    batch["attention_masks"] = model.get_attention_masks(batch["position_ids"])
+    compiled = torch.compile(model, backend=cpcompile.backend(world, inner="aot_eager"))
+    with cpcompile.shard(batch, world, hf_kwargs=False) as local:
+        with pytest.raises(cpcompile.UnsupportedMixingError) as info:
+            compiled(local["input_ids"], positions=local["position_ids"], attention_masks=local["attention_masks"])
+    message = str(info.value)
+    assert "_varlen_attn" in message and "VarlenAttention" in message and "attn_backend='flex'" in message, message
+    assert "per_token_ops" not in message, message
+
+
 # -- parity (one spawned group of 4) ---------------------------------------------------------------------------
 def _case(form: str, layout: str = "contiguous", inner: str = "eager") -> ParityCase:
     # one attention layer: the cost of these cases is compiling flex's BlockMask construction in every rank
@@ -138,6 +181,15 @@ PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _hf_case("qwen3
 REFUSED_AT_RUN_TIME = ("tests.models.flex:document_eager",)
 #: torchtitan's Llama 3 on its default FlexAttention (optional test dependency, installed by scripts/setup.sh).
 TORCHTITAN = ParityCase(model="tests.models.flex:torchtitan_flex", doc_lens=DOCS, inner="aot_eager", layout="balanced")
+#: The same model called as torchtitan's trainer calls it: its default masks (the efficient packed-document
+#: mask_mod) built outside the model for the whole global batch and passed in the batch ``shard`` slices.
+TORCHTITAN_TRAINER = ParityCase(
+    model="tests.models.flex:torchtitan_trainer",
+    doc_lens=DOCS,
+    inner="aot_eager",
+    batch_extras="tests.models.flex:torchtitan_trainer_masks",
+)
+PAIR0 += [TORCHTITAN_TRAINER] if package_missing("torchtitan") is None else []
 PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
 PAIR1 += [TORCHTITAN] if package_missing("torchtitan") is None else []
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
@@ -172,10 +224,11 @@ def _patched(owner: object, name: str, value: object):
 def _control(case: ParityCase, group):
     """The negative control of ``case`` (a context), or ``None``.
 
-    * a hand-written flex model: the mods see this rank's queries at local indices;
-    * transformers' llama and torchtitan's Llama 3: the document ids (transformers: ``diff`` and ``cumsum`` of
-      ``position_ids``; torchtitan: ``cumsum`` of the document starts) are computed from this rank's tokens only,
-      as without the mixing pass's regions;
+    * a hand-written flex model, and torchtitan's masks built outside the model (its trainer's call): the mods
+      see this rank's queries at local indices;
+    * transformers' llama and torchtitan's Llama 3 with its masks built in the forward: the document ids
+      (transformers: ``diff`` and ``cumsum`` of ``position_ids``; torchtitan: ``cumsum`` of the document starts)
+      are computed from this rank's tokens only, as without the mixing pass's regions;
     * transformers' LFM2: the mixing pass reads a mixed graph (hidden states of the constant local length, mask
       tensors with its symbol) by the symbols only, so it does not see the conv of the graph after the mask's
       graph break.
@@ -255,6 +308,55 @@ def _run(cases, group, control: bool = False) -> list[dict]:
     return out
 
 
+#: torchtitan's trainer masks for one row (the other branch of its efficient document mask: a table of document
+#: starts by document id, ``scatter_``-filled, size ``round_up(T + 1, 128)``), at CP=4 under the balanced layout,
+#: on packed rows of changing length (T not always a multiple of 4), one compiled model for all of them.
+TRAINER_LENGTHS = 6
+#: At most this many compilations of the model over those lengths: the masks' tensors have the global length,
+#: which Dynamo makes dynamic at its first change of size (shard marks the local length dynamic from the start).
+TRAINER_MAX_COMPILES = 2
+
+
+def _one_row_trainer(group) -> dict:
+    import random
+
+    from tests.harness.parity import cp_step, reference_step
+    from tests.harness.tolerances import GRAD_TOL, LOGITS_TOL, LOSS_TOL
+    from tests.models import flex
+
+    reference, model = flex.torchtitan_trainer(), flex.torchtitan_trainer()
+    backend, compiles = cpcompile.backend(group, inner="aot_eager"), []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting)
+    rng, out = random.Random(3), {"lengths": [], "errors": [], "failing": []}
+    for step in range(TRAINER_LENGTHS):
+        docs = [rng.randint(2, 24) for _ in range(rng.randint(2, 4))]
+        batch = packed_batch([docs], seed=step)
+        batch.update(flex.torchtitan_trainer_masks(batch))
+        ref = reference_step(reference, batch)
+        cp = cp_step(compiled, model, batch, group, layout="balanced")
+        errors = {
+            "logits": (cp.logits - ref.logits).abs().max().item(),
+            "loss": (cp.loss - ref.loss).abs().item(),
+            "grad": max((cp.grads[n] - g).abs().max().item() for n, g in ref.grads.items()),
+        }
+        pairs = [("logits", cp.logits, ref.logits, LOGITS_TOL), ("loss", cp.loss, ref.loss, LOSS_TOL)]
+        pairs += [(f"grad of {n}", cp.grads[n], g, GRAD_TOL) for n, g in ref.grads.items()]
+        for what, got, want, tol in pairs:
+            try:
+                torch.testing.assert_close(got, want, **tol)
+            except AssertionError as e:
+                out["failing"].append(f"T={sum(docs)} {what}: {e}")
+        out["lengths"].append(sum(docs))
+        out["errors"].append(errors)
+    out["compiles"] = len(compiles)
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -266,6 +368,9 @@ def _worker(rank: int, world: int) -> dict:
     else:
         out["pair1"] = _run(PAIR1, pairs[1], control=True)
     out["cp4"] = _run(CP4, dist.group.WORLD)
+    if package_missing("torchtitan") is None:
+        torch.compiler.reset()
+        out["trainer_one_row"] = _one_row_trainer(dist.group.WORLD)
     return out
 
 
@@ -284,7 +389,7 @@ def _check(summaries: list[dict]) -> None:
         sites = len(s["actions"])
         assert sites and s["actions"] == ["rewritten"] * sites and s["rewritten"] == sites, s
         assert s["all_gathers"] == s["reduce_scatters"] == 2 * sites, s  # K and V per site, each with its backward
-        if "torchtitan" in s["case"]:  # its document ids (cumsum of the starts) run on the whole sequence
+        if "torchtitan_flex" in s["case"]:  # its document ids (cumsum of the starts) run on the whole sequence
             assert ("cumsum", "gathered") in s["mixing"], s
         if "hf_flex" in s["case"]:  # transformers' packed-sequence ids run on the whole sequence
             assert ("diff", "gathered") in s["mixing"] and ("cumsum", "gathered") in s["mixing"], s
@@ -301,7 +406,7 @@ def test_negative_controls_fail_parity(results):
     packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
-    assert len(controlled) == 5 + (TORCHTITAN in PAIR1), [s["case"] for s in controlled]
+    assert len(controlled) == 5 + (TORCHTITAN in PAIR1) + (TORCHTITAN_TRAINER in PAIR0), [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
 
@@ -325,6 +430,24 @@ def test_torchtitan_llama3_on_its_flex_attention(results):
         pytest.skip(missing)
     (s,) = [s for s in results["pair1"] if "torchtitan" in s["case"]]
     assert s["actions"] == ["rewritten"] and s["control_failing"], s
+
+
+def test_torchtitan_trainer_masks_built_outside_the_model(results):
+    """torchtitan's default config as its trainer runs it: ``model.get_attention_masks(positions)`` on the global
+    batch (its efficient packed-document mask_mod), passed to ``shard`` in the batch. Exact at CP=2 with two rows
+    (document ends by token), and at CP=4 with one row (document starts by document id) on packed rows of
+    changing length, compiled at most twice; with the mask_mod at local query indices, parity fails
+    (``test_negative_controls_fail_parity``)."""
+    missing = package_missing("torchtitan")
+    if missing is not None:
+        pytest.skip(missing)
+    (s,) = [s for s in results["pair0"] if "torchtitan_trainer" in s["case"]]
+    assert s["actions"] == ["rewritten"] and s["control_failing"], s
+    one_row = results["trainer_one_row"]
+    print(f"\none row at CP=4, lengths {one_row['lengths']}: {one_row['errors']}, {one_row['compiles']} compiles")
+    assert not one_row["failing"], one_row["failing"]
+    assert len(set(one_row["lengths"])) >= TRAINER_LENGTHS - 1, one_row["lengths"]
+    assert 1 <= one_row["compiles"] <= TRAINER_MAX_COMPILES, one_row
 
 
 def test_parity_cp2_balanced(results):

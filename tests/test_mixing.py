@@ -256,6 +256,9 @@ def test_options_are_checked(world):
         cpcompile.backend(world, per_token_ops="mylib::norm")
     with pytest.raises(ValueError, match=r"per_token_ops holds \['norm'\]; every entry must name a custom op"):
         cpcompile.backend(world, per_token_ops=("norm",))
+    # an attention op listed as per-token would run on one rank's keys: silently wrong, so refused with the fix
+    with pytest.raises(ValueError, match=r"lists 'torch_attn::_varlen_attn', an attention op.*attn_backend='flex'"):
+        cpcompile.backend(world, per_token_ops=("torch_attn::_varlen_attn",))
 
 
 def test_torch_logs_list_mixing_ops(world, caplog):

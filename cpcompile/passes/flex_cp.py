@@ -52,10 +52,6 @@ from cpcompile.runtime.workload import record_attention_form
 
 __all__ = ["FlexSite", "find_flex_sites", "check_site", "rewrite_site", "flex_cp_pass"]
 
-#: Block size flex gives the BlockMask it makes when the call passes none (every block "full"): torch 2.11-2.13
-#: ``_LARGE_SPARSE_BLOCK_SIZE``.
-_NO_BLOCK_MASK_BLOCK = 1 << 30
-
 
 @dataclasses.dataclass(frozen=True)
 class FlexSite:
@@ -213,7 +209,7 @@ def check_site(site: FlexSite) -> str | None:
         return "the softmax scale is a run-time value; cpcompile needs a constant scale"
     if site.mask_mod is None:
         return "the BlockMask has no mask_mod graph"
-    if _is_noop_mask(site.mask_mod) and site.block_mask[-3] != _NO_BLOCK_MASK_BLOCK:
+    if _is_noop_mask(site.mask_mod) and site.block_mask[-3] != _compat.FLEX_NO_TABLES_BLOCK:
         return (
             "its BlockMask has no mask_mod (BlockMask.from_kv_blocks): its mask lives only in its block tables, "
             "which cpcompile cannot map to global indices; build it with create_block_mask(mask_mod, ...)"

@@ -184,6 +184,47 @@ PER_TOKEN_OPS = ("transformers::grouped_mm_fallback",)
 #: in a graph of its own) belong to the attention pass like an SDPA mask. Dynamo names the frame it resumes after
 #: a graph break in one of them ``torch_dynamo_resume_in_<name>_at_<line>``.
 BLOCK_MASK_MAKERS = ("create_block_mask",)
+#: Functions of model libraries that build a whole sequence's attention masks from its positions, meant to run
+#: outside the model (torchtitan's trainer calls them on the batch), and what to do instead when one runs
+#: inside a compiled graph on a rank's tokens.
+MASKS_BUILT_OUTSIDE = (
+    (
+        ("get_attention_masks", "get_efficient_causal_mask_mod_for_packed_document"),
+        "build torchtitan's attention masks outside the compiled model, on the global batch "
+        "(model.get_attention_masks(batch['position_ids']) before cpcompile.shard), and pass them in the batch "
+        "handed to cpcompile.shard (README: flex_attention sites)",
+    ),
+)
+
+
+#: Custom ops that are attention, which cpcompile does not rewrite (it rewrites SDPA and flex_attention calls):
+#: words of the op's ``namespace::name`` -> what to use instead. The mixing pass refuses them with this fix, and
+#: ``backend(per_token_ops=...)`` refuses to treat one as an op that keeps tokens apart.
+ATTENTION_OPS = (
+    (
+        ("varlen_attn",),
+        "it is variable-length attention (torchtitan's VarlenAttention, flash-attn's varlen kernel), which cpcompile "
+        "does not rewrite: use the model's flex_attention or SDPA path instead (torchtitan: attn_backend='flex', "
+        "its masks built outside the model and passed in the batch handed to cpcompile.shard; transformers: "
+        "attn_implementation='sdpa' or 'flex_attention')",
+    ),
+    (
+        ("flash_attn", "flash_attention", "_efficient_attention", "xformers", "sageattention"),
+        "it is an attention kernel cpcompile does not rewrite: use the model's SDPA or flex_attention path "
+        "instead (transformers: attn_implementation='sdpa' or 'flex_attention'; torchtitan: attn_backend='flex')",
+    ),
+)
+
+
+def attention_op_fix(op: str) -> str | None:
+    """The fix of :data:`ATTENTION_OPS` when the custom op named ``op`` (``namespace::name``) is attention."""
+    return next((fix for words, fix in ATTENTION_OPS if any(w in op for w in words)), None)
+
+
+def masks_built_outside_fix(node: object) -> str | None:
+    """The fix of :data:`MASKS_BUILT_OUTSIDE` when ``node`` (an FX node) was traced inside one of its functions."""
+    trace = getattr(node, "meta", {}).get("stack_trace") or ""
+    return next((fix for names, fix in MASKS_BUILT_OUTSIDE if any(n in trace for n in names)), None)
 
 
 # -- the positions pass ------------------------------------------------------------------------------------------

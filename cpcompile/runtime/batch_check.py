@@ -18,6 +18,7 @@ import torch.distributed as dist
 from cpcompile import failsafe
 from cpcompile.layouts import Workload
 from cpcompile.plan import CPPlan, build_plan
+from cpcompile.runtime.block_masks import block_mask_tensors, check_block_masks
 from cpcompile.runtime.comm import CommStats
 from cpcompile.runtime.shard_options import ShardOptions, validate_options
 
@@ -95,6 +96,7 @@ def checked_plan(
         workload, pads = validate_options(batch, group_name, options)
         size = dist.get_world_size(group)
         plan = build_plan(batch, size, cp_rank, layout=options.layout, workload=workload, group_name=group_name)
+        check_block_masks(batch, plan.batch_size, plan.seq_len)
         summary = _batch_summary(batch, options, workload)
     except (ValueError, TypeError) as e:
         error = e
@@ -120,6 +122,8 @@ def checked_plan(
 
 def _batch_summary(batch: Mapping[str, object], options: ShardOptions, workload: Workload | None) -> dict:
     tensors = {k: v for k, v in sorted(batch.items()) if isinstance(v, torch.Tensor)}
+    for key, value in sorted(batch.items()):  # a BlockMask: its block tables and the tensors its mask_mod reads
+        tensors.update(block_mask_tensors(key, value))
     prints = torch.stack([_fingerprint(v) for v in tensors.values()]).tolist()  # one host synchronisation
     return {
         "shapes": {k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()},

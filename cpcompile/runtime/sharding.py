@@ -19,6 +19,7 @@ from cpcompile import _compat, failsafe
 from cpcompile.layouts import DEFAULT_LAYOUT, Workload
 from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 from cpcompile.runtime.batch_check import checked_plan, unchecked_round
+from cpcompile.runtime.block_masks import check_block_masks, is_block_masks, local_block_masks
 from cpcompile.runtime.comm import CommStats
 from cpcompile.runtime.context import Active, activated, ensure_inactive, record_exact, warn_if_no_attention
 from cpcompile.runtime.shard_options import OWN_PADDING, ShardOptions, default_pad_value, validate_options
@@ -69,7 +70,10 @@ def shard(
         batch: dict of ``[B, T, ...]`` tensors, identical on every rank of ``cp_group``. ``input_ids`` is
             required; ``position_ids`` (default ``arange(T)`` per row; packed documents restart at 0) and
             ``labels`` (unshifted, ``-100`` ignored) are optional; any other ``[B, T, ...]`` tensor is sliced
-            the same way and anything that is not a tensor is passed through.
+            the same way and anything that is not a tensor is passed through, but for flex_attention
+            ``BlockMask`` values (or dicts of them) built for the whole global batch, as torchtitan's trainer
+            builds its masks: each is checked and handed to the model as a BlockMask of the same ``mask_mod``
+            that the compiled flex sites evaluate at global indices (:mod:`cpcompile.runtime.block_masks`).
         cp_group: the context-parallel process group. A group of size 1 slices nothing.
         num_items_in_batch: loss denominator. Default: the number of supervised tokens of this batch
             (labels ``!= -100`` after the shift), summed over ``dp_group`` when one is given. Pass a
@@ -146,6 +150,7 @@ def shard(
         else:
             workload, pads = validate_options(batch, group_name, options)
             plan = build_plan(batch, cp_size, cp_rank, layout=layout, workload=workload, group_name=group_name)
+            check_block_masks(batch, plan.batch_size, plan.seq_len)
             if cp_size > 1:
                 unchecked_round(cp_group, group_name, layout, workload, comm)
         local = _local_batch(
@@ -195,7 +200,9 @@ def _local_batch(
 ) -> dict[str, object]:
     local: dict[str, object] = {}
     for key, value in batch.items():
-        if not isinstance(value, torch.Tensor):
+        if is_block_masks(value) and plan.cp_size > 1:
+            local[key] = local_block_masks(value)
+        elif not isinstance(value, torch.Tensor):
             local[key] = value
         elif key == "position_ids":
             continue

@@ -112,6 +112,9 @@ class ParityCase:
     shard_kwargs: tuple[tuple[str, object], ...] = ()
     #: ``(op, action)`` of every op the mixing pass must report, in order; None: not checked.
     expected_mixing: tuple[tuple[str, str], ...] | None = None
+    #: ``"package.module:function"`` called as ``function(batch)`` on the global batch; the entries it returns
+    #: join the batch (e.g. flex BlockMasks built for the whole sequence, as torchtitan's trainer builds them).
+    batch_extras: str | None = None
 
     @property
     def name(self) -> str:
@@ -136,8 +139,13 @@ class ParityCase:
             )
         return tiny_model(self.model, seed=self.seed, **kwargs)
 
-    def batch(self) -> dict[str, torch.Tensor]:
-        return packed_batch([list(r) for r in self.doc_lens], seed=self.batch_seed)
+    def batch(self, extras: bool = True) -> dict[str, object]:
+        """The global batch (``extras``: with :attr:`batch_extras`' entries)."""
+        batch = packed_batch([list(r) for r in self.doc_lens], seed=self.batch_seed)
+        if extras and self.batch_extras is not None:
+            module, _, function = self.batch_extras.partition(":")
+            batch.update(getattr(importlib.import_module(module), function)(batch))
+        return batch
 
     def backend(self, group: dist.ProcessGroup, model: torch.nn.Module) -> CPBackend:
         """``cpcompile.backend`` with this case's options for ``model``."""
@@ -157,7 +165,7 @@ class ParityCase:
 
     def max_runs(self, cp_size: int) -> int:
         """The most runs of consecutive tokens one rank holds when ``shard`` places this case's batch."""
-        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
+        plan = cpcompile.plan.build_plan(self.batch(extras=False), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         return int(cpcompile.plan.count_runs(plan.indices).max())
 
     def check_layout(self, cp_size: int) -> None:
@@ -166,7 +174,7 @@ class ParityCase:
             raise ValueError(f"case {self.name}: use B >= 2 rows, got {len(self.doc_lens)}")
         if cp_size == 1:
             return
-        plan = cpcompile.plan.build_plan(self.batch(), cp_size, 0, layout=self.layout, **self.plan_kwargs())
+        plan = cpcompile.plan.build_plan(self.batch(extras=False), cp_size, 0, layout=self.layout, **self.plan_kwargs())
         owner = torch.empty(plan.padded_len, dtype=torch.long)
         owner[plan.gathered_indices()] = torch.arange(cp_size).repeat_interleave(plan.chunk_len)
         crossing = any(

@@ -179,6 +179,27 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
         other_labels["labels"] = labels.roll(1, dims=1)
     out["check_batch_labels"] = _error_of(shard_with(other_labels, check_batch=True))
 
+    # flex BlockMasks passed in the batch (built for the whole sequence, as torchtitan's trainer does)
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    docs = (pos == 0).cumsum(-1)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return docs[b, q_idx] == docs[b, kv_idx]
+
+    B, T = ids.shape
+    out["block_mask_length"] = _error_of(shard_with(edit(masks=create_block_mask(causal, B, None, T - 2, T - 2))))
+    out["block_mask_rows"] = _error_of(shard_with(edit(masks={"full": create_block_mask(causal, 3, None, T, T)})))
+    tables = create_block_mask(causal, B, None, T, T, BLOCK_SIZE=4)
+    kv_blocks = BlockMask.from_kv_blocks(tables.kv_num_blocks, tables.kv_indices, BLOCK_SIZE=4, seq_lengths=(T, T))
+    out["block_mask_without_mask_mod"] = _error_of(shard_with(edit(masks=kv_blocks)))
+    if rank == 1:  # another rank's documents in the mask only: its mask_mod reads other document ids
+        docs = docs.roll(1, dims=1)
+    out["check_batch_block_mask"] = _error_of(shard_with(edit(masks=create_block_mask(same_document, B, None, T, T))))
+
     def nested():
         with cpcompile.shard(batch, group):
             with cpcompile.shard(batch, group):

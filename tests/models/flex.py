@@ -217,6 +217,69 @@ class TorchtitanFlexLM(TokensLM):
         return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
+class TorchtitanTrainerLM(TokensLM):
+    """torchtitan's ``Llama3Model`` on its default FlexAttention, called as torchtitan's trainer calls it: the
+    masks come from outside the model, ``model.get_attention_masks(positions)`` on the *global* batch
+    (:func:`torchtitan_trainer_masks`), so its default document mask
+    (``get_efficient_causal_mask_mod_for_packed_document``: document starts or ends by token, ``scatter_`` by
+    document id) is built once for the whole sequence, and ``cpcompile.shard`` hands each rank a BlockMask of the
+    same ``mask_mod``. In eager mode (the one-process reference) flex is SDPA under the mask's ``create_mask``."""
+
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        attention_masks=None,
+        labels=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        use_cache=None,
+    ):
+        from torchtitan.models.common import attention as tt
+
+        if torch.compiler.is_compiling():
+            logits = self.model(input_ids, positions=position_ids, attention_masks=attention_masks)
+        else:
+            original = tt.FlexAttention.compiled_flex_attn
+            tt.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex)
+            try:
+                logits = self.model(input_ids, positions=position_ids, attention_masks=attention_masks)
+            finally:
+                tt.FlexAttention.compiled_flex_attn = original
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
+
+
+def torchtitan_trainer(*, seed: int = 0, layers: int = 1, max_len: int = 128) -> TorchtitanTrainerLM:
+    """torchtitan's Llama 3 on its default flex attention, as :class:`TorchtitanTrainerLM`."""
+    model = torchtitan_llama3_model(seed=seed, layers=layers, max_len=max_len, flex=True)
+    return TorchtitanTrainerLM(model, layers).train()
+
+
+class TorchtitanMasksInForwardLM(TorchtitanFlexLM):
+    """torchtitan's Llama 3 with its default masks built inside the compiled forward from the positions it is
+    given (``model.get_attention_masks(position_ids)``): under CP, this rank's positions and local length."""
+
+    def forward(
+        self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, use_cache=None
+    ):
+        masks = self.model.get_attention_masks(position_ids)
+        logits = self.model(input_ids, positions=position_ids, attention_masks=masks)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
+
+
+def torchtitan_masks_in_forward(*, seed: int = 0, layers: int = 1) -> TorchtitanMasksInForwardLM:
+    model = torchtitan_llama3_model(seed=seed, layers=layers, max_len=128, flex=True)
+    return TorchtitanMasksInForwardLM(model, layers).train()
+
+
+def torchtitan_trainer_masks(batch: dict) -> dict:
+    """``{"attention_masks": ...}``: torchtitan's default masks of the global ``batch``, from its own
+    ``Llama3Model.get_attention_masks(positions)`` (causal and its efficient packed-document mask_mod; for one
+    row it reads document starts by document id, for several document ends by token)."""
+    model = torchtitan_llama3_model(seed=0, layers=1, max_len=128, flex=True)
+    return {"attention_masks": model.get_attention_masks(batch["position_ids"])}
+
+
 def _dense_flex(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
     """torchtitan's ``FlexAttention.compiled_flex_attn`` densely: SDPA under the BlockMask's mask_mod."""
     assert score_mod is None and not return_aux.lse

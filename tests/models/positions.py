@@ -429,10 +429,10 @@ def torchtitan_llama3(*, seed: int = 0, max_len: int = 128) -> TokensLM:
     return TokensLM(torchtitan_llama3_model(seed=seed, layers=2, max_len=max_len, flex=False), layers=2).train()
 
 
-def torchtitan_llama3_model(*, seed: int, layers: int, max_len: int, flex: bool) -> nn.Module:
+def torchtitan_llama3_model(*, seed: int, layers: int, max_len: int, flex: bool, varlen: bool = False) -> nn.Module:
     """torchtitan's ``Llama3Model`` (dim 64, 4 heads, 2 KV heads, complex RoPE with llama scaling, ``layers``
-    layers), weights drawn from ``seed``, on its ``FlexAttention`` inner attention (``flex``: its default) or its
-    ``ScaledDotProductAttention``."""
+    layers), weights drawn from ``seed``, on its ``FlexAttention`` inner attention (``flex``: its default), its
+    ``VarlenAttention`` (``varlen``) or its ``ScaledDotProductAttention``."""
     _stub_triton_only_modules()
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -442,7 +442,7 @@ def torchtitan_llama3_model(*, seed: int, layers: int, max_len: int, flex: bool)
     # torchtitan 0.3.0 maps every attn_backend name of its language models to flex/varlen attention; its SDPA
     # inner attention is built directly, as torchtitan's own Flux model does.
     original = llama3.get_attention_config
-    if not flex:
+    if not flex and not varlen:
         llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
     try:
         built = llama3._build_llama3_layers(
@@ -452,7 +452,7 @@ def torchtitan_llama3_model(*, seed: int, layers: int, max_len: int, flex: bool)
             n_kv_heads=2,
             hidden_dim=128,
             rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_len, theta=500000, scaling="llama"),
-            attn_backend="flex" if flex else "sdpa",
+            attn_backend="varlen" if varlen else "flex" if flex else "sdpa",
         )
     finally:
         llama3.get_attention_config = original

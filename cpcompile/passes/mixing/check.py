@@ -68,12 +68,18 @@ _TRANSFORMERS_MASKS = "transformers/masking_utils.py"
 
 
 def _fix(op: MixingOp) -> str:
+    outside = vocab.masks_built_outside_fix(op.node)
+    if outside is not None:
+        return outside
     if op.source and _TRANSFORMERS_MASKS in op.source.replace("\\", "/"):
         return (
             "this is transformers' mask code for attn_implementation='flex_attention', which reads the packed "
             "documents from this rank's position_ids only: load the model with attn_implementation='sdpa' (the "
             "same causal same-document masks, which cpcompile makes exact across ranks)"
         )
+    attention = vocab.attention_op_fix(op.op) if op.kind == "custom" else None
+    if attention is not None:
+        return attention
     if op.kind == "custom":
         return (
             f"if {op.op} computes every token's output from that token's inputs, list it: "

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.errors import UnsupportedPositionError
+from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.common import FoundAt
 
 #: What the pass does with a source: see :mod:`cpcompile.passes.positions`.
@@ -209,7 +210,9 @@ STATIC_FIX = (
 
 
 def refusal(src: PositionSource, reason: str, static: bool) -> UnsupportedPositionError:
+    outside = vocab.masks_built_outside_fix(src.node)
+    outside = f"{outside}; or " if outside else ""
     return UnsupportedPositionError(
         f"cpcompile cannot make the positions computed at {src.located} ({src.kind}) global across CP ranks: "
-        f"{reason}. Fix: {'' if static else _fix_for(reason)}{FIX}{STATIC_FIX if static else ''}"
+        f"{reason}. Fix: {outside}{'' if static else _fix_for(reason)}{FIX}{STATIC_FIX if static else ''}"
     )
