@@ -766,6 +766,26 @@ def emit_token_positions(graph: fx.Graph, like: fx.Node, table_rows: int, site: 
     return graph.call_function(torch.ops.cpcompile.token_positions.default, (detached, table_rows, site))
 
 
+@torch.library.custom_op("cpcompile::real_tokens", mutates_args=())
+def real_tokens(like: torch.Tensor, dim: int, site: str) -> torch.Tensor:
+    """Bool ``[c]``: which of this rank's ``c`` local tokens (``like``'s ``dim``; only its size and device are
+    read) are tokens of the batch, False for the padding that makes ``T`` a multiple of the CP size (the same in
+    every row). ``site`` names the op that needs it in errors."""
+    plan = active_context(f"the op at {site}").plan
+    if like.shape[dim] != plan.chunk_len:
+        raise RuntimeError(
+            f"the op at {site} got {like.shape[dim]} tokens along dim {dim}, but the active plan expects this "
+            f"rank's chunk length {plan.chunk_len}; call the model with the `local` batch of the active "
+            "cpcompile.shard context"
+        )
+    return (plan.token_indices() < plan.seq_len).to(like.device)
+
+
+@real_tokens.register_fake
+def _(like: torch.Tensor, dim: int, site: str) -> torch.Tensor:
+    return like.new_empty((like.shape[dim],), dtype=torch.bool)
+
+
 # -- ops that mix tokens outside attention, run on the whole sequence -------------------------------------------
 @torch.library.custom_op("cpcompile::sequence_order", mutates_args=())
 def sequence_order(

@@ -320,8 +320,7 @@ TRAINER_MAX_COMPILES = 2
 def _one_row_trainer(group) -> dict:
     import random
 
-    from tests.harness.parity import cp_step, reference_step
-    from tests.harness.tolerances import GRAD_TOL, LOGITS_TOL, LOSS_TOL
+    from tests.harness.parity import compare_steps, cp_step, reference_step
     from tests.models import flex
 
     reference, model = flex.torchtitan_trainer(), flex.torchtitan_trainer()
@@ -339,18 +338,8 @@ def _one_row_trainer(group) -> dict:
         batch.update(flex.torchtitan_trainer_masks(batch))
         ref = reference_step(reference, batch)
         cp = cp_step(compiled, model, batch, group, layout="balanced")
-        errors = {
-            "logits": (cp.logits - ref.logits).abs().max().item(),
-            "loss": (cp.loss - ref.loss).abs().item(),
-            "grad": max((cp.grads[n] - g).abs().max().item() for n, g in ref.grads.items()),
-        }
-        pairs = [("logits", cp.logits, ref.logits, LOGITS_TOL), ("loss", cp.loss, ref.loss, LOSS_TOL)]
-        pairs += [(f"grad of {n}", cp.grads[n], g, GRAD_TOL) for n, g in ref.grads.items()]
-        for what, got, want, tol in pairs:
-            try:
-                torch.testing.assert_close(got, want, **tol)
-            except AssertionError as e:
-                out["failing"].append(f"T={sum(docs)} {what}: {e}")
+        errors, failing = compare_steps(ref, cp, f"T={sum(docs)} ")
+        out["failing"] += failing
         out["lengths"].append(sum(docs))
         out["errors"].append(errors)
     out["compiles"] = len(compiles)

@@ -248,6 +248,39 @@ def test_mixed_graph_refuses_a_source_of_the_constant_length():
     assert "static sequence length (16 tokens per rank" in str(info.value), str(info.value)
 
 
+class _RowWrites(torch.nn.Module):
+    """Rows written into a zero tensor of the local length (a factory: a position source) at the rows an index
+    gives: ``form="data"`` writes the hidden states' rows (an MoE combine: the zeros stay put, the rows are
+    data), ``form="positions"`` writes rows of an ``arange`` over the tokens (position-derived values moved to
+    other rows)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+
+    def forward(self, input_ids, hidden, index):
+        T, D = hidden.shape[1], hidden.shape[2]
+        rows = hidden[0] if self.form == "data" else torch.arange(T, dtype=hidden.dtype)[:, None].expand(T, D)
+        return torch.zeros_like(hidden[0]).scatter_add(0, index, rows), input_ids * 2
+
+
+@pytest.mark.parametrize("form", ["data", "positions"])
+def test_rows_written_into_a_factory(form):
+    """``scatter_add`` into a factory of the local length keeps the factory's own elements in place: writing data
+    rows is left alone; writing position-derived rows at other rows is refused."""
+    input_ids, hidden = torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, 8)
+    index = torch.zeros(16, 8, dtype=torch.long)
+    for t in (input_ids, hidden, index):
+        torch._dynamo.mark_dynamic(t, 1 if t.dim() > 2 or t is input_ids else 0)
+    gm = dynamo_graph(_RowWrites(form), input_ids=input_ids, hidden=hidden, index=index)
+    if form == "data":
+        reports = positions_pass(gm, context(), chunk_len=16)
+        assert not [r for r in reports if r.action == "refused"], reports
+    else:
+        with pytest.raises(cpcompile.UnsupportedPositionError, match="scatter_add moves position-derived rows"):
+            positions_pass(gm, context(), chunk_len=16)
+
+
 def test_positions_off_leaves_the_graph_alone(world):
     backend, _ = _compile_and_run(pm.position_lm("titan_style"), world, positions="off")
     assert backend.position_reports == []

@@ -257,8 +257,8 @@ class Inspection:
             lines += [
                 "",
                 "ops that mix tokens along the sequence outside attention (gathered: run on the whole sequence; "
-                "partial_sum: a sum the ranks' values add up to; dispatch: MoE token bookkeeping; per_token: a "
-                "listed custom op; refused):",
+                "partial_sum: a sum the ranks' values add up to; dispatch: MoE token bookkeeping; summed: an MoE "
+                "count written into module state, summed over the ranks; per_token: a listed custom op; refused):",
                 self.mixing_table(),
             ]
         return "\n".join(lines) + "\n"

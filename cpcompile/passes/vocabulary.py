@@ -18,8 +18,12 @@ Names are those :func:`op_name` gives a Dynamo graph node: a ``call_method`` tar
   partial sum);
 * :data:`DISPATCH`: the ops transformers' MoE dispatch runs over ``tokens x top_k`` expert ids (sort, histogram):
   token bookkeeping when their input is expert ids (see the mixing pass);
+* :data:`ROW_MOVES`: ops that move whole rows by an index tensor (:data:`ROW_WRITES`: those that write a
+  source's rows into ``self``, whose own elements stay put), and :data:`ROW_MOVE_OPS`: custom ops that are one of
+  them under another name (torchtitan's MoE combine), read through :func:`row_move_args`;
 * :data:`PER_TOKEN_OPS`: custom ops the pass cannot see into that are known to compute every token's output from
-  that token's inputs (extended with the backend's ``per_token_ops`` option).
+  that token's inputs (extended with the backend's ``per_token_ops`` option); :data:`ATTENTION_OPS`: custom ops
+  that are attention, refused with the model's SDPA or flex path as the fix.
 
 The positions pass (:mod:`cpcompile.passes.positions`) follows values computed from positions instead of
 sharded data. It reads these tables, some as they are (:data:`SPLITS`), some through a table of its own defined
@@ -47,6 +51,8 @@ from cpcompile import _compat
 from cpcompile.passes import aliasing
 
 __all__ = [
+    "ATTENTION_OPS",
+    "BLOCK_MASK_MAKERS",
     "CONCATS",
     "CONTRACTIONS",
     "CONVOLUTIONS",
@@ -58,8 +64,10 @@ __all__ = [
     "INDEX_MASKS",
     "FILL_ARGS",
     "FRESH_OPS",
+    "GROUPED_MATMULS",
     "LAYOUT",
     "LOSSES",
+    "MASKS_BUILT_OUTSIDE",
     "MASK_LAYOUT",
     "MASK_RESHAPE",
     "NO_VALUES",
@@ -72,10 +80,15 @@ __all__ = [
     "POSITION_RESHAPE",
     "RESHAPE",
     "ROW_MOVES",
+    "ROW_MOVE_OPS",
+    "ROW_WRITES",
     "SHAPE_ONLY_ARGS",
     "SIZE_ARGS",
     "SPLITS",
+    "attention_op_fix",
+    "masks_built_outside_fix",
     "op_name",
+    "row_move_args",
 ]
 
 #: Element-wise ops (broadcasting): output element ``i`` from input elements at ``i`` (no op here reads an
@@ -171,6 +184,42 @@ DISPATCH = frozenset({"sort", "argsort", "histc", "bincount"})
 ROW_MOVES = frozenset({"index_select", "gather", "take_along_dim", "index_add", "index_add_", "index_copy",
                        "index_copy_", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_put",
                        "index_put_", "setitem", "getitem"})  # fmt: skip
+
+#: Ops that write the rows of a source into ``self`` at the rows an index gives (``self.op(dim, index, src)``):
+#: ``self``'s own elements stay where they are.
+ROW_WRITES = frozenset({"index_add", "index_add_", "index_copy", "index_copy_", "scatter", "scatter_",
+                        "scatter_add", "scatter_add_"})  # fmt: skip
+
+#: Custom ops that are a torch row move under another name, by ``namespace::name``: the torch op and the dim it
+#: moves rows along. torchtitan's MoE combine ``deterministic_scatter_add(out, index, src)`` is
+#: ``out.scatter_add(0, index, src)`` under ``torch.use_deterministic_algorithms`` (torchtitan/ops/scatter_add.py).
+ROW_MOVE_OPS = {"torchtitan::deterministic_scatter_add": ("scatter_add", 0)}
+
+
+def row_move_args(n: fx.Node) -> tuple[str, object, object, object, object] | None:
+    """``(torch op, self, dim, index, src)`` of a row move ``self.op(dim, index, src)``: an op of
+    :data:`ROW_WRITES`, ``index_select``/``gather`` (``src`` ``None``), or a custom op of :data:`ROW_MOVE_OPS`;
+    else ``None``."""
+    name = op_name(n)
+
+    def get(pos: int, key: str) -> object:
+        return n.kwargs[key] if key in n.kwargs else n.args[pos] if len(n.args) > pos else None
+
+    if name in ROW_MOVE_OPS:
+        torch_op, dim = ROW_MOVE_OPS[name]
+        return torch_op, get(0, "out"), dim, get(1, "index"), get(2, "src")
+    if name in ROW_WRITES or name in ("index_select", "gather"):
+        src = None if name in ("index_select", "gather") else get(3, "source" if "index_" in name else "src")
+        if src is None and name in ("scatter", "scatter_"):
+            src = get(3, "value")
+        return name, get(0, "self" if n.op == "call_method" else "input"), get(1, "dim"), get(2, "index"), src
+    return None
+
+
+#: Grouped matrix products ``op(x, w, offs=...)``: row ``i`` of ``x`` times the weight of the group its place
+#: among the offsets falls in (an MoE's experts over the dispatch's sorted rows, torchtitan's GroupedExperts):
+#: every output row from its own input row, when the rows are ``x``'s and not ``w``'s.
+GROUPED_MATMULS = frozenset({"_grouped_mm", "grouped_mm", "_scaled_grouped_mm"})
 
 #: Custom ops that compute every token's output rows from that token's input rows, by ``namespace::name``.
 #: transformers' MoE ``grouped_mm_fallback(x, w, offs=...)`` multiplies each row by its expert's weight, the

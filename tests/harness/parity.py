@@ -350,6 +350,28 @@ def assert_parity(outcome: ParityOutcome) -> None:
         )
 
 
+def compare_steps(
+    ref: Step, cp: Step, what: str = "", tols: tuple[dict, dict, dict] = (LOGITS_TOL, LOSS_TOL, GRAD_TOL)
+) -> tuple[dict[str, float], list[str]]:
+    """For steps run outside :class:`ParityRunner`: the max absolute differences of logits, loss and gradients,
+    and one line per quantity that fails its tolerance (``assert_close`` with ``tols``: logits, loss, gradients),
+    prefixed with ``what``."""
+    errors = {
+        "logits": (cp.logits - ref.logits).abs().max().item(),
+        "loss": (cp.loss - ref.loss).abs().item(),
+        "grad": max((cp.grads[n] - g).abs().max().item() for n, g in ref.grads.items()),
+    }
+    pairs = [("logits", cp.logits, ref.logits, tols[0]), ("loss", cp.loss, ref.loss, tols[1])]
+    pairs += [(f"grad of {n}", cp.grads.get(n), g, tols[2]) for n, g in ref.grads.items()]
+    failing = []
+    for name, got, want, tol in pairs:
+        try:
+            torch.testing.assert_close(got, want, **tol)
+        except (AssertionError, TypeError) as e:
+            failing.append(f"{what}{name}: {e}")
+    return errors, failing
+
+
 def failing_quantities(outcome: ParityOutcome) -> list[str]:
     """Which of ``logits``, ``loss``, ``grads`` differ from the reference beyond their tolerance."""
     failed = []

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
 
-from tests.models.positions import TokensLM, torchtitan_llama3_model
+from tests.models.positions import TokensLM, torchtitan_llama3_model, torchtitan_qwen3_moe_model
 from tests.models.tiny import Attention, LearnedPositions, TinyLM, batch_positions, lm_output, seeded
 
 FORMS = ("document", "sliding", "softcap")
@@ -270,6 +270,12 @@ class TorchtitanMasksInForwardLM(TorchtitanFlexLM):
 def torchtitan_masks_in_forward(*, seed: int = 0, layers: int = 1) -> TorchtitanMasksInForwardLM:
     model = torchtitan_llama3_model(seed=seed, layers=layers, max_len=128, flex=True)
     return TorchtitanMasksInForwardLM(model, layers).train()
+
+
+def torchtitan_trainer_moe(*, seed: int = 0, layers: int = 2, max_len: int = 128) -> TorchtitanTrainerLM:
+    """torchtitan's Qwen3-MoE (:func:`tests.models.positions.torchtitan_qwen3_moe_model`), as
+    :class:`TorchtitanTrainerLM`."""
+    return TorchtitanTrainerLM(torchtitan_qwen3_moe_model(seed=seed, layers=layers, max_len=max_len), layers).train()
 
 
 def torchtitan_trainer_masks(batch: dict) -> dict:

@@ -468,6 +468,44 @@ def torchtitan_llama3_model(*, seed: int, layers: int, max_len: int, flex: bool,
     return config.build()
 
 
+def torchtitan_qwen3_moe_model(*, seed: int, layers: int, max_len: int) -> nn.Module:
+    """torchtitan's ``Qwen3Model`` with MoE layers (dim 64, 4 heads, 2 KV heads, head dim 16, 4 experts, top 2,
+    its load-balancing ``tokens_per_expert_E`` counts), ``layers`` layers, weights drawn from ``seed``, on its
+    default ``FlexAttention``. Its MoE dispatch sorts the tokens by expert, multiplies them with
+    ``torch._grouped_mm`` and combines them with ``torchtitan::deterministic_scatter_add``."""
+    _stub_triton_only_modules()
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    dim, vocab = 64, 128
+    built = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True,
+        n_layers=layers,
+        dim=dim,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_hidden_dim=32,
+        num_experts=4,
+        top_k=2,
+        attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=16, max_seq_len=max_len, theta=1e6),
+        moe_comm_backend="standard",
+    )
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=built,
+    )
+    torch.manual_seed(seed)
+    model = config.build()
+    model.init_states()  # its experts are made with torch.empty; torchtitan's trainer initialises them so
+    return model
+
+
 def litgpt_gpt(*, seed: int = 0, max_len: int = 128) -> TokensLM:
     """litgpt's ``GPT`` (2 layers, n_embd 64, 4 heads, 2 query groups, RMSNorm, LLaMA MLP, full RoPE)."""
     from litgpt import GPT, Config

@@ -28,6 +28,13 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   the permutation of a sort whose sorted values are not used (``_, perm = sort(scores)``) are bookkeeping; rows
   moved by any other index are a selection across tokens. That the rows are moved back before they leave the
   dispatch is not checked.
+  A count of expert assignments over the tokens (``histc``/``bincount`` of expert ids, the ``sum`` of their
+  one-hot map) is bookkeeping while it stays integer offsets and sizes of this rank's dispatch; a count that
+  becomes a value (a cast to float, arithmetic with floats: a load-balancing loss) is refused.
+* ``summed``: such a count also written in place into module state (torchtitan's running ``tokens_per_expert_E``
+  for its load-balancing bias): the write gets the count summed over the CP group (a small all-gather of the
+  per-expert counts, summed in rank order), so the state holds the whole sequence's count on every rank, as in
+  the one-process model; the dispatch keeps this rank's count.
 * ``per_token``: a custom op listed in :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS` or the backend's
   ``per_token_ops`` option.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
@@ -60,10 +67,11 @@ import math
 import torch
 import torch.fx as fx
 
+from cpcompile import _compat, ops  # noqa: F401 - ops registers cpcompile::real_tokens
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, size_hint
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.check import Action as Action
-from cpcompile.passes.mixing.check import _refusal, check_op
+from cpcompile.passes.mixing.check import _refusal, check_op, count_uses
 from cpcompile.passes.mixing.find import Kind as Kind
 from cpcompile.passes.mixing.find import MixingOp, find_mixing_ops
 from cpcompile.passes.mixing.regions import CausalRegion, rewrite_region
@@ -133,11 +141,37 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
             except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
                 raise RuntimeError(f"cpcompile mixing pass failed while rewriting {op.where}: {e}") from e
             nbytes = _bytes(op.region, ctx.cp_size)
+        if action == "summed":
+            for write in count_uses(op.node)[0]:
+                _sum_over_ranks(op, write, ctx)
         if action != "refused":
             counters[f"mixing_{action}"] += 1
         reports.append(
             MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
         )
-    if any(r.action == "gathered" for r in reports):
+    if any(r.action in ("gathered", "summed") for r in reports):
         finish(gm)
     return reports
+
+
+def _sum_over_ranks(op: MixingOp, write: fx.Node, ctx: PassContext) -> None:
+    """Hand ``write`` (an in-place write into module state) the count of ``op`` (a ``sum`` of a one-hot map of
+    expert ids over this rank's tokens) over the real tokens of every CP rank instead: every rank's state then
+    holds the whole sequence's count, as the one-process model's does. The padding that makes ``T`` a multiple
+    of the CP size is left out (``cpcompile::real_tokens``); the ranks' counts are all-gathered and summed in rank
+    order, so every rank has the same value."""
+    count, graph = op.node, write.graph
+    onehot, (dim,) = count.args[0], op.seq_dims
+    dtype, ndim = _val(count).dtype, _val(onehot).dim()
+    with graph.inserting_before(write):
+        like = graph.call_method("detach", (onehot,))
+        site = f"{ctx.site_prefix}:{op.where}"
+        real = graph.call_function(torch.ops.cpcompile.real_tokens.default, (like, dim, site))
+        shape = [-1 if d == dim else 1 for d in range(ndim)]
+        real = graph.call_method("view", (real, shape))
+        masked = graph.call_function(torch.mul, (onehot, real))
+        counted = graph.node_copy(count, lambda n: masked if n is onehot else n)
+        row = graph.call_method("unsqueeze", (counted, 0))
+        every = graph.call_function(_compat.all_gather_seq, (row, 0, ctx.cp_size, ctx.group_name))
+        total = graph.call_method("sum", (every, 0), {"dtype": dtype})
+    write.replace_input_with(count, total)

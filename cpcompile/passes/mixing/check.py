@@ -5,16 +5,22 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 import torch.fx as fx
 
 from cpcompile.errors import UnsupportedMixingError
 from cpcompile.passes import vocabulary as vocab
+from cpcompile.passes.aliasing import mutated, viewed_bases
+from cpcompile.passes.common import node_value
 from cpcompile.passes.mixing.find import MixingOp
 
-__all__ = ["check_op"]
+__all__ = ["check_op", "count_uses"]
 
 #: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
-Action = Literal["gathered", "partial_sum", "dispatch", "per_token", "refused"]
+Action = Literal["gathered", "partial_sum", "dispatch", "summed", "per_token", "refused"]
+
+#: Dispatch ops that count expert assignments over this rank's tokens.
+_COUNTS = frozenset({"histc", "bincount", "sum"})
 
 
 _SCALES = {"truediv", "div", "mul", "neg", "to", "float", "double", "type", "clone", "detach", "contiguous"}
@@ -55,12 +61,59 @@ def check_op(op: MixingOp, data: frozenset) -> tuple[Action, str]:
     if op.accounted == "partial_sum":
         reason = _partial_sum_reason(op.node, data)
         return ("partial_sum", "") if reason is None else ("refused", f"{op.what}: {reason}")
+    if op.accounted == "dispatch" and op.op in _COUNTS:
+        writes, reason = count_uses(op.node)
+        if reason is None and writes and len(op.seq_dims) != 1:
+            reason = (
+                f"it is written into module state at {writes[0].name}, and cpcompile sums only a count over one "
+                "token dim of a one-hot map (``routing_map[B, T, E].sum((0, 1))``) across ranks"
+            )
+        if reason is not None:
+            return "refused", f"{op.what}: {reason}"
+        return ("summed" if writes else "dispatch"), ""
     if op.accounted:
         return op.accounted, ""
     if op.region is not None:
         return "gathered", ""
     reason = op.what + (f"; it cannot run on the whole sequence: {op.problem}" if op.problem else "")
     return "refused", reason
+
+
+def count_uses(n: fx.Node) -> tuple[list[fx.Node], str | None]:
+    """How a count of expert assignments over this rank's tokens is used: ``(writes, None)`` when it is only
+    bookkeeping of this rank's dispatch (integer offsets, sizes, the index-like argument of an op whose values
+    come from elsewhere) and the in-place ``writes`` into module state it feeds (running statistics such as
+    torchtitan's ``tokens_per_expert_E``, which must hold the whole sequence's count); ``([], why)`` when its
+    values become data (a cast to float, arithmetic with floats: a load-balancing loss over this rank's count)."""
+    writes: list[fx.Node] = []
+    seen, queue = {n}, [n]
+    while queue:
+        t = queue.pop()
+        for u in t.users:
+            if u.op == "output" or u in seen:
+                continue
+            target = mutated(u)
+            if target is not None and target is not t and _is_state(target):
+                writes.append(u)
+                continue
+            value = node_value(u)
+            floating = isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+            name = vocab.op_name(u)
+            if floating and (name in vocab.ELEMENTWISE or name in vocab.LAYOUT or name in vocab.CONTRACTIONS):
+                return [], (
+                    f"the count over this rank's tokens becomes a value at {name} (node {u.name}), where the "
+                    "one-process model has the whole sequence's count"
+                )
+            if not floating:
+                seen.add(u)
+                queue.append(u)
+    return writes, None
+
+
+def _is_state(t: fx.Node) -> bool:
+    """Whether ``t`` is (a view of) a module's buffer or parameter, or a graph input: state that outlives the call."""
+    base = viewed_bases(t)[-1]
+    return base.op in ("placeholder", "get_attr")
 
 
 #: Where transformers builds a flex_attention BlockMask from packed sequences it detects in ``position_ids``.

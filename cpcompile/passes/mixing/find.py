@@ -50,6 +50,8 @@ class MixingOp(FoundAt):
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
     problem: str = ""
+    #: The sequence dims of the tensor it reads, when they are plain dims (not merged with others).
+    seq_dims: tuple[int, ...] = ()
 
     @property
     def source(self) -> str:
@@ -73,7 +75,8 @@ def _reduced_seq_dims(n: fx.Node, name: str, tags: Tags) -> set[int]:
 # -- MoE dispatch: expert ids and the index tensors that move rows by them -------------------------------------
 def _expert_ids(g: fx.GraphModule, seq: SequenceLength, tags: dict) -> frozenset:
     """Nodes holding MoE expert ids: the indices of a ``topk``/``argmax`` over a dim that is not a sequence dim
-    (of an input whose dims are known), and what reshapes, casts and sorts (values) make of them."""
+    (of an input whose dims are known), what reshapes, casts and sorts (values) make of them, and their one-hot
+    maps (``one_hot(ids)``, ``zeros(...).scatter_(expert_dim, ids, True)``)."""
 
     def reduces_seq(n: fx.Node, name: str) -> bool:
         t = tags.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
@@ -91,6 +94,14 @@ def _expert_ids(g: fx.GraphModule, seq: SequenceLength, tags: dict) -> frozenset
                 ids.add(n)
         elif name in ("argmax", "argmin") and not reduces_seq(n, name):
             ids.add(n)
+        elif name == "one_hot" and first in ids:
+            ids.add(n)
+        elif name in ("scatter", "scatter_") and arg(n, 2, "index") in ids:
+            # a one-hot routing map: True at each token's experts, written along the expert dim (torchtitan)
+            t = tags.get(first) if first is not None else None
+            dim = arg(n, 1, "dim")
+            if isinstance(t, tuple) and not is_nested(t) and isinstance(dim, int) and not t[dim % len(t)]:
+                ids.add(n)
         elif (name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS) and first in ids:
             ids.add(n)
     return frozenset(ids)
@@ -107,6 +118,11 @@ def _sorts_for_dispatch(n: fx.Node, expert_ids: frozenset) -> bool:
 def _is_node_in(index_arg: object, nodes: set) -> bool:
     """Whether a setitem's index is one of ``nodes`` (an index may also be a slice, a tuple or a constant)."""
     return isinstance(index_arg, fx.Node) and index_arg in nodes
+
+
+#: Ops that hand an index tensor on with the same values per row: casts, copies and broadcasts over the features
+#: (``perm.reshape(-1, 1).expand(-1, D)``: a ``scatter_add`` index, torchtitan's MoE combine).
+_INDEX_LAYOUT = _SHAPE_ONLY_CASTS | (vocab.LAYOUT - {"repeat", "tile", "repeat_interleave"})
 
 
 def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
@@ -127,7 +143,7 @@ def _dispatch_index(g: fx.GraphModule, expert_ids: frozenset) -> frozenset:
                 found = vocab.op_name(first) == "sort" and _sorts_for_dispatch(first, expert_ids)
             elif name == "argsort":
                 found = _sorts_for_dispatch(n, expert_ids)
-            elif name in vocab.ELEMENTWISE or name in vocab.RESHAPE or name in _SHAPE_ONLY_CASTS:
+            elif name in vocab.ELEMENTWISE or name in vocab.RESHAPE or name in _INDEX_LAYOUT:
                 tensors = [i for i in n.all_input_nodes if isinstance(_val(i), torch.Tensor)]
                 found = bool(tensors) and all(i in index for i in tensors)
             elif name == "setitem" and first is not None and len(n.args) > 1 and _is_node_in(n.args[1], index):
@@ -152,6 +168,8 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
     seq_dims = {d for d, t in enumerate(tags) if t}
     if name == "scaled_dot_product_attention" or name.startswith("cpcompile::"):
         return None  # attention: the attention pass's business
+    if name in vocab.ROW_MOVE_OPS:
+        return _check_index(n, name, x, g, found)
     if "::" in name:
         if name in g.per_token:
             return found("custom", f"the custom op {name}, listed as per-token", accounted="per_token")
@@ -181,6 +199,10 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
             return None
         if name in vocab.DISPATCH and x in g.expert_ids:
             return found("order", f"{name} of MoE expert ids over tokens x top_k", accounted="dispatch")
+        if name == "sum" and x in g.expert_ids:
+            op = found("order", "sum of a one-hot map of MoE expert ids over tokens", accounted="dispatch")
+            plain = () if any(is_nested(t) for t in tags if t) else tuple(sorted(seq_dims))
+            return dataclasses.replace(op, seq_dims=plain)
         if name in ("sort", "argsort") and _sorts_for_dispatch(n, g.expert_ids):
             what = "sort of the rows for a dispatch (only the permutation is used)"
             return found("order", what, accounted="dispatch")
@@ -189,6 +211,10 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return found(kind, f"{name} along the sequence")
     if name in vocab.CONTRACTIONS:
         return _check_contraction(n, name, g, found)
+    if name in vocab.GROUPED_MATMULS:
+        if n.args and n.args[0] is x and len(operands) == 1:
+            return None  # this rank's dispatched rows, each times its expert's weight
+        return found("contraction", f"{name} with sequence-sharded weights")
     if name in vocab.CONVOLUTIONS:
         spatial = {d for d in seq_dims if d >= 2}
         if n.args[0] is x and not spatial:
@@ -274,13 +300,13 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
                     return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
                 return found("shift", f"slices the sequence dim with {_slice_text(e)}")
         return None
-    dim = arg(n, 1, "dim")
-    index = arg(n, 2, "index")
+    move = vocab.row_move_args(n)  # index_put, take_along_dim: their own arguments, read positionally
+    _, self_arg, dim, index, _ = move or (name, n.args[0], arg(n, 1, "dim"), arg(n, 2, "index"), None)
     if isinstance(index, fx.Node) and index in g.dispatch_index:
         return found("order", f"{name} of rows by the MoE dispatch permutation", accounted="dispatch")
-    if isinstance(dim, int) and tags and dim % len(tags) not in seq_dims and n.args[0] in g.data:
+    if isinstance(dim, int) and tags and dim % len(tags) not in seq_dims and self_arg in g.data:
         return None
-    if n.args[0] not in g.data and isinstance(dim, int) and name in ("index_select", "gather"):
+    if self_arg not in g.data and isinstance(dim, int) and name in ("index_select", "gather"):
         return None  # a table (not data) looked up at per-token indices: torchtitan's rope_cache at positions
     return found("selection", f"{name} along the sequence")
 

@@ -232,6 +232,11 @@ def check_use(u: fx.Node, t: fx.Node, facts: GraphFacts, tainted: set) -> str | 
         return _check_getitem(u, t, facts, tainted)
     if name in ("embedding", "index_select", "gather", "take_along_dim"):
         return _check_lookup(u, t, name, facts, tainted)
+    if base in vocab.ROW_WRITES or vocab.op_name(u) in vocab.ROW_MOVE_OPS:
+        _, self_arg, _, index, src = vocab.row_move_args(u)
+        if self_arg is t and index not in tainted and src not in tainted:
+            return None  # rows written into it at rows an index gives (an MoE combine): its own elements stay put
+        return f"{name} moves position-derived rows, or writes rows at positions"
     if name == "narrow" and u.args and u.args[0] is t:
         shape, dim = shape_of(t), _arg(u, 1, "dim")
         if shape is None or not isinstance(dim, int):
