@@ -205,22 +205,32 @@ class TorchtitanFlexLM(TokensLM):
         mask_mod = and_masks(tt.get_causal_mask_mod(), tt.get_document_mask_mod(position_ids))
         if torch.compiler.is_compiling():
             masks = tt.create_attention_mask(mask_mod, B, None, T, T, device=input_ids.device)
-            logits = self.model(input_ids, positions=position_ids, attention_masks=masks)
         else:
             masks = create_block_mask(mask_mod, B, None, T, T, device=input_ids.device)
-            original = tt.FlexAttention.compiled_flex_attn
-            tt.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex)
-            try:
-                logits = self.model(input_ids, positions=position_ids, attention_masks=masks)
-            finally:
-                tt.FlexAttention.compiled_flex_attn = original
+        logits = _torchtitan_call(self.model, input_ids, position_ids, masks)
         return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
+def _torchtitan_call(model, tokens, positions, masks):
+    """``model(tokens, positions=..., attention_masks=...)``: compiled, as it is (its flex sites are rewritten);
+    in eager mode (the one-process reference, where CPU flex has no backward) with torchtitan's
+    ``FlexAttention.compiled_flex_attn`` replaced by :func:`_dense_flex`."""
+    from torchtitan.models.common import attention as tt
+
+    if torch.compiler.is_compiling():
+        return model(tokens, positions=positions, attention_masks=masks)
+    original = tt.FlexAttention.compiled_flex_attn
+    tt.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex)
+    try:
+        return model(tokens, positions=positions, attention_masks=masks)
+    finally:
+        tt.FlexAttention.compiled_flex_attn = original
+
+
 class TorchtitanTrainerLM(TokensLM):
-    """torchtitan's ``Llama3Model`` on its default FlexAttention, called as torchtitan's trainer calls it: the
-    masks come from outside the model, ``model.get_attention_masks(positions)`` on the *global* batch
-    (:func:`torchtitan_trainer_masks`), so its default document mask
+    """A torchtitan decoder (``Llama3Model``, ``Qwen3Model``) on its default FlexAttention, called as torchtitan's
+    trainer calls it: the masks come from outside the model, ``model.get_attention_masks(positions)`` on the
+    *global* batch (:func:`torchtitan_trainer_masks`), so its default document mask
     (``get_efficient_causal_mask_mod_for_packed_document``: document starts or ends by token, ``scatter_`` by
     document id) is built once for the whole sequence, and ``cpcompile.shard`` hands each rank a BlockMask of the
     same ``mask_mod``. In eager mode (the one-process reference) flex is SDPA under the mask's ``create_mask``."""
@@ -235,17 +245,7 @@ class TorchtitanTrainerLM(TokensLM):
         num_items_in_batch=None,
         use_cache=None,
     ):
-        from torchtitan.models.common import attention as tt
-
-        if torch.compiler.is_compiling():
-            logits = self.model(input_ids, positions=position_ids, attention_masks=attention_masks)
-        else:
-            original = tt.FlexAttention.compiled_flex_attn
-            tt.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex)
-            try:
-                logits = self.model(input_ids, positions=position_ids, attention_masks=attention_masks)
-            finally:
-                tt.FlexAttention.compiled_flex_attn = original
+        logits = _torchtitan_call(self.model, input_ids, position_ids, attention_masks)
         return lm_output(logits, labels, shift_labels, num_items_in_batch)
 
 
