@@ -13,6 +13,8 @@ import argparse
 import datetime
 import io
 import os
+import queue
+import sys
 import tempfile
 import time
 
@@ -78,6 +80,29 @@ def worker(rank: int, world: int, init_file: str, steps: int, inner: str, result
     dist.destroy_process_group()
 
 
+#: Exit status of this script when a CP worker died of a signal (native code crashed) before the results came.
+NATIVE_CRASH_STATUS = 3
+
+
+def _result(results, procs, timeout_s: float = 600.0) -> bytes:
+    """Rank 0's results; if a worker exits first with an error, stop the others at once (a peer of a dead rank
+    would wait in its next collective until the group's timeout) and exit naming it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.terminate()
+                print(f"CP worker(s) failed before the results came (rank, exit code): {dead}", file=sys.stderr)
+                raise SystemExit(NATIVE_CRASH_STATUS if any(code < 0 for _, code in dead) else 1) from None
+    for p in procs:
+        p.terminate()
+    raise SystemExit(f"no result from the CP workers in {timeout_s:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="CP size = number of CPU processes (default 2)")
@@ -97,7 +122,7 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        cp_losses, cp_seconds, cp_params = torch.load(io.BytesIO(results.get(timeout=600)))
+        cp_losses, cp_seconds, cp_params = torch.load(io.BytesIO(_result(results, procs)))
         for p in procs:
             p.join()
         if any(p.exitcode != 0 for p in procs):
