@@ -43,6 +43,11 @@ from tests.harness.tolerances import KERNEL_TOL, LOGITS_TOL
 from tests.models import flex as _flex_models
 from tests.models.positions import package_missing
 
+#: torchtitan is an optional test dependency (installed by scripts/setup.sh, so CI runs these tests).
+NEEDS_TORCHTITAN = pytest.mark.skipif(
+    package_missing("torchtitan") is not None, reason=str(package_missing("torchtitan"))
+)
+
 DOCS = ((10, 20, 7), (5, 30, 2))
 
 
@@ -119,13 +124,11 @@ def test_unmappable_mods_are_refused_at_compile_time(world, form, words):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@NEEDS_TORCHTITAN
 def test_torchtitan_masks_built_in_the_forward_are_refused_with_the_fix(world):
     """torchtitan's default masks built inside the compiled forward from a rank's positions (its efficient
     document mask fills a table with the local length and scatters by document id): refused at compile time,
     naming the fix in torchtitan's terms (build them outside on the global batch and pass them to ``shard``)."""
-    missing = package_missing("torchtitan")
-    if missing is not None:
-        pytest.skip(missing)
     backend = cpcompile.backend(world, inner="aot_eager")
     compiled = torch.compile(_flex_models.torchtitan_masks_in_forward(), backend=backend)
     with cpcompile.shard(packed_batch([list(r) for r in DOCS]), world) as local:
@@ -136,13 +139,11 @@ def test_torchtitan_masks_built_in_the_forward_are_refused_with_the_fix(world):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@NEEDS_TORCHTITAN
 def test_torchtitan_varlen_attention_is_refused_naming_its_flex_path(world):
     """torchtitan's ``VarlenAttention`` (``attn_backend="varlen"``, masks as ``VarlenMetadata`` built outside):
     a custom attention op cpcompile does not rewrite, refused at compile time with torchtitan's flex path as the
     fix, not with the per-token listing offered for other custom ops (which would make it silently wrong)."""
-    missing = package_missing("torchtitan")
-    if missing is not None:
-        pytest.skip(missing)
     from tests.models.positions import torchtitan_llama3_model
 
     model = torchtitan_llama3_model(seed=0, layers=1, max_len=128, flex=False, varlen=True)
@@ -410,26 +411,22 @@ def test_document_ids_made_in_eager_code_are_refused_on_every_rank(results):
     assert "build the BlockMask there too" in s["refused"], s
 
 
+@NEEDS_TORCHTITAN
 def test_torchtitan_llama3_on_its_flex_attention(results):
     """torchtitan's own Llama 3 on its default FlexAttention, the BlockMask built in the forward from its own
     mask mods (causal and document) and ``positions`` passed to its RoPE (a ``gather`` of ``rope_cache`` at the
     positions), is exact at CP=2 under the balanced layout (``_check`` in ``test_parity_cp2_balanced``)."""
-    missing = package_missing("torchtitan")
-    if missing is not None:
-        pytest.skip(missing)
     (s,) = [s for s in results["pair1"] if "torchtitan" in s["case"]]
     assert s["actions"] == ["rewritten"] and s["control_failing"], s
 
 
+@NEEDS_TORCHTITAN
 def test_torchtitan_trainer_masks_built_outside_the_model(results):
     """torchtitan's default config as its trainer runs it: ``model.get_attention_masks(positions)`` on the global
     batch (its efficient packed-document mask_mod), passed to ``shard`` in the batch. Exact at CP=2 with two rows
     (document ends by token), and at CP=4 with one row (document starts by document id) on packed rows of
     changing length, compiled at most twice; with the mask_mod at local query indices, parity fails
     (``test_negative_controls_fail_parity``)."""
-    missing = package_missing("torchtitan")
-    if missing is not None:
-        pytest.skip(missing)
     (s,) = [s for s in results["pair0"] if "torchtitan_trainer" in s["case"]]
     assert s["actions"] == ["rewritten"] and s["control_failing"], s
     one_row = results["trainer_one_row"]
