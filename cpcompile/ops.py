@@ -75,7 +75,7 @@ from cpcompile import _compat, failsafe
 from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cpcompile.cp_attention
 from cpcompile.errors import MaskMismatchError, UnsupportedAttentionError
 from cpcompile.mask import visible_mask
-from cpcompile.plan import CPPlan
+from cpcompile.plan import SELECTIVE_SLOTS_FIX, CPPlan
 from cpcompile.runtime.context import Active, active_context, is_exact, is_proved_mask, mask_key
 
 __all__ = [
@@ -574,11 +574,28 @@ def emit_halo_exchange(graph: fx.Graph, k: fx.Node, v: fx.Node, spec: SiteSpec) 
     ref = graph.call_method("detach", (k,))
     routing = graph.call_function(torch.ops.cpcompile.halo_routing.default, (ref, spec.site))
     send_slots, counts = (graph.call_function(operator.getitem, (routing, i)) for i in range(2))
+    return emit_exchange(graph, k, v, send_slots, counts, spec)
+
+
+def emit_exchange(
+    graph: fx.Graph, k: fx.Node, v: fx.Node, send_slots: fx.Node, counts: fx.Node, spec: SiteSpec
+) -> tuple[fx.Node, fx.Node]:
+    """Insert :func:`halo_exchange` of ``k`` and ``v`` under a routing; returns ``[local, received]`` K and V."""
     out = []
     for t in (k, v):
         halo = graph.call_function(torch.ops.cpcompile.halo_exchange.default, (t, send_slots, counts, spec.site))
         out.append(graph.call_function(torch.cat, ([t, halo],), {"dim": 2}))
     return out[0], out[1]
+
+
+def recompute_exchange(k_all: fx.Node, v_all: fx.Node) -> None:
+    """Tag the exchanges behind ``k_all``/``v_all`` (:func:`emit_exchange`) for recomputation in backward: the
+    received keys are fetched again instead of saved; the routing stays saved."""
+    for n in (k_all, v_all):
+        n.meta.update(_compat.must_recompute_meta())
+        for exchanged in n.all_input_nodes:
+            if exchanged.target is torch.ops.cpcompile.halo_exchange.default:
+                exchanged.meta.update(_compat.must_recompute_meta())
 
 
 def emit_attention(
@@ -639,6 +656,88 @@ def emit_flex_site_plan(
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Insert ``cpcompile::flex_site_plan`` at the current insertion point; returns (q_pos, kv_pos, seq_len)."""
     return _emit_plan_call(graph, torch.ops.cpcompile.flex_site_plan.default, k, v, checked, spec.site)
+
+
+@torch.library.custom_op("cpcompile::flex_routing", mutates_args=())
+def flex_routing(
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    seq_len: torch.Tensor,
+    tensors: list[torch.Tensor],
+    heads: int,
+    block: int,
+    site: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(send_slots [N * S], counts [2, N], kv_pos [c + S])`` of the selective exchange of the flex site ``site``.
+
+    Which keys a flex site's queries see only its ``mask_mod`` knows: this rank evaluates it at global indices
+    (:meth:`~cpcompile.kernels.BoundMods.keys_seen`, with the site's mod ``tensors`` and ``heads`` query heads,
+    ``block`` queries at a time) for its real queries ``q_pos`` against every real key other ranks hold, and
+    the CP group all-gathers these bitmaps (one byte per global token and rank), so every rank knows every
+    rank's needs: the :class:`~cpcompile.plan.HaloRouting` of :meth:`CPPlan.routing`, and ``ValueError`` on
+    every rank when one needs more than the ``S`` key slots. ``kv_pos``: this rank's tokens, then the received
+    slots (``-1``: empty). ``k`` carries the local shape for the checks.
+    """
+    spec = site_spec(site)
+    context = _site_context(spec, k)
+    plan = context.plan
+    bound = _kernels.bind_mods(site, tensors, int(seq_len), heads)
+    r = plan.cp_rank
+    others = torch.cat([plan.indices[:r], plan.indices[r + 1 :]]).flatten()
+    seen = bound.keys_seen(plan.batch_size, q_pos, others, block, ROUTING_KEYS)
+    mine = torch.zeros(plan.padded_len, dtype=torch.uint8, device=q_pos.device)
+    mine[others[seen]] = 1
+    group = _compat.resolve_group(spec.group_name)
+    if group is None:
+        raise RuntimeError(f"the CP group {spec.group_name!r} of the attention at {spec.site} is not registered here")
+    every = mine.new_empty((plan.cp_size * plan.padded_len,))
+    _compat.all_gather_into(every, mine, group)
+    every = every.view(plan.cp_size, plan.padded_len)
+    context.comm.record_routing((plan.cp_size - 1) * mine.numel())
+    needs = [torch.nonzero(row).flatten().to(torch.long) for row in every]
+    routing = plan.routing(
+        needs, exchange_slots(spec, plan.chunk_len), what="keys of other ranks", fix=SELECTIVE_SLOTS_FIX
+    )
+    return routing.send_slots.clone(), routing.counts.clone(), torch.cat([q_pos, routing.recv_pos])
+
+
+@flex_routing.register_fake
+def _(k, q_pos, seq_len, tensors, heads, block, site):
+    spec = site_spec(site)
+    c = k.shape[2]
+    slots = exchange_slots(spec, c)
+    long = dict(dtype=torch.long)
+    return (
+        k.new_empty((spec.cp_size * slots,), **long),
+        k.new_empty((2, spec.cp_size), **long),
+        k.new_empty((c + slots,), **long),
+    )
+
+
+#: Keys per evaluation of a flex site's mask_mod in :func:`flex_routing` (by the site's block of queries).
+ROUTING_KEYS = 1024
+
+
+def emit_flex_exchange(
+    graph: fx.Graph,
+    k: fx.Node,
+    v: fx.Node,
+    q_pos: fx.Node,
+    seq_len: fx.Node,
+    tensors: list[fx.Node],
+    heads: int,
+    block: int,
+    spec: SiteSpec,
+) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Insert :func:`flex_routing` and the exchange of ``k`` and ``v`` it routes; returns ``(k_all, v_all,
+    kv_pos)``: this rank's keys then the received ones, and their global indices."""
+    ref = graph.call_method("detach", (k,))
+    routing = graph.call_function(
+        torch.ops.cpcompile.flex_routing.default, (ref, q_pos, seq_len, list(tensors), heads, block, spec.site)
+    )
+    send_slots, counts, kv_pos = (graph.call_function(operator.getitem, (routing, i)) for i in range(3))
+    k_all, v_all = emit_exchange(graph, k, v, send_slots, counts, spec)
+    return k_all, v_all, kv_pos
 
 
 @torch.library.custom_op("cpcompile::exact_input", mutates_args=())

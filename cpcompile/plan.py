@@ -24,7 +24,7 @@ above.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -146,6 +146,10 @@ def runs(indices: torch.Tensor) -> list[tuple[int, int]]:
             out.append((idx[start], idx[i - 1] + 1))
             start = i
     return out
+
+
+#: What to do when a rank needs more keys than a selective exchange's receive buffer holds.
+SELECTIVE_SLOTS_FIX = "; raise cpcompile.backend(..., exchange_slots=...) or use exchange='all_gather'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +445,15 @@ class CPPlan:
         return self._cache[key]
 
     def _halo_routing(self, window: int | None, slots: int, documents: bool) -> HaloRouting:
+        what = f"halo keys for a window of {window} tokens" if window is not None else "keys of other ranks"
+        fix = "" if window is not None else SELECTIVE_SLOTS_FIX
+        needs = [self.exchange_needs(window, dst, documents=documents) for dst in range(self.cp_size)]
+        return self.routing(needs, slots, what=what, fix=fix)
+
+    def routing(self, needs: Sequence[torch.Tensor], slots: int, *, what: str, fix: str = "") -> HaloRouting:
+        """This rank's :class:`HaloRouting` when rank ``dst`` receives the keys at the global indices ``needs[dst]``
+        (ascending, held by other ranks) into ``slots`` key slots. ``needs`` must be the same on every rank (every
+        rank's needs): ``ValueError``, naming the rank, ``what`` it needs and ``fix``, when one exceeds ``slots``."""
         N, r = self.cp_size, self.cp_rank
         device = self.indices.device
         owner = self._owner()
@@ -448,23 +461,13 @@ class CPPlan:
         slot[self.gathered_indices()] = torch.arange(self.chunk_len, device=device).repeat(N)
         counts = torch.zeros(2, N, dtype=torch.long, device=device)
         send = []
-        for dst in range(N):
-            needs = self.exchange_needs(window, dst, documents=documents)
-            if needs.numel() > slots:
-                what = "halo keys for a window of {window} tokens" if window is not None else "keys of other ranks"
-                raise ValueError(
-                    f"rank {dst} needs {needs.numel()} {what.format(window=window)} but the exchange has {slots} "
-                    "key slots"
-                    + (
-                        "; raise cpcompile.backend(..., exchange_slots=...) or use exchange='all_gather'"
-                        if window is None
-                        else ""
-                    )
-                )
+        for dst, need in enumerate(needs):
+            if need.numel() > slots:
+                raise ValueError(f"rank {dst} needs {need.numel()} {what} but the exchange has {slots} key slots{fix}")
             if dst == r:
-                recv = needs[torch.argsort(owner[needs], stable=True)]  # grouped by sending rank
-                counts[1] = torch.bincount(owner[needs], minlength=N)
-            mine = needs[owner[needs] == r]
+                recv = need[torch.argsort(owner[need], stable=True)]  # grouped by sending rank
+                counts[1] = torch.bincount(owner[need], minlength=N)
+            mine = need[owner[need] == r]
             counts[0, dst] = mine.numel()
             send.append(slot[mine])
         recv_pos = torch.full((slots,), -1, dtype=torch.long, device=device)

@@ -197,9 +197,9 @@ def _schedule(doc_ids, q_pos, ks, block_q, block_k, window, mods, B):
     mask only its ``mask_mod`` knows) every key block, masked; blocks without a visible pair are skipped."""
     if mods is None:
         return block_schedule(visible_blocks(doc_ids, q_pos, ks, block_q, block_k, window))
-    K = int(ks.shape[0])
+    K, first = int(ks.shape[0]), int((ks < 0).sum())  # empty key slots (-1) sort first and are never seen
     bounds = [*range(0, int(q_pos.shape[0]), block_q), int(q_pos.shape[0])]
-    pieces = [BlockPiece(s, min(s + block_k, K), True) for s in range(0, K, block_k)]
+    pieces = [BlockPiece(s, min(s + block_k, K), True) for s in range(first, K, block_k)]
     return bounds, [[pieces] * (len(bounds) - 1) for _ in range(B)]
 
 

@@ -94,6 +94,25 @@ class BoundMods:
         with _compat.vmap_inside_custom_op():
             return (fn(bi, h, qi, ki, *self.mask_args).to(torch.bool) & real) | pad
 
+    def keys_seen(self, rows: int, q_pos: torch.Tensor, kv_pos: torch.Tensor, block_q: int, block_k: int):
+        """Bool ``[len(kv_pos)]``: whether some real query at ``q_pos``, in some head of one of the ``rows`` batch
+        rows, sees the real key at ``kv_pos`` under the mask_mod (what a selective exchange must deliver);
+        evaluated ``block_q`` queries by ``block_k`` keys at a time."""
+        seen = torch.zeros(kv_pos.shape[0], dtype=torch.bool, device=kv_pos.device)
+        queries = q_pos[q_pos < self.seq_len]
+        real = (kv_pos >= 0) & (kv_pos < self.seq_len)
+        if self.mods.mask_mod is None:
+            return real
+        for ks in range(0, kv_pos.shape[0], block_k):
+            keys = kv_pos[ks : ks + block_k]
+            hit = seen[ks : ks + block_k]
+            for b in range(rows):
+                if bool(hit.all()):
+                    break
+                for qs in range(0, queries.shape[0], block_q):
+                    hit |= self.mask(b, queries[qs : qs + block_q], keys).flatten(0, 1).any(0)
+        return seen & real
+
     def score(self, s: torch.Tensor, b: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
         """``score_mod`` applied to the ``[H, rows, L]`` scaled scores ``s``."""
         bi, h, qi, ki = self._indices(b, q_pos, kv_pos)

@@ -261,14 +261,15 @@ def rewrite_site(
     The block tables of the BlockMask are left unused (and erased when nothing else reads them).
     """
     graph = site.node.graph
-    gather = spec.cp_size > 1
+    selective = spec.cp_size > 1 and spec.exchange == "selective"
+    gather = spec.cp_size > 1 and not selective
     ready = [(t, last_write(t)) for t in (site.key, site.value)]  # K and V may be one tensor
     checked = ops.emit_site_check(graph, ready, None, spec)
     started = [ops.emit_gather_start(graph, t, spec, ops.last_of([w, checked])) for t, w in ready] if gather else []
     with graph.inserting_before(site.node):
         tensors = []
         for t, dim in buffers.tensors:
-            if dim is None or not gather:
+            if dim is None or spec.cp_size == 1:
                 tensors.append(t)
                 continue
             if t.op == "placeholder" and t.graph is gm.graph:  # made before this graph: only an exact one
@@ -277,6 +278,11 @@ def rewrite_site(
         q_pos, kv_pos, seq_len = ops.emit_flex_site_plan(graph, site.key, site.value, checked, spec)
         if gather:
             k_all, v_all = (graph.call_function(_compat.all_gather_wait, (h,)) for h in started)
+        elif selective:
+            heads = int(node_value(site.query).shape[1])
+            k_all, v_all, kv_pos = ops.emit_flex_exchange(
+                graph, site.key, site.value, q_pos, seq_len, tensors, heads, ctx.options.block_size, spec
+            )
         else:
             k_all, v_all = site.key, site.value
         out, lse = ops.emit_flex_attention(
@@ -298,6 +304,8 @@ def rewrite_site(
     if ctx.options.regather_kv_in_backward and gather:
         for n in started:
             n.meta.update(_compat.must_recompute_meta())
+    elif ctx.options.regather_kv_in_backward and selective:
+        ops.recompute_exchange(k_all, v_all)
     for index, users in site.outputs.items():
         for user in users:
             user.replace_all_uses_with(out if index == 0 else lse2)
@@ -372,14 +380,16 @@ def _report(site: FlexSite, graph_id: int, action: str, reason: str = "", spec: 
         action=action,
         reason=reason,
         kernel="block" if spec is not None else "",
-        exchange="all_gather" if spec is not None and spec.cp_size > 1 else "",
+        exchange=spec.exchange if spec is not None and spec.cp_size > 1 else "",
         needs_grad=bool(spec is not None and spec.needs_grad),
     )
 
 
 def _site_spec(site: FlexSite, ctx: PassContext) -> ops.SiteSpec:
-    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`, as the SDPA sites')."""
+    """The site's description and id (:func:`~cpcompile.passes.sdpa_report.site_spec`, as the SDPA sites'); with
+    ``exchange="selective"`` and CP > 1, the selective exchange into ``exchange_slots`` key slots."""
     k, v = (node_value(n) for n in (site.key, site.value))
+    selective = ctx.cp_size > 1 and ctx.options.exchange == "selective"
     return site_spec(
         ctx,
         site.node,
@@ -388,6 +398,7 @@ def _site_spec(site: FlexSite, ctx: PassContext) -> ops.SiteSpec:
         window=None,
         kernel="block",
         needs_grad=bool(k.requires_grad or v.requires_grad),
+        **({"exchange": "selective", "halo_slots": ctx.options.exchange_slots or 0} if selective else {}),
     )
 
 
@@ -425,7 +436,14 @@ def flex_cp_pass(gm: fx.GraphModule, ctx: PassContext) -> list[SiteReport]:
         except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
             raise RuntimeError(f"cpcompile flex_cp pass failed while rewriting {site.where}: {e}") from e
         # the balanced layout's estimate of the site's work: a causal document form (the mask is its mask_mod)
-        record_attention_form(spec.group_name, spec.layer or spec.site, True, None, ctx.options.block_size)
+        record_attention_form(
+            spec.group_name,
+            spec.layer or spec.site,
+            True,
+            None,
+            ctx.options.block_size,
+            selective=spec.exchange == "selective",
+        )
         counters["flex_rewritten"] += 1
     if sites:
         finish(gm)

@@ -15,7 +15,6 @@ This module holds the rewrite and the entry point; every name of ``__all__`` is 
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops
@@ -116,11 +115,7 @@ def rewrite_site(gm: fx.GraphModule, site: SDPASite, spec: ops.SiteSpec, ctx: Pa
         for n in (*started, k_all, v_all):
             n.meta.update(_compat.must_recompute_meta())
     elif ctx.options.regather_kv_in_backward and spec.cp_size > 1 and spec.exchange in ops.EXCHANGES_OF_NEEDED_KEYS:
-        for n in (k_all, v_all):  # the exchanged keys are fetched again in backward; the routing stays saved
-            n.meta.update(_compat.must_recompute_meta())
-            for exchanged in n.all_input_nodes:
-                if exchanged.target is torch.ops.cpcompile.halo_exchange.default:
-                    exchanged.meta.update(_compat.must_recompute_meta())
+        ops.recompute_exchange(k_all, v_all)
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)

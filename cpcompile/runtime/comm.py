@@ -42,6 +42,10 @@ class CommStats:
     #: Bytes this rank sends back in their backward (the gradients of the keys it received), once per attention
     #: call.
     halo_backward_bytes: int = 0
+    #: All-gathers of the keys every rank's queries see at flex_attention sites with the selective exchange (one
+    #: byte per global token and rank, from which each rank routes its exchange), and the bytes this rank received.
+    routing_gathers: int = 0
+    routing_bytes: int = 0
     #: Control rounds through the CP group's store (never a collective of the group; see
     #: :mod:`cpcompile.failsafe`): the first-call mask check of each attention site, and one per batch with
     #: ``shard(check_batch=True)``. None on later steps otherwise.
@@ -68,6 +72,10 @@ class CommStats:
         self.halo_bytes += nbytes
         if needs_grad:
             self.halo_backward_bytes += nbytes
+
+    def record_routing(self, nbytes: int) -> None:
+        self.routing_gathers += 1
+        self.routing_bytes += nbytes
 
     def record_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
