@@ -1,6 +1,8 @@
 """Tokens/s of a training step (forward+backward): cpcompile with inductor vs with aot_eager vs the unsharded
 eager model, CP=1/2/4, measured side by side in one run; also layouts (``--layouts``) and full-attention K/V
-exchanges (``--exchanges all_gather,selective``) side by side.
+exchanges (``--exchanges all_gather,selective``) side by side, and the K/V bytes each rank received per step.
+``--attn-implementation flex_attention`` runs transformers' flex path on the CP side (the unsharded eager row runs
+SDPA with the same weights and mask: CPU flex has no backward).
 
 Each rank is a CPU process (gloo, one thread); the step time is the slowest rank's median over the timed steps,
 after warm-up steps that compile. Tokens/s counts the global tokens of the batch (B * T).
@@ -24,6 +26,7 @@ def _worker(
     steps: int,
     layout: str,
     exchange: str = "all_gather",
+    attn_implementation: str = "sdpa",
 ):
     import torch
     import torch.distributed as dist
@@ -31,7 +34,7 @@ def _worker(
     import cpcompile
     from cpcompile.testing import packed_batch, tiny_model
 
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3", attn_implementation="sdpa" if inner == "unsharded eager" else attn_implementation)
     batch = packed_batch(doc_lens)
     if inner == "unsharded eager":
 
@@ -60,7 +63,11 @@ def _worker(
         step()
         barrier()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), compile_s
+    received = 0
+    if inner != "unsharded eager":
+        comm = cpcompile.comm_stats()
+        received = comm.all_gather_bytes + comm.halo_bytes
+    return statistics.median(times), compile_s, received
 
 
 def main() -> None:
@@ -74,6 +81,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="balanced", help="shard's layouts, side by side (e.g. contiguous,balanced)")
     ap.add_argument("--inners", default="inductor,aot_eager", help="inner compilers, side by side")
     ap.add_argument("--exchanges", default="all_gather", help="K/V exchanges of full attention, side by side")
+    ap.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "flex_attention"))
     args = ap.parse_args()
     from tests.harness.dist import run_distributed
 
@@ -81,7 +89,7 @@ def main() -> None:
     doc_lens = packed_doc_lens(args.seq, args.batch, lo, hi)
     tokens = args.seq * args.batch
     rows = []
-    eager_s, _ = run_distributed(
+    eager_s, _, _ = run_distributed(
         _worker, 1, "unsharded eager", args.attention, doc_lens, args.steps, "contiguous", timeout_s=900
     )[0]
     rows.append(
@@ -94,6 +102,7 @@ def main() -> None:
             "tokens/s": tokens / eager_s,
             "vs unsharded eager": 1.0,
             "warm-up incl. compile (s)": 0.0,
+            "K/V MiB received (max rank)": 0.0,
         }
     )
     inners, layouts, exchanges = (v.split(",") for v in (args.inners, args.layouts, args.exchanges))
@@ -101,7 +110,16 @@ def main() -> None:
     for n in (int(x) for x in args.cp.split(",")):
         for inner, layout, exchange in variants:
             res = run_distributed(
-                _worker, n, inner, args.attention, doc_lens, args.steps, layout, exchange, timeout_s=900
+                _worker,
+                n,
+                inner,
+                args.attention,
+                doc_lens,
+                args.steps,
+                layout,
+                exchange,
+                args.attn_implementation,
+                timeout_s=900,
             )
             step_s = max(r[0] for r in res)
             rows.append(
@@ -114,10 +132,12 @@ def main() -> None:
                     "tokens/s": tokens / step_s,
                     "vs unsharded eager": eager_s / step_s,
                     "warm-up incl. compile (s)": max(r[1] for r in res),
+                    "K/V MiB received (max rank)": max(r[2] for r in res) / 2**20,
                 }
             )
     print_table(
-        f"training step throughput: tiny qwen3 (2 layers, hidden 64), B={args.batch}, T={args.seq}, documents "
+        f"training step throughput: tiny qwen3 (2 layers, hidden 64, {args.attn_implementation}), B={args.batch}, "
+        f"T={args.seq}, documents "
         f"{lo}..{hi} tokens, attention={args.attention}, 1 thread per rank",
         rows,
     )

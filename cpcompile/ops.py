@@ -49,6 +49,10 @@ all-gather stays the default: it starts as soon as K/V exist and overlaps the wo
 runs when attention needs it, and never moves more than the all-gather (a rank's needs are a subset of the other
 ranks' keys; one long document under the contiguous layout needs them all on the last rank).
 
+A flex_attention site's selective exchange routes by its ``mask_mod`` instead of the plan's rule
+(:func:`flex_routing`: each rank evaluates it for its queries, and the group all-gathers the bitmaps of keys seen),
+then moves the keys with the same :func:`halo_exchange`.
+
 ``cpcompile::sequence_order`` serves :mod:`cpcompile.passes.mixing`: the permutation that puts a tensor
 all-gathered along the sequence into global token order, and this rank's token indices to take its tokens back
 (:func:`emit_sequence_gather`).

@@ -63,8 +63,10 @@ class BackendOptions:
     #: as soon as K/V exist so the transfer overlaps the work before attention. ``"selective"``: only the keys
     #: its queries see on other ranks (:meth:`cpcompile.plan.CPPlan.keys_needed`: other documents and later
     #: tokens never travel), exchanged in one all-to-all when attention needs them, with only their gradients
-    #: sent back in backward (:mod:`cpcompile.ops`). Pair it with ``cpcompile.shard(...,
-    #: workload=cpcompile.Workload(split_keys=True))`` so that the balanced layout keeps documents whole.
+    #: sent back in backward (:mod:`cpcompile.ops`). flex_attention sites take it too, routed by their
+    #: ``mask_mod`` evaluated at global indices (:func:`cpcompile.ops.flex_routing`). Pair it with
+    #: ``cpcompile.shard(..., workload=cpcompile.Workload(split_keys=True))`` so that the balanced layout keeps
+    #: documents whole.
     exchange: Literal["all_gather", "selective"] = "all_gather"
     #: Key slots per rank of a selective exchange: the static size of the receive buffer (K and V each
     #: ``[B, H_kv, slots, D]``, kept for backward). ``None`` (default): ``(N - 1) * c``, the all-gather's, which

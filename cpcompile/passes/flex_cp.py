@@ -9,7 +9,8 @@ find -> check -> rewrite:
 * :func:`flex_cp_pass` is the entry point the backend runs on every graph, before the SDPA pass.
 
 What a site means is its ``mask_mod`` and ``score_mod``: the rewritten site evaluates both at the *global*
-indices of its queries (this rank's tokens) and keys (every rank's, all-gathered), block by block, in
+indices of its queries (this rank's tokens) and keys (every rank's, all-gathered; with ``exchange="selective"``
+only those some query sees, routed by the mask_mod itself: :func:`cpcompile.ops.flex_routing`), block by block, in
 ``cpcompile::flex_cp_attention`` (:mod:`cpcompile.kernels`), so a document mask, a sliding window, a prefix-LM
 mask, soft-capping or ALiBi mean what they mean in the whole-sequence run. The BlockMask's block tables only
 make flex skip blocks; they follow from its ``mask_mod``, and the rewritten site does not read them, so a
@@ -257,6 +258,10 @@ def rewrite_site(
         out, lse_e = cpcompile::flex_cp_attention(q, all_gather_wait(k_h), all_gather_wait(v_h), q_pos,
                                                   kv_pos, seq_len, [doc_all, ...], [...], site, scale, block)
         lse = lse_e / ln(2), -inf where no key is visible              # flex's own logsumexp convention
+
+    With ``spec.exchange == "selective"`` there is no all-gather of K/V: after the plan, ``send_slots, counts,
+    kv_pos = cpcompile::flex_routing(k, q_pos, seq_len, [doc_all, ...], heads, block, site)`` and ``k_all =
+    cat([k, cpcompile::halo_exchange(k, send_slots, counts, site)], dim=2)``, likewise for V.
 
     The block tables of the BlockMask are left unused (and erased when nothing else reads them).
     """
