@@ -159,14 +159,19 @@ def test_torchtitan_varlen_attention_is_refused_naming_its_flex_path(world):
 
 
 # -- parity (one spawned group of 4) ---------------------------------------------------------------------------
-def _case(form: str, layout: str = "contiguous", inner: str = "eager") -> ParityCase:
+def _case(form: str, layout: str = "contiguous", inner: str = "eager", backend_kwargs: tuple = ()) -> ParityCase:
     # one attention layer: the cost of these cases is compiling flex's BlockMask construction in every rank
     return ParityCase(
-        model=f"tests.models.flex:{form}", doc_lens=DOCS, inner=inner, layout=layout, overrides=(("layers", 1),)
+        model=f"tests.models.flex:{form}",
+        doc_lens=DOCS,
+        inner=inner,
+        layout=layout,
+        overrides=(("layers", 1),),
+        backend_kwargs=backend_kwargs,
     )
 
 
-def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> ParityCase:
+def _hf_case(family: str, layers: int = 1, layout: str = "contiguous", backend_kwargs: tuple = ()) -> ParityCase:
     """transformers' flex path: the family's tiny model with ``attn_implementation="flex_attention"``."""
     return ParityCase(
         model="tests.models.flex:hf_flex",
@@ -174,6 +179,7 @@ def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> Parity
         inner="aot_eager",
         layout=layout,
         overrides=(("family", family), ("num_hidden_layers", layers)),
+        backend_kwargs=backend_kwargs,
     )
 
 

@@ -34,9 +34,11 @@ from tests.harness.parity import ParityCase
 from tests.models import flex as _flex_models
 from tests.models.positions import package_missing
 from tests.test_exchange import SETTINGS, brute_force_needs, packed
+from tests.test_flex import DOCS
+from tests.test_flex import _case as flex_case
+from tests.test_flex import _hf_case as hf_flex_case
 
 SELECTIVE = (("exchange", "selective"),)
-DOCS = ((10, 20, 7), (5, 30, 2))
 
 
 # -- what a rank asks for (one process) ----------------------------------------------------------------------
@@ -81,26 +83,11 @@ def test_keys_seen_without_a_mask_is_every_real_key():
 
 # -- parity (one spawned group of 4) -------------------------------------------------------------------------
 def _case(form: str, layout: str = "contiguous") -> ParityCase:
-    return ParityCase(
-        model=f"tests.models.flex:{form}",
-        doc_lens=DOCS,
-        inner="aot_eager",
-        layout=layout,
-        overrides=(("layers", 1),),
-        backend_kwargs=SELECTIVE,
-    )
+    return flex_case(form, layout, "aot_eager", SELECTIVE)
 
 
 def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> ParityCase:
-    """transformers' flex path: the family's tiny model with ``attn_implementation="flex_attention"``."""
-    return ParityCase(
-        model="tests.models.flex:hf_flex",
-        doc_lens=DOCS,
-        inner="aot_eager",
-        layout=layout,
-        overrides=(("family", family), ("num_hidden_layers", layers)),
-        backend_kwargs=SELECTIVE,
-    )
+    return hf_flex_case(family, layers, layout, SELECTIVE)
 
 
 #: Cases whose mask is a rule of the plan (form -> window): their bytes are checked against the dense mask.
