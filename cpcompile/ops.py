@@ -131,7 +131,8 @@ class SiteSpec:
     needs_grad: bool
     #: How the site gets the keys of other ranks: ``"all_gather"`` (every rank's K/V), ``"halo"`` (a
     #: sliding-window site: only the keys its queries see, into ``halo_slots`` key slots) or ``"selective"`` (a
-    #: full-attention site: the same, into ``halo_slots`` slots, ``0`` meaning ``(N - 1) * c``).
+    #: full-attention or flex site: the same, into ``halo_slots`` slots, ``0`` meaning ``(N - 1) * c``; a flex
+    #: site routes by its mask_mod, :func:`flex_routing`).
     exchange: str = "all_gather"
     halo_slots: int = 0
     #: The same-document condition was assumed, not proved (the model's mask was made outside the compiled graphs:

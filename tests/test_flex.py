@@ -49,6 +49,9 @@ NEEDS_TORCHTITAN = pytest.mark.skipif(
 )
 
 DOCS = ((10, 20, 7), (5, 30, 2))
+#: The spawned group's fixture runs inside its first test: a limit that only cuts a hang (4 processes compiling on
+#: 2 shared cores, next to another file's group under ``-n 2``).
+pytestmark = pytest.mark.timeout(660)
 
 
 # -- the kernel ------------------------------------------------------------------------------------------------
