@@ -454,11 +454,17 @@ def _routing(plan: CPPlan, spec: SiteSpec):
     return plan.halo_routing(spec.window, exchange_slots(spec, plan.chunk_len), documents=spec.documents)
 
 
-def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], spec: SiteSpec) -> torch.Tensor:
-    """Exchange the rows of ``send`` (``[sum(send_counts), ...]``, grouped by receiving rank) over the site's group."""
+def _site_group(spec: SiteSpec) -> dist.ProcessGroup:
+    """The process group the site was compiled for (registered under ``spec.group_name`` in this process)."""
     group = _compat.resolve_group(spec.group_name)
     if group is None:
         raise RuntimeError(f"the CP group {spec.group_name!r} of the attention at {spec.site} is not registered here")
+    return group
+
+
+def _all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], spec: SiteSpec) -> torch.Tensor:
+    """Exchange the rows of ``send`` (``[sum(send_counts), ...]``, grouped by receiving rank) over the site's group."""
+    group = _site_group(spec)
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
     dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
     return recv
@@ -692,11 +698,8 @@ def flex_routing(
     seen = bound.keys_seen(plan.batch_size, q_pos, others, block, ROUTING_KEYS)
     mine = torch.zeros(plan.padded_len, dtype=torch.uint8, device=q_pos.device)
     mine[others[seen]] = 1
-    group = _compat.resolve_group(spec.group_name)
-    if group is None:
-        raise RuntimeError(f"the CP group {spec.group_name!r} of the attention at {spec.site} is not registered here")
     every = mine.new_empty((plan.cp_size * plan.padded_len,))
-    _compat.all_gather_into(every, mine, group)
+    _compat.all_gather_into(every, mine, _site_group(spec))
     every = every.view(plan.cp_size, plan.padded_len)
     context.comm.record_routing((plan.cp_size - 1) * mine.numel())
     needs = [torch.nonzero(row).flatten().to(torch.long) for row in every]
