@@ -21,6 +21,9 @@ With FSDP2 and data parallelism (see :mod:`cpcompile.fsdp`)::
     with cpcompile.shard(rows, mesh.get_group("cp"), dp_group=mesh.get_group("dp")) as local: ...
     norm = cpcompile.clip_grad_norm_(model.parameters(), 1.0)
 
+On CPU, create the process groups with ``dist.init_process_group(cpcompile.gloo_backend())``: stock gloo's two
+worker threads per group can corrupt the heap when two collectives finish together (:mod:`cpcompile.runtime.gloo`).
+
 Hugging Face ``Trainer`` / TRL ``SFTTrainer``: :mod:`cpcompile.integrations.transformers`. What the backend did, in
 torch.compile's tools: ``TORCH_LOGS="cpcompile"`` (``+cpcompile`` adds the graphs), ``TORCH_TRACE`` + ``tlparse``.
 """
@@ -41,6 +44,7 @@ from cpcompile.inspect import inspect_model
 from cpcompile.layouts import AttentionForm, Workload
 from cpcompile.losses import per_sample_mean, token_entropy, token_logprobs
 from cpcompile.runtime import comm_stats, gather, real_tokens, shard
+from cpcompile.runtime.gloo import gloo_backend
 
 #: What a user calls; everything else stays importable from its module (``cpcompile.plan.build_plan``,
 #: ``cpcompile.passes.counters``, ``cpcompile.options.BackendOptions``, ...).
@@ -58,6 +62,7 @@ __all__ = [
     "comm_stats",
     "configure_failsafe",
     "fail_together",
+    "gloo_backend",
     "fully_shard_dp_cp",
     "gather",
     "init_dp_cp_mesh",

@@ -47,6 +47,9 @@ __all__ = [
     "group_name_of",
     "guard_equal",
     "group_timeout_s",
+    "gloo_worker_threads",
+    "new_gloo_backend",
+    "register_backend_once",
     "is_comm_error",
     "is_peer_exit_error",
     "init_fake_process_group",
@@ -196,6 +199,40 @@ def group_timeout_s(group: dist.ProcessGroup) -> float:
             continue
         return timeout.total_seconds()
     return dist.default_pg_timeout.total_seconds()
+
+
+def register_backend_once(name: str, creator, devices: list[str]) -> None:
+    """Register ``creator`` as torch.distributed backend ``name`` (extended API: it gets the group's
+    ``_DistributedBackendOptions``) unless this process already did (torch 2.11-2.13: ``Backend._plugins``, private,
+    holds the registered ones; registering a name twice raises)."""
+    if name.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
+
+
+def new_gloo_backend(opts, threads: int) -> dist.ProcessGroupGloo:
+    """The gloo backend of a group being created, running its collectives on ``threads`` worker threads; ``opts``
+    is what a registered backend's creator gets (torch 2.11-2.13: ``ProcessGroupGloo._Options``, private, with
+    ``_threads``, ``_timeout`` and ``_devices``; stock gloo groups get 2 threads and ``new_group`` drops any
+    ``pg_options`` passed for gloo)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._threads = threads
+    options._timeout = opts.timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options.global_ranks_in_group = list(opts.global_ranks_in_group)
+    options.group_name = opts.group_id
+    return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+
+
+def gloo_worker_threads(group: dist.ProcessGroup) -> int | None:
+    """How many worker threads run ``group``'s CPU collectives on gloo, or ``None`` when gloo does not run them
+    (torch 2.11-2.13: ``ProcessGroup._get_backend(device).options._threads``, private)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return None
+    return int(backend.options._threads)
 
 
 #: Fragments of the messages of a failed collective (checked on torch 2.13, gloo: a peer's connection closed,

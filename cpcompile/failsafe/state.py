@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from cpcompile import _compat
 from cpcompile.errors import RankFailedError
+from cpcompile.runtime import gloo
 
 __all__ = [
     "DEFAULT_REPORT_GRACE_S",
@@ -156,7 +157,8 @@ def group_state(group: dist.ProcessGroup | str) -> GroupState:
         size = dist.get_world_size(pg)
         backend = dist.get_backend(pg)
         enabled = size > 1 and backend != "fake"
-        if enabled and backend != "gloo" and backend not in _WARNED:
+        gloo.warn_if_threaded(pg)
+        if enabled and backend not in gloo.GLOO_BACKENDS and backend not in _WARNED:
             _WARNED.add(backend)
             warnings.warn(
                 f"cpcompile's fail-together protocol has been run on gloo only, not on {backend}: its control "

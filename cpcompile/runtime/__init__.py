@@ -7,7 +7,9 @@
   :func:`current_plan`, :func:`gather`, :func:`real_tokens`, :func:`comm_stats`;
 - :mod:`~cpcompile.runtime.comm`: :class:`CommStats` and the sequence all-gather behind :func:`gather`;
 - :mod:`~cpcompile.runtime.workload`: which attention forms were compiled per CP group (the balanced layout's
-  default workload).
+  default workload);
+- :mod:`~cpcompile.runtime.gloo`: :func:`gloo_backend`, gloo with one worker thread per group (stock gloo's two
+  can free a status string twice when two collectives of a group finish together).
 
 ``sync_grads`` lives with the other gradient code in :mod:`cpcompile.grad` and is re-exported here.
 """
