@@ -49,8 +49,12 @@ def single_process(steps: int) -> tuple[list[float], torch.nn.Module]:
 
 def worker(rank: int, world: int, init_file: str, steps: int, inner: str, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    dist.init_process_group(  # gloo with one worker thread per group (see cpcompile.runtime.gloo)
+        cpcompile.gloo_backend(),
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
     )
     cp_group = dist.group.WORLD
     model = tiny_model("qwen3", seed=0)

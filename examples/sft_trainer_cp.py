@@ -20,7 +20,9 @@ import random
 import tempfile
 
 import torch
+import torch.distributed as dist
 
+import cpcompile
 from cpcompile.integrations.transformers import ContextParallelMixin, CPTrainer
 from cpcompile.testing import tiny_model
 
@@ -68,6 +70,9 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        # gloo with one worker thread per group (cpcompile.runtime.gloo); the Trainer keeps a group it finds
+        if not dist.is_initialized():
+            dist.init_process_group(cpcompile.gloo_backend())
     world = int(os.environ["WORLD_SIZE"])
     if world % args.cp:
         raise SystemExit(f"--cp {args.cp} must divide the number of processes {world}")

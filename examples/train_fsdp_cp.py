@@ -213,7 +213,7 @@ def _spawned(rank: int, world: int, init_file: str, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
-        "gloo",
+        cpcompile.gloo_backend(),  # gloo with one worker thread per group (see cpcompile.runtime.gloo)
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
@@ -234,7 +234,7 @@ def main(argv=None) -> None:
             torch.cuda.set_device(local_rank)
             device, backend = torch.device("cuda", local_rank), "nccl"
         else:
-            device, backend = torch.device("cpu"), "gloo"
+            device, backend = torch.device("cpu"), cpcompile.gloo_backend()
         dist.init_process_group(backend)
         if dist.get_world_size() != world:
             raise SystemExit(f"--dp {args.dp} x --cp {args.cp} = {world}, but torchrun started {dist.get_world_size()}")

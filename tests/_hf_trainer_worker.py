@@ -205,6 +205,12 @@ def main() -> None:
     p.add_argument("--out", required=True, help="folder: rank 0 writes JOB.pt per job")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.mode == "cp":  # gloo with one worker thread per group (cpcompile.runtime.gloo); the Trainer keeps it
+        import torch.distributed as dist
+
+        import cpcompile
+
+        dist.init_process_group(cpcompile.gloo_backend())
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -46,27 +45,17 @@ def _env() -> dict:
     }
 
 
-#: What torchrun and glibc print when a rank dies in native code (see tests.harness.dist.NATIVE_CRASH_EXITCODES).
-NATIVE_CRASH_MARKERS = ("Signal 6 (SIGABRT)", "Signal 11 (SIGSEGV)", "malloc(): ", "free(): ")
-
-
 def _launch(command: list[str], out: Path) -> dict[str, dict]:
-    """Run the worker; return ``{job: result}`` from the files its rank 0 wrote to ``out``. A launch in which a
-    rank died in native code is run once more, with a warning (as :func:`tests.harness.dist.run_distributed`)."""
+    """Run the worker once; return ``{job: result}`` from the files its rank 0 wrote to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    for attempt in range(2):
-        proc = subprocess.run(
-            command + ["--out", str(out)],
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-        )
-        crashed = [m for m in NATIVE_CRASH_MARKERS if m in proc.stderr]
-        if proc.returncode == 0 or not crashed or attempt:
-            break
-        warnings.warn(f"a rank died in native code ({crashed}); launching once more", stacklevel=2)
+    proc = subprocess.run(
+        command + ["--out", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
     assert proc.returncode == 0, (
         f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     )

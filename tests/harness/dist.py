@@ -6,8 +6,9 @@ set-up) against a fraction of a second for a tiny model's step, so by default :f
 runs on a new process group (and store), with a clean Dynamo state, environment and cpcompile module state; a
 call that fails or times out takes its pool down (its ranks may be stuck in a collective), and the next call
 spawns a new one. Tests whose ranks fail, die or break their process group on purpose pass ``fresh=True`` and
-get processes of their own. A call in which a rank died in native code (:data:`NATIVE_CRASH_EXITCODES`) runs once
-more on new ranks, with a warning.
+get processes of their own. Ranks run on ``cpcompile.gloo_backend()`` (one gloo worker thread per group: stock
+gloo's two corrupt the heap now and then, ``cpcompile.runtime.gloo``); a rank that dies in native code fails the
+call like any other rank that exits without a result.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import shutil
 import sys
 import tempfile
 import traceback
-import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cpcompile.runtime.gloo import gloo_backend
 
 #: Default wall-clock limit of one multi-process test (spawn + import + compile + run).
 DEFAULT_TIMEOUT_S = 240.0
@@ -41,11 +43,6 @@ DEFAULT_TIMEOUT_S = 240.0
 POOL_PG_TIMEOUT_S = 900.0
 #: Pooled ranks kept alive per pytest process, over all pool sizes (each holds a torch runtime, ~0.5 GB).
 MAX_POOLED_RANKS = 9
-#: Exit codes of a rank that died in native code: SIGABRT (glibc's heap-corruption check, "malloc(): unaligned
-#: tcache chunk detected") and SIGSEGV. A run where a rank died so is run once more on new ranks, with a warning
-#: that names the test: an open, intermittent heap corruption (README, "Ending a job") must not decide a test
-#: about something else, and must stay visible. A parity or other Python failure is never retried.
-NATIVE_CRASH_EXITCODES = (-6, -11)
 
 
 def _setup_rank(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
@@ -53,7 +50,7 @@ def _setup_rank(rank: int, world_size: int, init_file: str, timeout_s: float) ->
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
+        gloo_backend(),  # one gloo worker thread per group (cpcompile.runtime.gloo: torch's two race)
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -311,35 +308,11 @@ def run_distributed(
     """
     if may_die and not fresh:
         raise ValueError(f"may_die={may_die} needs fresh=True: a pooled rank must not die")
-    try:
-        return _run_once(fn, world_size, args, timeout_s, may_die, fresh)
-    except NativeCrash as crash:
-        warnings.warn(
-            f"{crash}; running {getattr(fn, '__name__', fn)} once more on new ranks (see the rank's stderr above)",
-            stacklevel=2,
-        )
-        return _run_once(fn, world_size, args, timeout_s, may_die, fresh, retry=False)
-
-
-class NativeCrash(AssertionError):
-    """A rank died in native code (:data:`NATIVE_CRASH_EXITCODES`) while the call ran."""
-
-
-def _crashed(ranks: _Ranks) -> list[tuple[int, int]]:
-    return [(r, p.exitcode) for r, p in enumerate(ranks.procs) if p.exitcode in NATIVE_CRASH_EXITCODES]
-
-
-def _run_once(fn, world_size: int, args, timeout_s: float, may_die, fresh: bool, retry: bool = True) -> list:
     name = getattr(fn, "__name__", str(fn))
     if fresh:
         ranks = _Ranks(world_size, pooled=False, fn=fn, args=args, timeout_s=timeout_s)
         try:
             outcome = ranks.collect(0, name, timeout_s, may_die)
-        except AssertionError as e:
-            crashed = _crashed(ranks)
-            if retry and crashed:
-                raise NativeCrash(f"rank(s) of {name} died in native code (rank, exit code): {crashed}") from e
-            raise
         finally:
             ranks.close()
     else:
@@ -349,12 +322,9 @@ def _run_once(fn, world_size: int, args, timeout_s: float, may_die, fresh: bool,
             q.put((job_id, fn, args))
         try:
             outcome = ranks.collect(job_id, name, timeout_s, may_die)
-        except BaseException as e:
+        except BaseException:
             _pools.pop(world_size, None)
-            crashed = _crashed(ranks)
             ranks.close()  # its ranks may be stuck in a collective of the failed call
-            if retry and crashed and isinstance(e, AssertionError):
-                raise NativeCrash(f"rank(s) of {name} died in native code (rank, exit code): {crashed}") from e
             raise
     return [
         None if outcome[r][0] == "died" else torch.load(io.BytesIO(outcome[r][1]), weights_only=False)
