@@ -47,6 +47,7 @@ __all__ = [
     "group_name_of",
     "guard_equal",
     "group_timeout_s",
+    "has_fake_tensor",
     "gloo_worker_threads",
     "new_gloo_backend",
     "register_backend_once",
@@ -199,6 +200,15 @@ def group_timeout_s(group: dist.ProcessGroup) -> float:
             continue
         return timeout.total_seconds()
     return dist.default_pg_timeout.total_seconds()
+
+
+def has_fake_tensor(values) -> bool:
+    """Whether any of ``values`` is a fake tensor: a compiled graph run at compile time, not in a step (torch
+    2.11-2.13: ``torch._subclasses.fake_tensor.FakeTensor``, private; Dynamo's DDPOptimizer runs each compiled
+    bucket of a graph it split on fake inputs, to trace the next bucket)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(v, FakeTensor) for v in values)
 
 
 def register_backend_once(name: str, creator, devices: list[str]) -> None:

@@ -247,7 +247,7 @@ def _recording_exact_outputs(compiled, outputs: list[tuple[int, tuple[int, ...]]
         boxed = len(args) == 1 and isinstance(args[0], list)  # one list of the graph's inputs: a boxed call
         inputs = list(args[0] if boxed else args)  # (which may clear that list)
         out = compiled(*args)
-        if context is not None:
+        if context is not None and not _compat.has_fake_tensor(inputs):  # fake: a compile-time run
             trusted = [out[i] for i, deps in outputs if all(is_exact(context, inputs[j]) for j in deps)]
             record_exact(trusted, context)
         return out
@@ -262,7 +262,9 @@ def _recording_proved_masks(compiled, outputs: list[int]):
 
     def run(*args):
         out = compiled(*args)
-        record_proved_masks([out[i] for i in outputs])
+        masks = [out[i] for i in outputs]
+        if not _compat.has_fake_tensor(masks):  # fake: a compile-time run (DDPOptimizer), not a step
+            record_proved_masks(masks)
         return out
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)
@@ -274,7 +276,8 @@ def _meeting_before_backward(compiled, group_name: str):
 
     def run(*args):
         out = compiled(*args)
-        meet_before_backward(out, group_name)
+        if not _compat.has_fake_tensor(out if isinstance(out, (list, tuple)) else (out,)):  # fake: compile time
+            meet_before_backward(out, group_name)
         return out
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)

@@ -202,9 +202,18 @@ def main() -> None:
     p.add_argument("--inner", default="eager", help="cpcompile inner compiler (the rewritten graph as traced)")
     p.add_argument("--sampling", default="sequential", choices=["sequential", "random"], help="train_sampling_strategy")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (the Trainer's fsdp option) instead of DDP")
+    p.add_argument(
+        "--first-bucket-kib",
+        type=int,
+        default=None,
+        help="DDP's first gradient bucket (default 1 MiB, more than the tiny model): smaller makes Dynamo's "
+        "DDPOptimizer split each graph into several compiled buckets",
+    )
     p.add_argument("--out", required=True, help="folder: rank 0 writes JOB.pt per job")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.first_bucket_kib is not None:  # read by DDP and by DDPOptimizer when they are built (torch 2.13, private)
+        torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = a.first_bucket_kib * 1024
     if a.mode == "cp":  # gloo with one worker thread per group (cpcompile.runtime.gloo); the Trainer keeps it
         import torch.distributed as dist
 

@@ -118,6 +118,15 @@ def test_trainer_cp2_matches_one_process(cp2, reference):
     _assert_matches(cp2["trainer"], reference["trainer"], "Trainer CP=2")
 
 
+def test_trainer_cp2_under_aot_eager_matches_one_process(reference, tmp_path):
+    # the example's default on CPU: inside the Trainer's DDP wrapper, Dynamo's DDPOptimizer splits each graph at
+    # DDP's gradient buckets (a 64 KiB first bucket makes several of the tiny model's 354 KiB), compiles each part
+    # with the backend and, at compile time, runs each compiled part on fake tensors
+    launch = _torchrun(2, "--cp", "2", "--batch", "4", "--inner", "aot_eager", "--first-bucket-kib", "64")
+    runs = _launch([*launch, *_jobs("trainer")], tmp_path)
+    _assert_matches(runs["trainer"], reference["trainer"], "Trainer CP=2, aot_eager")
+
+
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is an optional test dependency (pip install -c constraints.txt trl)")
 def test_sft_trainer_padding_free_cp2_matches_one_process(cp2, reference):
     # TRL's padding-free collator: one packed row per micro-batch, position_ids restarting per document, and the
