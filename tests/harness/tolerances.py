@@ -52,3 +52,7 @@ DEMO_LOSS_ATOL = 1e-4
 #: examples/demo_cp.py: largest parameter difference after its AdamW steps (measured 1.3e-4; a wrong gradient
 #: flips updates of 2 * lr).
 DEMO_PARAM_ATOL = 1e-3
+#: Per-token log-probs of RL losses (``cpcompile.token_logprobs``, gathered; values ~ -5) at every forward of a
+#: multi-step run (tests/test_rl_step.py): the logits' fp32 reordering, plus what the parameters' PARAM_TOL-sized
+#: differences after a few AdamW steps move them.
+LOGPROB_TOL = dict(atol=1e-5, rtol=1e-5)
