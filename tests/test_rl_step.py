@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from cpcompile.testing import tiny_model
 from tests.harness.dist import run_distributed
-from tests.harness.tolerances import LOGPROB_TOL, LOSS_TOL, NORM_TOL, PARAM_TOL
+from tests.harness.tolerances import DEMO_PARAM_ATOL, LOGPROB_TOL, LOSS_TOL, NORM_TOL, PARAM_TOL, SCALAR_ATOL
 
 LR = 1e-2
 #: AdamW's eps (as tests/test_fsdp_cp.py, which PARAM_TOL is measured for): caps how much AdamW magnifies the
@@ -382,3 +387,27 @@ def test_no_grad_on_one_rank_only_raises_on_every_rank():
         "\n"
         + "\n".join(f"rank {r}: {g['type']} after {g['seconds']:.2f} s: {g['message']}" for r, g in enumerate(results))
     )
+
+
+# -- examples/rl_grpo_cp.py --------------------------------------------------------------------------------------
+def test_example_rl_grpo_cp_matches_one_process():
+    """The example (FSDP2, dp=1 x cp=2, 2 batches x 2 optimizer steps) runs and its table shows one process's
+    values: the differences are recomputed here from the two printed columns, not read from the example's own."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, str(root / "examples" / "rl_grpo_cp.py"), "--dp", "1", "--cp", "2", "--steps", "2"]
+    proc = subprocess.run(
+        [*cmd, "--compile-inner", "eager"], cwd=root, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, f"example failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    number = r"(-?[\d.]+(?:e[+-]\d+)?)"
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)" + rf"\s+{number}" * 7 + r"\s*$", proc.stdout, flags=re.M)
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)], proc.stdout
+    for step, epoch, _, loss_cp, loss_one, _, norm_cp, norm_one, _, old_logp in rows:
+        where = f"step {step}, epoch {epoch}:\n{proc.stdout}"
+        assert abs(float(loss_cp) - float(loss_one)) < SCALAR_ATOL, where
+        assert abs(float(norm_cp) - float(norm_one)) < SCALAR_ATOL, where
+        assert float(old_logp) < LOGPROB_TOL["atol"], where  # the example's own max over the whole batch
+    param = re.search(r"largest parameter difference after 4 AdamW steps: ([\d.e+-]+)", proc.stdout)
+    assert param is not None, proc.stdout
+    assert float(param.group(1)) < DEMO_PARAM_ATOL, proc.stdout
