@@ -181,21 +181,39 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
 
 
 class CPRun:
-    """Both models compiled with ``cpcompile.backend`` on one new CP group, the policy's optimizer."""
+    """Both models compiled with ``cpcompile.backend`` on one new CP group, the policy's optimizer.
 
-    def __init__(self, world_size: int, inner: str) -> None:
+    ``shared_backend``: one backend for both models (else one each, as the issue wrote it). ``fsdp``: both models
+    sharded with FSDP2 over a (dp=1, cp) mesh (``cpcompile.fully_shard_dp_cp``: gradients summed over the CP
+    ranks by FSDP, so no ``sync_grads``).
+    """
+
+    def __init__(self, world_size: int, inner: str, *, shared_backend: bool = False, fsdp: bool = False) -> None:
         import torch.distributed as dist
 
         import cpcompile
 
-        self.group = dist.new_group(list(range(world_size)))
         self.policy, self.reference = build_models()
+        self.fsdp = fsdp
+        if fsdp:
+            mesh = cpcompile.init_dp_cp_mesh(1, world_size)
+            self.group = mesh.get_group("cp")
+            cpcompile.fully_shard_dp_cp(self.policy, mesh)
+            cpcompile.fully_shard_dp_cp(self.reference, mesh)
+        else:
+            self.group = dist.new_group(list(range(world_size)))
+        shared = cpcompile.backend(self.group, inner=inner)
         self.compiled = {
-            "old": torch.compile(self.policy, backend=cpcompile.backend(self.group, inner=inner)),
-            "ref": torch.compile(self.reference, backend=cpcompile.backend(self.group, inner=inner)),
+            "old": torch.compile(self.policy, backend=shared),
+            "ref": torch.compile(
+                self.reference, backend=shared if shared_backend else cpcompile.backend(self.group, inner=inner)
+            ),
         }
         self.models = {"old": self.policy, "ref": self.reference}
         self.opt = make_optimizer(self.policy.parameters())
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: (p.full_tensor() if self.fsdp else p).detach().clone() for n, p in self.policy.named_parameters()}
 
     def logprobs(self, which: str, local: dict) -> torch.Tensor:
         import cpcompile
@@ -218,7 +236,8 @@ class CPRun:
                     per_token = grpo_token_loss(logp, old, last["ref"], local["advantages"])
                     loss = cpcompile.per_sample_mean(per_token, local["shift_labels"] != IGNORE)
                     loss.backward()
-                    cpcompile.sync_grads(self.policy.parameters(), self.group)
+                    if not self.fsdp:
+                        cpcompile.sync_grads(self.policy.parameters(), self.group)
                     norm = cpcompile.clip_grad_norm_(self.policy.parameters(), MAX_NORM)
                     self.opt.step()
                     self.opt.zero_grad(set_to_none=True)
@@ -235,16 +254,16 @@ class CPRun:
         return records
 
 
-def rl_worker(rank: int, world_size: int, case_steps: tuple[Step, ...], inner: str) -> dict:
-    """Run ``case_steps`` with both models compiled on one CP group; returns what every op produced."""
-    run = CPRun(world_size, inner)
+def rl_worker(rank: int, world_size: int, case_steps: tuple[Step, ...], inner: str, options: dict) -> dict:
+    """Run ``case_steps`` with both models compiled on one CP group (``options``: :class:`CPRun`'s); returns what
+    every op produced."""
+    run = CPRun(world_size, inner, **options)
     records, seconds = [], []
     for i, step in enumerate(case_steps):
         start = time.perf_counter()
         records += run.step(i, step, batch_of(case_steps, i))
         seconds.append(time.perf_counter() - start)
-    params = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
-    return {"records": records, "params": params, "seconds": seconds}
+    return {"records": records, "params": run.params(), "seconds": seconds}
 
 
 def diverging_worker(rank: int, world_size: int) -> dict:
@@ -337,10 +356,15 @@ def compare(name: str, cp: dict, ref: dict) -> dict[str, float]:
 
 
 def check_case(
-    name: str, world_size: int, case_steps: tuple[Step, ...], inner: str = "eager", timeout_s: float = CASE_TIMEOUT_S
+    name: str,
+    world_size: int,
+    case_steps: tuple[Step, ...],
+    inner: str = "eager",
+    timeout_s: float = CASE_TIMEOUT_S,
+    **options,
 ) -> None:
     start = time.perf_counter()
-    results = run_distributed(rl_worker, world_size, case_steps, inner, timeout_s=timeout_s)
+    results = run_distributed(rl_worker, world_size, case_steps, inner, options, timeout_s=timeout_s)
     elapsed = time.perf_counter() - start
     ref = reference_run(case_steps)
     for rank, res in enumerate(results):  # every rank holds the same gathered/summed values and parameters
@@ -361,6 +385,21 @@ def test_issue_36_step_does_not_hang():
 @pytest.mark.parametrize("name", list(CASES))
 def test_rl_mix_cp2(name):
     check_case(name, 2, CASES[name])
+
+
+def test_rl_one_backend_for_both_models_cp2():
+    """The issue's step with one ``cpcompile.backend`` compiling both models (as examples/rl_grpo_cp.py does)."""
+    check_case("grpo_shared_backend", 2, CASES["grpo"], shared_backend=True)
+
+
+def test_rl_fsdp_backend_per_model_cp2():
+    """The issue's step under FSDP2 (dp=1 x cp=2) with a backend per model, as the issue compiled them; one T."""
+    check_case("grpo_fsdp_two_backends", 2, steps((64, ISSUE_STEP), (64, ISSUE_STEP)), fsdp=True)
+
+
+def test_rl_fsdp_length_changes_cp2():
+    """The issue's step under FSDP2 (dp=1 x cp=2), on a different T each step, as RL batches come."""
+    check_case("grpo_fsdp", 2, CASES["grpo"], shared_backend=True, fsdp=True)
 
 
 @pytest.mark.slow
