@@ -1,7 +1,8 @@
 """GRPO-style RL steps with FSDP2 x context parallelism: a policy and a frozen reference on packed rollouts.
 
 The step of FSDP RL frameworks on long contexts: every step packs a global batch of rollouts (a prompt and a
-response per document; several responses per prompt) into rows of ``--seq-len`` tokens. DP rank ``d`` takes its
+response per document; several responses per prompt) into rows of up to ``--seq-len`` tokens, a different
+length every step (``T`` need not divide by the CP size). DP rank ``d`` takes its
 block of rows and its CP ranks each hold one chunk of every row. Inside one
 ``cpcompile.shard``:
 
@@ -47,7 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
     p.add_argument("--steps", type=int, default=3, help="batches of rollouts (default 3)")
     p.add_argument("--epochs", type=int, default=2, help="optimizer steps per batch of rollouts (default 2)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=256,
+        help="longest row in tokens; steps cycle through it, 21 and 42 fewer (default 256)",
+    )
     p.add_argument("--rows", type=int, default=2, help="rows per DP rank (default 2)")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt (default 4)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
@@ -67,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("dp", "cp", "steps", "epochs", "rows", "group_size", "layers", "hidden"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.seq_len < 64:
-        p.error(f"--seq-len must be >= 64, got {args.seq_len}")
+    if args.seq_len < 96:
+        p.error(f"--seq-len must be >= 96, got {args.seq_len}")
     if args.hidden % 8:
         p.error(f"--hidden must be a multiple of 8 (4 heads of head_dim hidden/4), got {args.hidden}")
     return args
@@ -106,7 +112,7 @@ def rollouts(args, step: int, device: torch.device) -> dict[str, torch.Tensor]:
     share each prompt; a response's advantage is its reward normalised over its group's responses in the row.
     """
     g = torch.Generator().manual_seed(1000 + step)
-    T = args.seq_len
+    T = args.seq_len - 21 * (step % 3)  # rows as long as the step's rollouts: a new T, odd ones included
     n_rows = args.dp * args.rows
     ids = torch.zeros(n_rows, T, dtype=torch.long)
     pos = torch.zeros_like(ids)
@@ -160,9 +166,8 @@ def train(args, device: torch.device) -> dict:
     policy, reference = build_models(args, device)
     cpcompile.fully_shard_dp_cp(policy, mesh)  # parameters sharded over dp x cp, gradients summed over them
     cpcompile.fully_shard_dp_cp(reference, mesh)
-    # One backend for both models: under FSDP2 each model compiles several frames (the root and the layers), and
-    # the policy's grad and no_grad calls and the reference's share those code objects; with a backend per model
-    # they exceed Dynamo's recompile limit (8 per code object) in the first step.
+    # One backend may compile both models (a backend each works too: each then compiles its own variants of the
+    # frames the two models share).
     backend = cpcompile.backend(cp_group, inner=args.compile_inner)
     cpolicy = torch.compile(policy, backend=backend)
     creference = torch.compile(reference, backend=backend)
