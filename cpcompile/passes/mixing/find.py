@@ -339,12 +339,11 @@ def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
         eq, *operands = n.args
         if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
             operands = list(operands[0])
-        if not isinstance(eq, str) or "." in eq:
-            return reason
-        lhs, _, out = eq.replace(" ", "").partition("->")
-        terms = lhs.split(",")
-        if "->" not in eq:
-            out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
+        ranks = [len(shape_of(op)) if shape_of(op) is not None else None for op in operands]
+        parsed = vocab.einsum_subscripts(eq, ranks)
+        if parsed is None:
+            return found("contraction", f"einsum {eq!r} of sequence-sharded operands (its subscripts cannot be read)")
+        terms, out = parsed
         for term, op in zip(terms, operands):
             t = _seq_tags(op, g)
             if any(c not in out and d < len(t) and t[d] for d, c in enumerate(term)):
@@ -373,6 +372,8 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
         for n in g.graph.nodes:
             if n.op not in ("call_function", "call_method", "call_module") or n in info.mask_only or n in in_region:
                 continue
+            if n not in facts.live:
+                continue  # dead code Dynamo keeps (``max_pos = t.max() + 1`` never read): it changes no result
             operands = _seq_operands(n, info)
             if not operands:
                 continue
