@@ -161,7 +161,7 @@ class Mask:
             doc = ids if self.form == "document_ids" else doc_ids(ids)
             mask = doc[:, :, None] == doc[:, None, :]
             if self.form in _HEAD_BROADCAST_FORMS:
-                return {"attn_mask": _head_broadcast(self.form, mask, causal, H)}
+                return {"attn_mask": _head_broadcast(self.form, mask, idx, H)}
             if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break", "packed_docs_eager"):
                 mask = mask & causal
             elif self.form == "window":
@@ -200,12 +200,13 @@ class Mask:
         return {}  # no_mask
 
 
-def _head_broadcast(form: str, same_doc: torch.Tensor, causal: torch.Tensor, H: int) -> torch.Tensor:
+def _head_broadcast(form: str, same_doc: torch.Tensor, idx: torch.Tensor, H: int) -> torch.Tensor:
     """The ``[B, H, T, T]`` causal same-document mask of ``form``, one mask for every head, from the
-    same-document ``[B, T, T]`` mask and the causal ``[T, T]`` one."""
+    same-document ``[B, T, T]`` mask and the token index ``idx``."""
     B, T, _ = same_doc.shape
-    if form == "head_expand_causal":  # x-transformers' Attend
-        causal_mask = ~causal  # True where a key comes after the query
+    causal = idx[None, :] <= idx[:, None]
+    if form == "head_expand_causal":  # x-transformers' Attend and create_causal_mask
+        causal_mask = idx[:, None] < idx[None, :]  # True where the key comes after the query
         return same_doc[:, None].expand(B, H, T, T) & ~causal_mask
     if form == "head_repeat":
         return (same_doc & causal)[:, None].repeat(1, H, 1, 1)
