@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops  # noqa: F401 - ops registers cpcompile::real_tokens
+from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, size_hint
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.check import Action as Action
@@ -127,7 +129,8 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
     found = find_mixing_ops(gm, seq, ctx.options.per_token_ops)
     counters["mixing_ops_found"] += len(found)
     data = frozenset().union(*(graph_facts(g, seq).data for g in graph_modules(gm))) if found else frozenset()
-    decided = [(op, *check_op(op, data)) for op in found]
+    partials = frozenset(op.node for op in found if op.accounted in ("partial_sum", "mean_share"))
+    decided = [(op, *check_op(op, data, partials)) for op in found]
     refused = [(op, reason) for op, action, reason in decided if action == "refused"]
     counters["mixing_refused"] += len(refused)
     if refused and ctx.refuse == "raise":
@@ -144,14 +147,44 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
         if action == "summed":
             for write in count_uses(op.node)[0]:
                 _sum_over_ranks(op, write, ctx)
+        if action == "mean_share":
+            _share_of_mean(op, ctx)
         if action != "refused":
             counters[f"mixing_{action}"] += 1
         reports.append(
             MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
         )
-    if any(r.action in ("gathered", "summed") for r in reports):
+    if any(r.action in ("gathered", "summed", "mean_share") for r in reports):
         finish(gm)
     return reports
+
+
+def _share_of_mean(op: MixingOp, ctx: PassContext) -> None:
+    """Make ``op`` (``cross_entropy``/``nll_loss`` with ``reduction="mean"``) this rank's share of the mean over the
+    whole sequence: its loss summed over this rank's tokens, divided by the number of targets that are not
+    ``ignore_index`` on every CP rank (each rank counts its own; the counts are all-gathered, one int64 per rank,
+    and summed). The ranks' shares add up to the one-process mean, and so do their gradients. Padding tokens
+    count only when their target is not ``ignore_index`` (``shard`` pads extra integer keys with -100, other
+    values with ``pad_values``)."""
+    from cpcompile.passes.mixing.find import MEAN_SHARE_LOSSES
+
+    loss, graph = op.node, op.node.graph
+    ignore_pos = 1 + MEAN_SHARE_LOSSES[op.op]
+    target = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
+    ignore_index = loss.kwargs.get("ignore_index", loss.args[ignore_pos] if len(loss.args) > ignore_pos else -100)
+    reduction_pos = 1 + vocab.LOSSES[op.op][0]
+    if len(loss.args) > reduction_pos:
+        loss.update_arg(reduction_pos, "sum")
+    else:
+        loss.update_kwarg("reduction", "sum")
+    with graph.inserting_before(loss.next):
+        counted = graph.call_function(operator.ne, (target, ignore_index))
+        local = graph.call_method("sum", (counted,))
+        row = graph.call_method("reshape", (local, (1,)))
+        every = graph.call_function(_compat.all_gather_seq, (row, 0, ctx.cp_size, ctx.group_name))
+        total = graph.call_method("sum", (every,))
+        share = graph.call_function(operator.truediv, (loss, total))
+    loss.replace_all_uses_with(share, delete_user_cb=lambda u: u is not share)
 
 
 def _sum_over_ranks(op: MixingOp, write: fx.Node, ctx: PassContext) -> None:

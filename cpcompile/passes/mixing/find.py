@@ -45,7 +45,7 @@ class MixingOp(FoundAt):
     layer: str
     #: What it does along the sequence, in words.
     what: str
-    #: ``partial_sum``/``dispatch``/``per_token`` when the finder already knows it is accounted for.
+    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token`` when the finder already knows it is accounted for.
     accounted: str = ""
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
@@ -323,14 +323,39 @@ def _full_slice(e: slice, size: object) -> bool:
     return stop is None or _compat.statically_true(stop >= size)
 
 
+#: Losses whose mean over tokens becomes this rank's share of the global mean (``mean_share``): their mean divides
+#: by the number of targets that are not ``ignore_index``, so the share is the sum over this rank's tokens divided
+#: by that count over every rank. name -> position of ``ignore_index`` among the arguments after the input.
+MEAN_SHARE_LOSSES = {"cross_entropy": 3, "nll_loss": 3}
+
+
 def _check_loss(n, name, found) -> MixingOp | None:
     pos, kw = vocab.LOSSES[name]
-    reduction = arg(n, pos, kw, "mean")
+    reduction = arg(n, 1 + pos, kw, "mean")
     if reduction == "none":
         return None
     if reduction == "sum":
         return found("loss", f"{name}(reduction='sum') over the tokens", accounted="partial_sum")
+    if reduction == "mean" and name in MEAN_SHARE_LOSSES:
+        problem = _mean_share_problem(n)
+        if problem is None:
+            return found("loss", f"{name}(reduction='mean') over the tokens", accounted="mean_share")
+        return found("loss", f"{name}(reduction='mean') averages over this rank's tokens only, and {problem}")
     return found("loss", f"{name}(reduction={reduction!r}) averages over this rank's tokens only")
+
+
+def _mean_share_problem(n: fx.Node) -> str | None:
+    """Why the mean of a :data:`MEAN_SHARE_LOSSES` call cannot be counted over the ranks, or ``None``."""
+    if arg(n, 2, "weight") is not None:
+        return "its class weights make the mean's denominator a sum of the targets' weights"
+    if arg(n, 3, "size_average") is not None or arg(n, 5, "reduce") is not None:
+        return "it is called with the deprecated size_average/reduce arguments"
+    target = _val(arg(n, 1, "target"))
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return "its targets are class probabilities, whose mean counts every token"
+    if not isinstance(arg(n, 4, "ignore_index", -100), int):
+        return "its ignore_index is a run-time value"
+    return None
 
 
 def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
