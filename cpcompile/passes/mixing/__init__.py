@@ -20,8 +20,14 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
 * ``partial_sum``: a sum over the sequence (a loss with ``reduction="sum"``, a ``sum()``) whose result reaches
   the graph's output only through scaling by values that are not sharded data (``num_items_in_batch``, which
   ``shard`` passes) and additions of other partial sums: every rank's value is its tokens' share and the ranks'
-  values add up to the one-process value, as ``shard``'s loss contract says. A mean over the sequence, a
-  maximum, a loss with ``reduction="mean"`` or a sum used any other way is refused.
+  values add up to the one-process value, as ``shard``'s loss contract says. Partial sums may be added to each
+  other. A mean over the sequence, a maximum or a sum used any other way is refused.
+* ``mean_share``: a mean ``cross_entropy``/``nll_loss`` over the sequence (``reduction="mean"``, ``ignore_index``
+  and ``label_smoothing`` included; not with class weights or probability targets) whose result reaches the
+  output as a partial sum does: rewritten into this rank's share of the global mean, the loss summed over this
+  rank's tokens divided by the targets that are not ``ignore_index`` counted on every rank (one int64 per rank,
+  all-gathered in the graph and summed). The loss the model returns is then this rank's share, as with
+  transformers' loss; summed over the ranks it is the one-process mean (:func:`_share_of_mean`).
 * ``dispatch``: MoE token bookkeeping (transformers' ``integrations/moe.py``): sorting the ``tokens x top_k``
   expert ids along the token dim, their histogram, moving rows by that permutation and back. Only expert ids
   (the indices of a ``topk`` or ``argmax`` over a dim that is not a sequence dim, reshaped, cast or sorted) and
@@ -39,6 +45,10 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   ``per_token_ops`` option.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
+
+An op whose value nothing the graph returns or writes reads (:func:`~cpcompile.passes.positions.live_nodes`:
+code Dynamo keeps, such as x-transformers' unused ``max_pos = t.max() + 1``) changes no result and is not
+reported.
 
 Masks the model builds from positions (they feed SDPA's ``attn_mask``) belong to the attention pass, which
 replaces and checks them, and so do a BlockMask's block tables (the flex pass reads only the site's
