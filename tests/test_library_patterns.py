@@ -9,6 +9,8 @@ x-transformers, IBM fms and rotary-embedding-torch) and the head-broadcast mask 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from cpcompile.passes import vocabulary as vocab
 from cpcompile.testing import packed_batch
 from tests.models import libraries
 from tests.models.attention import attention_lm
+from tests.models.positions import package_missing
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -156,3 +159,44 @@ def test_per_head_mask_is_refused(world):
     """The negative control: a window that differs per head."""
     with pytest.raises(cpcompile.UnsupportedAttentionError, match=r"per-head masks are not supported"):
         _run(attention_lm("head_windows"), world)
+
+
+def test_narrow_of_part_of_the_sequence_is_refused(world):
+    """The negative control of fms's whole-dim ``narrow`` (accepted in the ``fms`` form above): ``narrow(1, 1, T -
+    1)`` picks tokens by their local index."""
+
+    class Narrow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = libraries.rope_lm(form="fms")
+
+        def forward(self, input_ids, **kwargs):
+            out = self.inner(input_ids, **kwargs)
+            T = out.logits.size(1)
+            out.logits = out.logits + torch.nn.functional.pad(out.logits.narrow(1, 1, T - 1), (0, 0, 0, 1))
+            return out
+
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"cannot run narrow.*narrow picks tokens"):
+        _run(Narrow(), world)
+
+
+# -- the real packages (optional test dependencies) -------------------------------------------------------------
+#: rotary-embedding-torch and ibm-fms are optional test dependencies, installed by scripts/setup.sh: these tests
+#: skip without them, except under CI (``CI`` set, as ``.ci/run`` runs), where a missing package fails them.
+def _needs(package: str):
+    missing = package_missing(package)
+    return pytest.mark.skipif(missing is not None and not os.environ.get("CI"), reason=str(missing))
+
+
+@_needs("rotary_embedding_torch")
+def test_rotary_embedding_torch_with_positions_is_not_refused(world):
+    backend, out = _run(libraries.rotary_torch_lm(), world)
+    assert _mixing(backend) == [LOSS] and [r.action for r in backend.reports] == ["rewritten", "rewritten"]
+    assert torch.isfinite(out.logits).all()
+
+
+@_needs("fms")
+def test_ibm_fms_llama_with_position_ids_is_not_refused(world):
+    backend, out = _run(libraries.fms_lm(), world)
+    assert _mixing(backend) == [LOSS] and [r.action for r in backend.reports] == ["rewritten", "rewritten"]
+    assert torch.isfinite(out.logits).all()

@@ -25,9 +25,13 @@ model is given (``model(x, pos=...)``: here ``position_ids``), in a library's sp
   scale_base``), so the maximum over this rank's positions reaches a token's output: refused;
 * ``fms``: IBM fms's ``RotaryEmbedding.adjusted_qk``: ``max_start_pos = torch.max(position_ids[:, 0])`` sizes the
   RoPE cache (``compute_freqs_cis(device, max_start_pos + seq_len)``, which for plain RoPE reads only a cache made
-  at construction), then the cache is looked up at ``position_ids``;
+  at construction), then the cache is looked up at ``position_ids`` and narrowed to the query's rows,
+  ``freqs.narrow(1, freqs.size(1) - q.size(1), q.size(1))`` (all of them: the sizes of two inputs of one length);
 * ``rotary_torch``: rotary-embedding-torch's ``RotaryEmbedding.forward(t)`` with positions passed:
   ``einsum('..., f -> ... f', t, freqs)`` (an outer product), ``einops.repeat(freqs, '... n -> ... (n r)', r=2)``.
+
+The real packages (optional test dependencies): :func:`rotary_torch_lm` (rotary-embedding-torch's
+``RotaryEmbedding`` over passed positions) and :func:`fms_lm` (IBM fms's ``LLaMA``).
 
 The attention masks of libraries that broadcast one mask to every head are forms of
 :mod:`tests.models.attention` (``head_expand_causal``, ``head_repeat``, ``head_einops``, ``head_none_expand``).
@@ -182,7 +186,9 @@ class LibraryRope(Rope):
         seq_len = max(k.size(1), q.size(1))
         max_start_pos = torch.max(position_ids[:, 0])  # the max first position of each sequence
         _compute_freqs_cis(attn, max_start_pos + seq_len)
-        freqs = attn.cached_freqs[position_ids][:, :, None]  # [B, T, 1, D/2, 2]
+        freqs = attn.cached_freqs[position_ids]  # [B, T, D/2, 2]
+        q_start = freqs.size(1) - q.size(1)  # 0: the cache rows of this call's tokens (no KV cache)
+        freqs = freqs.narrow(1, q_start, q.size(1))[:, :, None]  # [B, T, 1, D/2, 2]
         return _rotate(q, freqs[..., 0], freqs[..., 1]), _rotate(k, freqs[..., 0], freqs[..., 1])
 
 
@@ -207,4 +213,54 @@ def rope_lm(*, seed: int = 0, form: str = "xtransformers", layers: int = 2) -> T
     return seeded(TinyLM, [make] * layers, seed=seed)
 
 
-__all__ = ["NanoGPT", "nanogpt_lm", "nanogpt_targets", "rope_lm", "LOSS_FORMS", "ROPE_FORMS"]
+# -- the real packages (optional test dependencies, installed by scripts/setup.sh) -------------------------------
+class RotaryTorchRope(Rope):
+    """rotary-embedding-torch's ``RotaryEmbedding`` called with the positions the model is given, as its README
+    shows: ``freqs = rotary_emb(positions)``, then ``apply_rotary_emb(freqs, q)`` (module
+    ``layers.<i>.attn.rotary``)."""
+
+    def build(self, attn, max_len: int) -> None:
+        from rotary_embedding_torch import RotaryEmbedding
+
+        attn.rotary = RotaryEmbedding(dim=attn.head_dim)
+
+    def __call__(self, attn, q, k, batch):
+        from rotary_embedding_torch import apply_rotary_emb
+
+        freqs = attn.rotary(batch["position_ids"])[:, :, None]  # [B, T, 1, D]: every head
+        return apply_rotary_emb(freqs, q), apply_rotary_emb(freqs, k)
+
+
+def rotary_torch_lm(*, seed: int = 0, layers: int = 2) -> TinyLM:
+    """A :class:`TinyLM` of ``layers`` packed-document SDPA layers whose RoPE is rotary-embedding-torch's
+    (:class:`RotaryTorchRope`), weights drawn from ``seed``, in train mode (``ParityCase`` factory)."""
+    from functools import partial
+
+    from tests.models.tiny import SDPA
+
+    make = partial(SDPA, mask=sdpa("packed_docs").keywords["mask"], rope=RotaryTorchRope(), expand=None)
+    return seeded(TinyLM, [make] * layers, seed=seed)
+
+
+class FmsLLaMA(nn.Module):
+    """IBM fms's ``LLaMA`` called as ``model(x, position_ids=...)`` (its RoPE sizes its cache from
+    ``torch.max(position_ids[:, 0])``), with transformers' causal-LM loss on its logits for the parity harness."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        from fms.models.llama import LLaMA, LLaMAConfig
+
+        config = LLaMAConfig(
+            src_vocab_size=128, emb_dim=32, nheads=4, kvheads=2, nlayers=layers, max_expected_seq_len=128
+        )
+        self.model = LLaMA(config)
+        self.model.reset_parameters()
+
+    def forward(self, input_ids, position_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **_):
+        logits = self.model(input_ids, position_ids=position_ids)
+        return lm_output(logits, labels, shift_labels, num_items_in_batch)
+
+
+def fms_lm(*, seed: int = 0, layers: int = 2) -> FmsLLaMA:
+    """:class:`FmsLLaMA`, weights drawn from ``seed``, in train mode (``ParityCase`` factory)."""
+    return seeded(FmsLLaMA, layers, seed=seed)

@@ -22,6 +22,7 @@ from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
 from cpcompile.passes.positions import SequenceLength, graph_facts
+from cpcompile.passes.positions.graph import scalar_value
 from cpcompile.passes.sequence_dims import Tags, is_nested, sequence_dims, shape_of
 
 __all__ = ["MixingOp", "find_mixing_ops"]
@@ -191,6 +192,8 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return _check_feature(n, name, x, tags, found)
     if name in ("getitem", "setitem") or name in vocab.ROW_MOVES:
         return _check_index(n, name, x, g, found)
+    if name == "narrow":
+        return _check_narrow(n, x, tags, g, found)
     if name in vocab.LOSSES:
         return _check_loss(n, name, found)
     if name in vocab.DIM_REDUCTIONS:
@@ -309,6 +312,36 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
     if self_arg not in g.data and isinstance(dim, int) and name in ("index_select", "gather"):
         return None  # a table (not data) looked up at per-token indices: torchtitan's rope_cache at positions
     return found("selection", f"{name} along the sequence")
+
+
+def _check_narrow(n, x, tags, g: _Graph, found) -> MixingOp | None:
+    """``x.narrow(dim, start, length)`` keeps the tokens apart along a dim that is not a sequence dim, and along
+    one when it keeps the whole dim: start 0 and ``length`` the dim's size, also when written with sizes of other
+    inputs of the local length (IBM fms's RoPE: ``freqs.narrow(1, freqs.size(1) - q.size(1), q.size(1))``, the
+    cache looked up at ``position_ids`` and ``q`` from ``input_ids``: two symbols of one length, guarded equal by
+    :func:`_same_length`). A part of the sequence picks tokens by their local index."""
+    dim = arg(n, 1, "dim")
+    if n.args[0] is not x or not isinstance(dim, int) or not tags:
+        return found("selection", "narrow of sharded data along an unknown dim")
+    dim %= len(tags)
+    if not tags[dim]:
+        return None
+    start, length, size = scalar_value(arg(n, 2, "start")), scalar_value(arg(n, 3, "length")), shape_of(x)[dim]
+    if _same_length(start, 0, g.seq) and _same_length(length, size, g.seq):
+        return None
+    return found("selection", "narrow picks tokens of the sequence by their local index")
+
+
+def _same_length(a: object, b: object, seq: SequenceLength) -> bool:
+    """Whether sizes ``a`` and ``b`` are equal at every call of the graph: statically, or, when every symbol they
+    involve stands for the local length (every per-token tensor ``shard`` hands the model has it; Dynamo may give
+    each input a symbol of its own), by a shape guard that they are equal (a call where they differ recompiles)."""
+    if not isinstance(a, (int, torch.SymInt)) or not isinstance(b, (int, torch.SymInt)):
+        return False
+    if _compat.statically_true(a == b):
+        return True
+    symbols = _compat.free_symbols(a) | _compat.free_symbols(b)
+    return bool(symbols) and symbols <= seq.symbols and _compat.guard_equal(a, b)
 
 
 def _slice_text(e: slice) -> str:
