@@ -6,23 +6,29 @@ Cases (:mod:`tests.models.libraries`, :mod:`tests.models.attention`):
 
 * nanoGPT's ``logits, loss = model(X, Y)`` with its mean ``F.cross_entropy(..., ignore_index=-1)`` (``mean``),
   and that mean over accumulation steps plus a summed z-loss (``mean_scaled``): the per-rank losses, summed,
-  are the one-process loss, and the summed gradients its gradients. ``T = 37`` is padded; the padding's targets
-  are -1 (``shard(..., pad_values={"targets": -1})``). Negative control: the ``mean`` case compiled with
+  are the one-process loss, and the summed gradients its gradients. ``T = 37`` is padded, the padding's targets
+  -1 (``pad_values={"targets": -1}``), and once more with ``shard``'s default padding of the targets (-100, out
+  of range for nanoGPT's ``ignore_index=-1``: the rewrite makes padding targets ignored). Negative control: the
+  ``mean`` case compiled with
   ``mixing="off"`` (each rank's mean over its own tokens): the parity check fails on the loss and the gradients;
 * RoPE over the positions the model is given in the spellings of x-transformers (an unused ``t.max()``), IBM fms
   (``torch.max(position_ids[:, 0])`` sizing the cache) and rotary-embedding-torch (an ellipsis einsum);
 * one mask broadcast to every head: x-transformers' ``expand`` then ``& ~causal_mask``, ``repeat``,
   ``einops.repeat``, ``[:, None].expand(-1, H, -1, -1)``. Negative control (``head_expand_causal``): the plan
-  given merged documents, the reference keeping them apart: the logits differ.
+  given merged documents, the reference keeping them apart: the logits differ;
+* the real rotary-embedding-torch and IBM fms (``LLaMA(x, position_ids=...)``), optional test dependencies.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from cpcompile.layouts import Workload
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, assert_controls, report
+from tests.models.positions import package_missing
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 NANOGPT = "tests.models.libraries:nanogpt_lm"
@@ -45,6 +51,8 @@ def _cases(layout: str) -> list[ParityCase]:
         ParityCase(NANOGPT, DOCS, overrides=(("form", "mean"),), expected_mixing=(MEAN,), **nanogpt),
         ParityCase(NANOGPT, DOCS, overrides=(("form", "mean_scaled"),), expected_mixing=(MEAN, SUM), **nanogpt),
     ]
+    # shard's default padding of the targets (-100, not nanoGPT's -1): the rewrite ignores padding itself
+    cases.append(ParityCase(NANOGPT, DOCS, expected_mixing=(MEAN,), **{**nanogpt, **other}))
     cases += [
         ParityCase(ROPE, DOCS, overrides=(("form", form),), expected_sites=2, expected_mixing=(LOSS,), **other)
         for form in ("xtransformers", "fms", "rotary_torch")
@@ -58,8 +66,13 @@ def _cases(layout: str) -> list[ParityCase]:
 
 CP2 = _cases("contiguous")
 CP4 = _cases("balanced")
+#: The real packages (optional test dependencies): rotary-embedding-torch over passed positions, IBM fms's LLaMA.
+PACKAGES = [
+    ParityCase("tests.models.libraries:rotary_torch_lm", DOCS, expected_sites=2, expected_mixing=(LOSS,)),
+    ParityCase("tests.models.libraries:fms_lm", DOCS, expected_sites=2, expected_mixing=(LOSS,)),
+]
 #: The negative control of each case that has one (by case index).
-CONTROLS = {0: ("mixing_off",), 5: ("merge_documents",)}
+CONTROLS = {0: ("mixing_off",), 6: ("merge_documents",)}
 
 
 def _worker(rank: int, world: int, which: str) -> list:
@@ -69,7 +82,7 @@ def _worker(rank: int, world: int, which: str) -> list:
     from tests.harness.parity import check_case
 
     torch.set_num_threads(1)
-    cases, out = (CP2 if which == "cp2" else CP4), []
+    cases, out = {"cp2": CP2, "cp4": CP4, "packages": PACKAGES}[which], []
     for i, case in enumerate(cases):
         torch.compiler.reset()
         controls = CONTROLS.get(i, ()) if which == "cp2" else ()
@@ -92,8 +105,19 @@ def test_cp2_library_patterns_with_controls():
     # the mean loss without its rewrite: each rank's mean over its own tokens; the logits stay right
     mixing_off = summaries[0]["controls"]["mixing_off"]
     assert mixing_off["caught"] and mixing_off["failing"] == ["loss", "grads"], mixing_off
-    assert summaries[5]["controls"].keys() == {"merge_documents"}
-    assert_controls([summaries[5]])
+    assert summaries[6]["controls"].keys() == {"merge_documents"}
+    assert_controls([summaries[6]])
+
+
+@pytest.mark.skipif(
+    any(package_missing(p) for p in ("rotary_embedding_torch", "fms")) and not os.environ.get("CI"),
+    reason="rotary-embedding-torch or ibm-fms is not installed (scripts/setup.sh installs them)",
+)
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_real_packages():
+    """The real rotary-embedding-torch and IBM fms (skipped without them, failed under CI)."""
+    summaries = run_distributed(_worker, 2, "packages", timeout_s=TIMEOUT_S)[0]
+    _check(summaries, PACKAGES)
 
 
 @pytest.mark.slow

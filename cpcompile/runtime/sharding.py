@@ -127,8 +127,7 @@ def shard(
     loss gets there through ``num_items_in_batch``; a mean ``cross_entropy``/``nll_loss`` over tokens the model
     computes itself (nanoGPT's ``F.cross_entropy(..., ignore_index=-1)``) is made this rank's share by the
     compiled graph (:mod:`cpcompile.passes.mixing`, ``mean_share``): the model returns its tokens' loss summed,
-    divided by the count of targets that are not ``ignore_index`` on every rank. Padding targets count unless
-    they are that ``ignore_index``: give such a key its ignore value in ``pad_values``.
+    divided by the count of targets that are not ``ignore_index`` on every rank (padding tokens ignored).
 
     An error in the batch validation or in the ``with`` block is reported to the other CP ranks, and a rank
     that another rank's failure leaves waiting raises :class:`~cpcompile.failsafe.RankFailedError` naming it

@@ -26,7 +26,8 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   and ``label_smoothing`` included; not with class weights or probability targets) whose result reaches the
   output as a partial sum does: rewritten into this rank's share of the global mean, the loss summed over this
   rank's tokens divided by the targets that are not ``ignore_index`` counted on every rank (one int64 per rank,
-  all-gathered in the graph and summed). The loss the model returns is then this rank's share, as with
+  all-gathered in the graph and summed); the targets of padding tokens are made ``ignore_index`` first when the
+  targets are a reshape of a per-token tensor. The loss the model returns is then this rank's share, as with
   transformers' loss; summed over the ranks it is the one-process mean (:func:`_share_of_mean`).
 * ``dispatch``: MoE token bookkeeping (transformers' ``integrations/moe.py``): sorting the ``tokens x top_k``
   expert ids along the token dim, their histogram, moving rows by that permutation and back. Only expert ids
@@ -173,9 +174,10 @@ def _share_of_mean(op: MixingOp, ctx: PassContext) -> None:
     """Make ``op`` (``cross_entropy``/``nll_loss`` with ``reduction="mean"``) this rank's share of the mean over the
     whole sequence: its loss summed over this rank's tokens, divided by the number of targets that are not
     ``ignore_index`` on every CP rank (each rank counts its own; the counts are all-gathered, one int64 per rank,
-    and summed). The ranks' shares add up to the one-process mean, and so do their gradients. Padding tokens
-    count only when their target is not ``ignore_index`` (``shard`` pads extra integer keys with -100, other
-    values with ``pad_values``)."""
+    and summed). The ranks' shares add up to the one-process mean, and so do their gradients. When the targets are
+    a reshape of a per-token tensor (``targets.view(-1)``), the targets of the padding tokens become
+    ``ignore_index`` first (``cpcompile::real_tokens``), whatever ``shard`` padded them with; other targets count
+    padding unless its target is ``ignore_index``."""
     from cpcompile.passes.mixing.find import MEAN_SHARE_LOSSES
 
     loss, graph = op.node, op.node.graph
@@ -187,6 +189,18 @@ def _share_of_mean(op: MixingOp, ctx: PassContext) -> None:
         loss.update_arg(reduction_pos, "sum")
     else:
         loss.update_kwarg("reduction", "sum")
+    if op.target_tokens is not None:  # padding tokens: ignored, whatever value shard padded them with
+        base, dim = op.target_tokens
+        ndim = _val(base).dim()
+        with graph.inserting_before(loss):
+            like = graph.call_method("detach", (base,))
+            site = f"{ctx.site_prefix}:{op.where}"
+            real = graph.call_function(torch.ops.cpcompile.real_tokens.default, (like, dim, site))
+            real = graph.call_method("view", (real, [-1 if d == dim else 1 for d in range(ndim)]))
+            real = graph.call_method("reshape_as", (graph.call_method("expand_as", (real, base)), target))
+            kept = graph.call_function(torch.where, (real, target, ignore_index))
+        loss.replace_input_with(target, kept)
+        target = kept
     with graph.inserting_before(loss.next):
         counted = graph.call_function(operator.ne, (target, ignore_index))
         local = graph.call_method("sum", (counted,))

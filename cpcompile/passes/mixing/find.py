@@ -53,6 +53,9 @@ class MixingOp(FoundAt):
     problem: str = ""
     #: The sequence dims of the tensor it reads, when they are plain dims (not merged with others).
     seq_dims: tuple[int, ...] = ()
+    #: ``mean_share``: the per-token tensor the loss's targets are a reshape of and its sequence dim (where the
+    #: rewrite marks padding tokens ignored), when the targets are one.
+    target_tokens: tuple[fx.Node, int] | None = None
 
     @property
     def source(self) -> str:
@@ -195,7 +198,7 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
     if name == "narrow":
         return _check_narrow(n, x, tags, g, found)
     if name in vocab.LOSSES:
-        return _check_loss(n, name, found)
+        return _check_loss(n, name, found, g)
     if name in vocab.DIM_REDUCTIONS:
         _, _, _, kind = vocab.DIM_REDUCTIONS[name]
         if not _reduced_seq_dims(n, name, tags):
@@ -362,7 +365,7 @@ def _full_slice(e: slice, size: object) -> bool:
 MEAN_SHARE_LOSSES = {"cross_entropy": 3, "nll_loss": 3}
 
 
-def _check_loss(n, name, found) -> MixingOp | None:
+def _check_loss(n, name, found, g: _Graph) -> MixingOp | None:
     pos, kw = vocab.LOSSES[name]
     reduction = arg(n, 1 + pos, kw, "mean")
     if reduction == "none":
@@ -372,9 +375,28 @@ def _check_loss(n, name, found) -> MixingOp | None:
     if reduction == "mean" and name in MEAN_SHARE_LOSSES:
         problem = _mean_share_problem(n)
         if problem is None:
-            return found("loss", f"{name}(reduction='mean') over the tokens", accounted="mean_share")
+            op = found("loss", f"{name}(reduction='mean') over the tokens", accounted="mean_share")
+            return dataclasses.replace(op, target_tokens=_target_tokens(arg(n, 1, "target"), g))
         return found("loss", f"{name}(reduction='mean') averages over this rank's tokens only, and {problem}")
     return found("loss", f"{name}(reduction={reduction!r}) averages over this rank's tokens only")
+
+
+#: Ops that hand a tensor on with its elements in the same (row-major) order.
+_SAME_ORDER = frozenset({"view", "reshape", "flatten", "contiguous", "long", "to", "int", "clone"})
+
+
+def _target_tokens(target: object, g: _Graph) -> tuple[fx.Node, int] | None:
+    """The per-token tensor ``target`` is a reshape of (``targets.view(-1)`` of ``[B, T]`` targets) and its one
+    sequence dim, or ``None``."""
+    t = target
+    while isinstance(t, fx.Node):
+        tags = _seq_tags(t, g)
+        if sum(1 for x in tags if x) == 1 and len(tags) > 1:
+            return t, tags.index(True)
+        if t.op not in ("call_function", "call_method") or vocab.op_name(t) not in _SAME_ORDER or not t.args:
+            return None
+        t = t.args[0]
+    return None
 
 
 def _mean_share_problem(n: fx.Node) -> str | None:
