@@ -70,19 +70,20 @@ def test_mean_cross_entropy_is_this_ranks_share(world, form, expected):
     assert "reduction = 'sum'" in code and "all_gather_seq" in code, code
 
 
-def test_mean_cross_entropy_ignores_padding_whatever_its_target(last_rank):
-    """The rank that holds the padding, with shard's default padding of the targets (-100, which nanoGPT's
-    ``ignore_index=-1`` does not ignore and cross_entropy rejects): the rewrite makes the padding's targets -1."""
-    backend = cpcompile.backend(last_rank, inner="eager")
+def test_mean_cross_entropy_ignores_padding_whatever_its_target(world):
+    """A rank that holds padding (rank 0 under ``head_tail``: the last piece of the row), with shard's default
+    padding of the targets (-100, which nanoGPT's ``ignore_index=-1`` does not ignore and cross_entropy rejects):
+    the rewrite makes the padding's targets -1."""
+    backend = cpcompile.backend(world, inner="eager")
     graphs = []
 
     def keep(gm, example_inputs):
         graphs.append(gm)
         return backend(gm, example_inputs)
 
-    batch = packed_batch([[10, 21], [5, 26]])  # T = 31: one padding token on rank 1
+    batch = packed_batch([[10, 21], [5, 26]])  # T = 31: one padding token, the last of the row
     batch.update(libraries.nanogpt_targets(batch))
-    with cpcompile.shard(batch, last_rank) as local:
+    with cpcompile.shard(batch, world, layout="head_tail") as local:
         assert (local["targets"][:, -1] == -100).all()
         out = torch.compile(libraries.nanogpt_lm(), backend=keep)(**local)
     assert _mixing(backend) == [("cross_entropy", "mean_share")] and torch.isfinite(out.loss)
