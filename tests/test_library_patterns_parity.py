@@ -64,7 +64,19 @@ def _cases(layout: str) -> list[ParityCase]:
     return cases
 
 
-CP2 = _cases("contiguous")
+#: CP=2 also through AOTAutograd: the rewritten mean (its all-gathered count, real_tokens) traced with its backward.
+CP2 = [
+    *_cases("contiguous"),
+    ParityCase(
+        NANOGPT,
+        DOCS,
+        inner="aot_eager",
+        overrides=(("form", "mean"),),
+        expected_mixing=(MEAN,),
+        batch_extras="tests.models.libraries:nanogpt_targets",
+        expected_sites=2,
+    ),
+]
 CP4 = _cases("balanced")
 #: The real packages (optional test dependencies): rotary-embedding-torch over passed positions, IBM fms's LLaMA.
 PACKAGES = [
