@@ -175,10 +175,12 @@ def test_mask_broadcast_to_every_head_is_rewritten(world, form):
     assert {r.mask_form for r in backend.reports} == {"bool-mask"}
 
 
-def test_per_head_mask_is_refused(world):
-    """The negative control: a window that differs per head."""
+@pytest.mark.parametrize("form", ["head_windows", "head_written"])
+def test_per_head_mask_is_refused(world, form):
+    """The negative controls: a window that differs per head; a broadcast mask whose head 0 is then written in
+    place (``mask[:, 0] = causal``), which a copy of its ops without the heads dim would miss."""
     with pytest.raises(cpcompile.UnsupportedAttentionError, match=r"per-head masks are not supported"):
-        _run(attention_lm("head_windows"), world)
+        _run(attention_lm(form), world)
 
 
 def test_narrow_of_part_of_the_sequence_is_refused(world):

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.aliasing import is_inplace, op_name
+from cpcompile.passes.aliasing import is_inplace, mutated, op_name, viewed_bases
 from cpcompile.passes.common import FoundAt, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
@@ -102,6 +102,8 @@ def _heads_free(n: object, made: dict, copies: list, before: fx.Node) -> object:
     if n in made:
         return made[n]
     made[n] = None
+    if _written_in_place(n):
+        return None  # a copy of its ops would miss the write
     name = op_name(n) if n.op in ("call_function", "call_method") else ""
     src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     found = None
@@ -128,6 +130,15 @@ def _heads_free(n: object, made: dict, copies: list, before: fx.Node) -> object:
                 found.meta["example_value"] = value
     made[n] = found
     return found
+
+
+def _written_in_place(n: fx.Node) -> bool:
+    """Whether an op of the graph writes in place into ``n`` or a view of it."""
+    for u in n.graph.nodes:
+        target = mutated(u)
+        if target is not None and u is not n and n in viewed_bases(target):
+            return True
+    return False
 
 
 #: Element-wise ops that draw random numbers: a copy would draw other numbers.

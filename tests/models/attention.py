@@ -24,6 +24,8 @@ Attention forms (``ATTENTION_FORMS``):
   * ``head_einops``: ``einops.repeat(mask, 'b i j -> b h i j', h=H)`` of the causal same-document ``[B, T, T]``;
   * ``head_none_expand``: ``doc_mask[:, None].expand(-1, H, -1, -1) & causal`` (indexing with ``None``, expanding,
     then the causal condition).
+* ``head_written``: ``head_none_expand`` with head 0 then written in place, ``mask[:, 0] = causal`` (that head
+  attends across documents): a mask that differs per head, refused.
 * ``document_ids``: causal and same document, read from a per-token ``document_ids`` input (the model's
   ``document_ids=`` keyword; ``position_ids`` still give the learned positions): one document stays whole
   across a rank's runs of tokens.
@@ -91,6 +93,7 @@ ATTENTION_FORMS = (
     "head_repeat",
     "head_einops",
     "head_none_expand",
+    "head_written",
     "document_ids",
     "window_diff",
     "chunked",
@@ -108,9 +111,10 @@ ATTENTION_FORMS = (
 _DOCUMENT_FORMS = (
     "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff", "chunked",
     "packed_docs_break", "packed_docs_eager", "head_expand_causal", "head_repeat", "head_einops", "head_none_expand",
+    "head_written",
 )  # fmt: skip
 #: The forms that broadcast one mask to every head in a library's spelling (:func:`_head_broadcast`).
-_HEAD_BROADCAST_FORMS = ("head_expand_causal", "head_repeat", "head_einops", "head_none_expand")
+_HEAD_BROADCAST_FORMS = ("head_expand_causal", "head_repeat", "head_einops", "head_none_expand", "head_written")
 #: The forms whose model has no learned positions: ``position_ids`` reach the mask alone.
 _WITHOUT_POSITIONS = ("position_lookup",)
 
@@ -212,7 +216,10 @@ def _head_broadcast(form: str, same_doc: torch.Tensor, idx: torch.Tensor, H: int
         return (same_doc & causal)[:, None].repeat(1, H, 1, 1)
     if form == "head_einops":
         return einops.repeat(same_doc & causal, "b i j -> b h i j", h=H)
-    return same_doc[:, None].expand(-1, H, -1, -1) & causal  # head_none_expand
+    mask = same_doc[:, None].expand(-1, H, -1, -1) & causal  # head_none_expand
+    if form == "head_written":
+        mask[:, 0] = causal
+    return mask
 
 
 @torch.compiler.disable
