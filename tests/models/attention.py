@@ -17,9 +17,9 @@ Attention forms (``ATTENTION_FORMS``):
 * ``head_windows``: a causal same-document ``[B, H, T, T]`` mask whose window differs per head: refused.
 * one mask for every head in the spellings of model libraries, rewritten like ``packed_docs``:
 
-  * ``head_expand_causal``: x-transformers' ``Attend``: the same-document mask ``[B, 1, T, T]`` expanded to the
-    heads, ``mask.expand(B, H, T, T)``, then ``mask & ~causal_mask`` (``causal_mask``: ``[T, T]``, True above the
-    diagonal);
+  * ``head_expand_causal``: x-transformers: the same-document mask ``[B, 1, T, T]`` negated twice (``masks =
+    [~attn_mask]``, then ``~or_reduce(masks)``), expanded to the heads, ``mask.expand(B, H, T, T)``, then ``mask &
+    ~causal_mask`` (``causal_mask = ones((i, j)).triu(j - i + 1)``: True above the diagonal);
   * ``head_repeat``: ``mask.repeat(1, H, 1, 1)`` of the causal same-document ``[B, 1, T, T]`` mask;
   * ``head_einops``: ``einops.repeat(mask, 'b i j -> b h i j', h=H)`` of the causal same-document ``[B, T, T]``;
   * ``head_none_expand``: ``doc_mask[:, None].expand(-1, H, -1, -1) & causal`` (indexing with ``None``, expanding,
@@ -209,9 +209,12 @@ def _head_broadcast(form: str, same_doc: torch.Tensor, idx: torch.Tensor, H: int
     same-document ``[B, T, T]`` mask and the token index ``idx``."""
     B, T, _ = same_doc.shape
     causal = idx[None, :] <= idx[:, None]
-    if form == "head_expand_causal":  # x-transformers' Attend and create_causal_mask
-        causal_mask = idx[:, None] < idx[None, :]  # True where the key comes after the query
-        return same_doc[:, None].expand(B, H, T, T) & ~causal_mask
+    if form == "head_expand_causal":  # x-transformers' AttentionLayers, Attend and create_causal_mask
+        masks = [~same_doc[:, None]]  # the positions each query must not see
+        mask = ~masks[0]  # ~or_reduce(masks)
+        i = j = T
+        causal_mask = torch.ones((i, j), device=same_doc.device, dtype=torch.bool).triu(j - i + 1)
+        return mask.expand(B, H, i, j) & ~causal_mask
     if form == "head_repeat":
         return (same_doc & causal)[:, None].repeat(1, H, 1, 1)
     if form == "head_einops":

@@ -20,7 +20,8 @@ The adapter :class:`NanoGPTAdapter` takes the keyword arguments the parity harne
 model is given (``model(x, pos=...)``: here ``position_ids``), in a library's spelling (``ROPE_FORMS``):
 
 * ``xtransformers``: x-transformers' ``RotaryEmbedding.forward(t)``: ``max_pos = t.max() + 1`` (never used without
-  xpos), ``einsum('b i , j -> b i j', t, inv_freq)``, the frequencies stacked in pairs;
+  xpos), ``einsum('b i , j -> b i j', t, inv_freq)``; ``apply_rotary_pos_emb`` takes the last ``T`` rows,
+  ``freqs[:, -seq_len:, :]`` (all of them; ``seq_len`` from ``q``, of another input than the positions);
 * ``xtransformers_xpos``: the same with xpos: ``max_pos`` sets every token's scale (``(t - max_pos // 2) /
   scale_base``), so the maximum over this rank's positions reaches a token's output: refused;
 * ``fms``: IBM fms's ``RotaryEmbedding.adjusted_qk``: ``max_start_pos = torch.max(position_ids[:, 0])`` sizes the
@@ -175,6 +176,9 @@ class LibraryRope(Rope):
                 scale = scale[:, :, None]
         else:  # rotary_torch
             freqs = torch.einsum("..., f -> ... f", t.type(attn.inv_freq.dtype), attn.inv_freq)
+        if self.form != "rotary_torch":  # x-transformers' apply_rotary_pos_emb: the last T rows (all of them)
+            seq_len = q.shape[1]
+            freqs = freqs[:, -seq_len:, :]
         freqs = freqs[:, :, None]  # [B, T, 1, D/2]: every head
         cos, sin = freqs.cos() * scale, freqs.sin() * scale
         if self.form == "rotary_torch":

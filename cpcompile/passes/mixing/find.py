@@ -301,7 +301,7 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
                 continue
             if not isinstance(e, slice):
                 return found("selection", f"{verb} token {e!r} of the sequence")
-            if not _full_slice(e, shape_of(base)[d]):
+            if not _full_slice(e, shape_of(base)[d], g.seq):
                 if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
                     return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
                 return found("shift", f"slices the sequence dim with {_slice_text(e)}")
@@ -352,11 +352,18 @@ def _slice_text(e: slice) -> str:
     return "[" + ":".join(parts) + (f":{e.step}" if e.step not in (None, 1) else "") + "]"
 
 
-def _full_slice(e: slice, size: object) -> bool:
-    if e.start not in (None, 0) or e.step not in (None, 1):
+def _full_slice(e: slice, size: object, seq: SequenceLength) -> bool:
+    """Whether index entry ``e`` keeps every element of a dim of ``size`` in order: ``:``, ``0:T``, and the last
+    ``T`` of ``T`` rows (x-transformers' ``freqs[:, -seq_len:]``), also when ``T`` is the size of another input
+    of the local length (:func:`_same_length`)."""
+    if e.step not in (None, 1):
         return False
-    stop = _val(e.stop) if isinstance(e.stop, fx.Node) else e.stop
-    return stop is None or _compat.statically_true(stop >= size)
+    start, stop = scalar_value(e.start), scalar_value(e.stop)
+    if not (start is None or _same_length(start, 0, seq)):
+        ints = isinstance(start, (int, torch.SymInt))
+        if not (ints and (_compat.statically_true(start + size <= 0) or _same_length(-start, size, seq))):
+            return False
+    return stop is None or _compat.statically_true(stop >= size) or _same_length(stop, size, seq)
 
 
 #: Losses whose mean over tokens becomes this rank's share of the global mean (``mean_share``): their mean divides
