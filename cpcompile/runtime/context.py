@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -20,25 +19,28 @@ import torch
 import torch.distributed as dist
 
 from cpcompile import failsafe
+from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.plan import CPPlan
 from cpcompile.runtime.comm import CommStats, gather_sequence
 
 __all__ = [
     "Active",
     "StepRecord",
+    "TensorSet",
     "activated",
     "active_context",
     "comm_stats",
     "current_context",
     "current_plan",
+    "check_token_mixing",
     "ensure_inactive",
     "gather",
     "is_exact",
     "meet_before_backward",
     "real_tokens",
-    "record_attention_free_graph",
+    "record_graph_run",
     "record_exact",
-    "warn_if_no_attention",
+    "tensor_key",
 ]
 
 
@@ -48,8 +50,11 @@ class StepRecord:
 
     #: Calls of rewritten attention sites (``cpcompile::site_plan``).
     sites: int = 0
-    #: Frames of the compiled graphs of this CP group that have no rewritten attention and ran in the step.
-    attention_free: list[str] = dataclasses.field(default_factory=list)
+    #: Backend name -> frames of the graphs it compiled for this CP group that ran in the step and mix no tokens
+    #: across ranks (no rewritten attention, no gathered region).
+    unmixed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: Backends whose graphs that ran in the step mix tokens across ranks.
+    mixed: set[str] = dataclasses.field(default_factory=set)
     #: The step's backward round was held (:func:`meet_before_backward`).
     backward_met: bool = False
 
@@ -61,59 +66,86 @@ class Active:
     plan: CPPlan
     group: dist.ProcessGroup | None
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
-    #: The model masks already compared with the plan in this step (written only by the attention ops).
-    checked_masks: set = dataclasses.field(default_factory=set)
-    #: The masks a compiled graph proved to keep documents apart and handed on in this step: :func:`mask_key` ->
-    #: a weak reference to the tensor (written by :func:`record_proved_masks`, read through :func:`is_proved_mask`).
-    proved_masks: dict = dataclasses.field(default_factory=dict)
+    #: The model masks already compared with the plan in this step, by site form (written only by the attention
+    #: ops through :meth:`TensorSet.add`).
+    checked_masks: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
+    #: The attention forms ``(documents, window)`` whose sites without a model mask held their round this step.
+    checked_forms: set = dataclasses.field(default_factory=set)
+    #: The masks a compiled graph proved to keep documents apart and handed on in this step (written by
+    #: :func:`record_proved_masks`, read through :func:`is_proved_mask`).
+    proved_masks: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
     #: Per-token tensors known to hold, at this rank's tokens, what the whole-sequence run holds there: the
     #: local batch ``shard`` made, and what compiled graphs of the CP group computed from such tensors only
-    #: (:func:`mask_key` -> a weak reference; written by :func:`record_exact`, read through :func:`is_exact`).
-    exact: dict = dataclasses.field(default_factory=dict)
+    #: (written by :func:`record_exact`, read through :func:`is_exact`).
+    exact: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
     ran: StepRecord = dataclasses.field(default_factory=StepRecord)
 
 
-def mask_key(mask: torch.Tensor) -> tuple:
-    """What identifies a mask tensor within a step: its storage, its version (an in-place write changes it) and its
-    shape."""
-    return (mask.data_ptr(), mask._version, tuple(mask.shape))
+def tensor_key(t: torch.Tensor) -> tuple | None:
+    """What identifies a tensor's values while it lives: its memory (address, shape, strides) and its version (an
+    in-place write changes it). ``None`` for a tensor without a version counter (made under
+    ``torch.inference_mode``), whose in-place writes cannot be seen: such a tensor is never recognised."""
+    if t.is_inference():
+        return None
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride())
+
+
+class TensorSet:
+    """Tensors noted in one step, each under a tag, held weakly.
+
+    A tensor is in the set under a tag when a noted tensor with the same :func:`tensor_key` is still alive: the
+    same tensor, or a view of the same memory with the same shape and strides, unwritten since. A tensor that
+    merely took a freed one's address is not in it. That matters beyond memory safety: whether an allocator
+    hands a freed address to the next tensor differs between processes, so a decision keyed by addresses alone
+    (whether a site holds a control round) could differ between CP ranks, which then wait in different places.
+    Whether a noted tensor is still alive depends only on the program, which every rank runs alike.
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple, list[weakref.ref]] = {}
+
+    def add(self, t: torch.Tensor, tag: object = None) -> None:
+        key = tensor_key(t)
+        if key is not None:
+            self._refs.setdefault((tag, key), []).append(weakref.ref(t))
+
+    def contains(self, t: torch.Tensor, tag: object = None) -> bool:
+        key = tensor_key(t)
+        return key is not None and any(ref() is not None for ref in self._refs.get((tag, key), ()))
 
 
 def record_proved_masks(masks: list[torch.Tensor]) -> None:
     """Note, in the active shard context, masks that the graph which built them proved to keep packed documents
-    apart before handing them on (no-op outside a shard context). Held weakly: a mask freed in the step is no
-    longer trusted, so a later tensor at its address is not taken for it."""
+    apart before handing them on (no-op outside a shard context). Held weakly (:class:`TensorSet`): a mask freed
+    in the step is no longer trusted, so a later tensor at its address is not taken for it."""
     current = _STATE.active
     if current is not None:
-        current.proved_masks.update((mask_key(m), weakref.ref(m)) for m in masks)
+        for m in masks:
+            current.proved_masks.add(m)
 
 
 def is_proved_mask(context: Active, mask: torch.Tensor) -> bool:
     """Whether ``mask`` is a mask :func:`record_proved_masks` noted in ``context`` and still alive."""
-    ref = context.proved_masks.get(mask_key(mask))
-    return ref is not None and ref() is not None
+    return context.proved_masks.contains(mask)
 
 
 def record_exact(tensors: list[torch.Tensor], context: Active | None = None) -> None:
     """Note per-token tensors whose values at this rank's tokens are the whole-sequence run's in ``context`` (the
-    active shard context by default; no-op outside one). Held weakly, keyed like masks (:func:`mask_key`): an
-    in-place write afterwards, or a freed tensor's address taken by another, is not trusted."""
+    active shard context by default; no-op outside one). Held weakly (:class:`TensorSet`): an in-place write
+    afterwards, or a freed tensor's address taken by another, is not trusted. A view that covers its base with
+    the same shape and strides (``position_ids.expand(B, -1)`` of a ``[B, T]`` tensor) is recognised as its base."""
     current = context if context is not None else _STATE.active
     if current is not None:
         for t in tensors:
-            current.exact.setdefault(_exact_key(t), []).append(weakref.ref(t))
-
-
-def _exact_key(t: torch.Tensor) -> tuple:
-    """:func:`mask_key` with the strides: tensors with the same key hold the same values (a view that covers its
-    base, ``position_ids.expand(B, -1)`` of a ``[B, T]`` tensor, shares its base's key)."""
-    return (*mask_key(t), t.stride())
+            current.exact.add(t)
 
 
 def is_exact(context: Active, t: torch.Tensor) -> bool:
-    """Whether ``t`` holds what a tensor :func:`record_exact` noted in ``context`` holds: same storage, version,
+    """Whether ``t`` holds what a tensor :func:`record_exact` noted in ``context`` holds: same memory, version,
     shape and strides, the noted tensor still alive."""
-    return any(ref() is not None for ref in context.exact.get(_exact_key(t), ()))
+    return context.exact.contains(t)
 
 
 class _State(threading.local):
@@ -210,11 +242,18 @@ def comm_stats() -> CommStats:
     return _STATE.last_comm
 
 
-def record_attention_free_graph(group_name: str, frame: str) -> None:
-    """Note that a graph compiled for ``group_name`` without rewritten attention ran (called by the backend)."""
+def record_graph_run(group_name: str, backend_name: str, frame: str, mixes: bool) -> None:
+    """Note that a graph compiled for ``group_name`` by the backend ``backend_name`` ran in the active step, and
+    whether it mixes tokens across ranks (called by the backend; read by :func:`check_token_mixing`)."""
     current = _STATE.active
-    if current is not None and current.plan.group_name == group_name and frame not in current.ran.attention_free:
-        current.ran.attention_free.append(frame)
+    if current is None or current.plan.group_name != group_name:
+        return
+    if mixes:
+        current.ran.mixed.add(backend_name)
+    else:
+        frames = current.ran.unmixed.setdefault(backend_name, [])
+        if frame not in frames:
+            frames.append(frame)
 
 
 def meet_before_backward(outputs: object, group_name: str) -> None:
@@ -246,30 +285,25 @@ def meet_before_backward(outputs: object, group_name: str) -> None:
     torch.autograd.graph.register_multi_grad_hook(tensors, meet, mode="any")
 
 
-#: (group name, frames) already warned about by :func:`warn_if_no_attention`.
-_WARNED_NO_ATTENTION: set[tuple[str, tuple[str, ...]]] = set()
+def check_token_mixing(context: Active, group_name: str) -> None:
+    """Raise when a backend's graphs ran in this step and none of them mixed tokens across ranks.
 
-
-def warn_if_no_attention(context: Active, group_name: str) -> None:
-    """Warn once when compiled graphs of the group ran in this step but no rewritten attention did.
-
-    A warning, not an error: a model without attention (token-wise layers only) is exact under CP, and the
-    backend cannot tell it from a model whose attention ran outside the compiled graphs (a
-    ``@torch.compiler.disable`` function, a graph break around it), which attends over this rank's chunk only.
+    Such a model either has no token mixing (declared with ``cpcompile.backend(..., token_mixing="none")``, whose
+    graphs are not noted) or ran its attention outside the compiled graphs: in a ``@torch.compiler.disable``
+    function, or cut off by a graph break, where it attended over this rank's tokens only. Every rank runs the
+    same graphs, so every rank raises the same :class:`~cpcompile.UnsupportedAttentionError` as the step ends.
     """
     ran = context.ran
-    if ran.sites or not ran.attention_free:
+    unmixed = {name: frames for name, frames in ran.unmixed.items() if name not in ran.mixed}
+    if not unmixed:
         return
-    key = (group_name, tuple(ran.attention_free))
-    if key in _WARNED_NO_ATTENTION:
-        return
-    _WARNED_NO_ATTENTION.add(key)
-    warnings.warn(
-        f"cpcompile.shard: the model ran {len(ran.attention_free)} graph(s) compiled for CP group {group_name!r} "
-        f"in this step ({'; '.join(ran.attention_free)}) and none of them held attention: if the model has "
-        "attention, it ran outside the compiled graphs (inside a @torch.compiler.disable function, or cut off by "
-        "a graph break) and attended over this rank's tokens only, which is wrong under context parallelism. "
-        "Let Dynamo trace the attention (remove the disable, fix the graph break: TORCH_LOGS=graph_breaks). A "
-        "model without attention can ignore this warning",
-        stacklevel=3,
+    name, frames = next(iter(unmixed.items()))
+    raise UnsupportedAttentionError(
+        f"cpcompile.shard: the model compiled by cpcompile {name} for CP group {group_name!r} ran "
+        f"{len(frames)} graph(s) in this step ({'; '.join(frames)}) and none of them held attention or another op "
+        "that mixes tokens across the CP ranks. If the model has attention, it ran outside the compiled graphs "
+        "(inside a @torch.compiler.disable function, or cut off by a graph break: TORCH_LOGS=graph_breaks shows "
+        "where) and attended over this rank's tokens only, which is wrong under context parallelism: let Dynamo "
+        "trace the attention (remove the disable, fix the graph break). A model without attention or any other "
+        'token mixing is exact: declare it with cpcompile.backend(cp_group, token_mixing="none")'
     )
