@@ -16,10 +16,14 @@ as :func:`cpcompile.shard` passes it) and two things are measured in this one pr
   FX nodes inside the first mixer module (``nn_module_stack``). Mixer nodes that grow with the length mean a
   Python loop over chunks (or tokens) unrolled into the graph.
 
-``--excerpt FAMILY`` prints the first mixer's FX nodes at the first length (what enters and leaves the module,
-its shapes and the module each op comes from).
+``--retrace`` rewrites the gated delta rule's graph into a call of its Python function at twice the length
+(re-traced by AOTAutograd) and checks it against eager; ``--dtensor`` runs the gated delta rule and a depthwise
+conv on DTensors sharded over heads. ``--excerpt FAMILY`` prints the first mixer's FX nodes at the first
+length (what enters and leaves the module, its shapes and the module each op comes from).
 
-    PYTHONPATH=. python benchmarks/hybrid_graphs.py [--family NAME ...] [--lengths 64 160] [--excerpt qwen3_next]
+    PYTHONPATH=. python benchmarks/hybrid_graphs.py [--family NAME ...] [--lengths 64 160 166]
+    PYTHONPATH=. python benchmarks/hybrid_graphs.py --no-table --excerpt qwen3_next --excerpt mamba2 --lengths 64
+    PYTHONPATH=. python benchmarks/hybrid_graphs.py --no-table --retrace --dtensor
 """
 
 from __future__ import annotations
@@ -360,7 +364,9 @@ def dtensor_heads() -> list[dict]:
 
     def spy(local, current, target, *args, **kwargs):
         if current.placements != target.placements:
-            moves.append(f"{current.placements[0]}->{target.placements[0]} {list(current.shape)}")
+            local_slice = current.placements[0].is_replicate() and target.placements[0].is_shard()
+            how = "local slice" if local_slice else "collective"
+            moves.append(f"{current.placements[0]}->{target.placements[0]} {list(current.shape)} ({how})")
         return original(local, current, target, *args, **kwargs)
 
     dispatch.redistribute_local_tensor = spy
@@ -389,10 +395,10 @@ def dtensor_heads() -> list[dict]:
                 else:
                     mine = ref.narrow(out_dim, 0, ref.shape[out_dim] // 2)
                     row["output placement"] = str(out.placements[0])
-                    moved = row["forward redistributions"] != "none" or row["backward redistributions"] != "none"
+                    moved = "collective" in row["forward redistributions"] + row["backward redistributions"]
                     row["forward max error"] = float((out.to_local() - mine).abs().max())
                     row["grad max error"] = (
-                        "n/a: a redistribution moved no data on the fake group"
+                        "n/a: a collective moved no data on the fake group"
                         if moved
                         else max(
                             float((xl.grad - x.grad.chunk(2, d)[0]).abs().max()) for x, xl, d in zip(full, local, dims)
@@ -404,6 +410,94 @@ def dtensor_heads() -> list[dict]:
     return rows
 
 
+def _gdn_inputs(length: int, gen: torch.Generator, dynamic: bool = True) -> list[torch.Tensor]:
+    """``q, k [1, length, 2, 16]``, ``v [1, length, 4, 16]``, ``g, beta [1, length, 4]`` of the gated delta rule."""
+    x = [
+        torch.randn(1, length, 2, 16, generator=gen),
+        torch.randn(1, length, 2, 16, generator=gen),
+        torch.randn(1, length, 4, 16, generator=gen),
+        -torch.rand(1, length, 4, generator=gen),
+        torch.rand(1, length, 4, generator=gen),
+    ]
+    for t in x:
+        if dynamic:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    return x
+
+
+def retrace() -> list[dict]:
+    """A region rewritten into a call of the model's Python function at a longer length, re-traced by
+    AOTAutograd: Dynamo traces ``torch_chunk_gated_delta_rule`` at the local length; the backend replaces the
+    whole graph with a ``call_function`` of a function that runs it on the sequence and its reverse concatenated
+    (twice the length: a stand-in for the all-to-all to the whole sequence) and folds the halves back. Rows:
+    compiles per local length, the guard failure that triggered the recompile, and the errors against the same
+    function run eagerly. Then the torch path itself under ``aot_eager`` with the length dynamic or static."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    def core(q, k, v, g, beta):
+        return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    def doubled(q, k, v, g, beta):
+        n = q.shape[1]
+        out = core(*(torch.cat([x, x.flip(1)], dim=1) for x in (q, k, v, g, beta)))
+        return out[:, :n] + out[:, n:].flip(1)
+
+    compiles = []
+
+    def inner(gm, example_inputs):
+        compiles.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def rewrite(gm: torch.fx.GraphModule, example_inputs):
+        placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+        args = tuple(placeholders[f"l_{a}_"] for a in ("q", "k", "v", "g", "beta"))  # Dynamo orders them by use
+        (output,) = gm.graph.find_nodes(op="output")
+        with gm.graph.inserting_before(output):
+            call = gm.graph.call_function(doubled, args)
+        output.args = ((call,),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return aot_autograd(fw_compiler=inner, bw_compiler=inner)(gm, example_inputs)
+
+    rows = []
+    torch.compiler.reset()
+    torch._dynamo.utils.guard_failures.clear()
+    compiled = torch.compile(core, backend=rewrite)
+    gen = torch.Generator().manual_seed(0)
+    for length in (24, 31, 40):
+        x = _gdn_inputs(length, gen)
+        mine, ref = ([t.clone().requires_grad_() for t in x] for _ in range(2))
+        before = len(compiles)
+        got = compiled(*mine)
+        got.sum().backward()
+        want = doubled(*ref)
+        want.sum().backward()
+        failures = [str(f) for fs in torch._dynamo.utils.guard_failures.values() for f in fs]
+        torch._dynamo.utils.guard_failures.clear()
+        rows.append({
+            "case": f"region at 2x: local {length} -> {2 * length} tokens",
+            "AOT graphs (fw+bw)": len(compiles) - before,
+            "forward max error": float((got - want).abs().max()),
+            "grad max error": max(float((a.grad - b.grad).abs().max()) for a, b in zip(mine, ref)),
+            "recompile triggered by (guard failures)": " | ".join(re.sub(r"\s+", " ", f)[:110] for f in failures) or "-",
+        })  # fmt: skip
+    for dynamic in (True, False):
+        torch.compiler.reset()
+        compiled = torch.compile(core, backend="aot_eager", dynamic=None if dynamic else False)
+        for length in (64, 128, 130, 192):
+            try:
+                compiled(*_gdn_inputs(length, gen, dynamic))
+                outcome = "runs"
+            except RuntimeError as e:
+                outcome = f"RuntimeError: {str(e).splitlines()[0][:70]}"
+            kind = "dynamic" if dynamic else "static"
+            rows.append({"case": f"torch path, aot_eager, {kind} length {length}", "outcome": outcome})
+    torch.compiler.reset()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: every family")
@@ -411,6 +505,7 @@ def main() -> None:
     parser.add_argument("--excerpt", choices=sorted(FAMILIES), action="append", help="print a mixer's FX nodes")
     parser.add_argument("--no-table", action="store_true", help="only the excerpts (and --dtensor)")
     parser.add_argument("--dtensor", action="store_true", help="DTensor on head-sharded mixer inputs")
+    parser.add_argument("--retrace", action="store_true", help="a region re-traced at a longer length")
     args = parser.parse_args()
     torch.set_num_threads(1)
     lengths = tuple(args.lengths)
@@ -418,6 +513,8 @@ def main() -> None:
         excerpt(family, lengths)
     if args.dtensor:
         print_table("DTensor strategies on inputs sharded over heads (rank 0 of 2)", dtensor_heads())
+    if args.retrace:
+        print_table("the gated delta rule re-traced at twice the length, and under aot_eager", retrace())
     if args.no_table:
         return
     rows = []
