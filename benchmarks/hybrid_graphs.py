@@ -481,7 +481,7 @@ def retrace() -> list[dict]:
             "AOT graphs (fw+bw)": len(compiles) - before,
             "forward max error": float((got - want).abs().max()),
             "grad max error": max(float((a.grad - b.grad).abs().max()) for a, b in zip(mine, ref)),
-            "recompile triggered by (guard failures)": " | ".join(re.sub(r"\s+", " ", f)[:110] for f in failures) or "-",
+            "recompiled by (guard failures)": " | ".join(re.sub(r"\s+", " ", f)[:110] for f in failures) or "-",
         })  # fmt: skip
     for dynamic in (True, False):
         torch.compiler.reset()
