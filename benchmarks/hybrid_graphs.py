@@ -495,7 +495,30 @@ def retrace() -> list[dict]:
             kind = "dynamic" if dynamic else "static"
             rows.append({"case": f"torch path, aot_eager, {kind} length {length}", "outcome": outcome})
     torch.compiler.reset()
+    rows.append({"case": "substitute_in_graph of a Python function", "outcome": _substitution()})
     return rows
+
+
+def _doubles(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _substitution() -> str:
+    """Whether ``torch.compiler.substitute_in_graph`` swaps a plain Python function (not a C builtin) when Dynamo
+    traces a caller, while eager calls keep the original: the pre-Dynamo hook a CP core wrapper could use."""
+
+    def caller(x):
+        return _doubles(x) + 1
+
+    @torch.compiler.substitute_in_graph(_doubles)
+    def _triples(x):
+        return x * 3
+
+    torch.compiler.reset()
+    x = torch.ones(2)
+    eager, compiled = caller(x)[0].item(), torch.compile(caller, backend="eager")(x)[0].item()
+    torch.compiler.reset()
+    return f"eager caller {eager:g} (x*2+1), compiled caller {compiled:g} (x*3+1 if substituted)"
 
 
 def main() -> None:
