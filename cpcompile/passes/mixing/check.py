@@ -158,9 +158,11 @@ def _fix(op: MixingOp) -> str:
         return outside
     if op.source and _TRANSFORMERS_MASKS in op.source.replace("\\", "/"):
         return (
-            "this is transformers' mask code for attn_implementation='flex_attention', which reads the packed "
-            "documents from this rank's position_ids only: load the model with attn_implementation='sdpa' (the "
-            "same causal same-document masks, which cpcompile makes exact across ranks)"
+            "this is transformers' mask code, reading the packed documents from this rank's position_ids in a "
+            "way cpcompile could not tie to an attention mask. Under attn_implementation='flex_attention' that is "
+            "expected: load the model with attn_implementation='sdpa' (the same causal same-document masks, which "
+            "cpcompile makes exact across ranks). If the model already uses 'sdpa', report it with the graphs "
+            "cpcompile.backend(..., dump_dir=...) writes"
         )
     attention = vocab.attention_op_fix(op.op) if op.kind == "custom" else None
     if attention is not None:
