@@ -17,8 +17,8 @@
   packed rows of changing length). The one-process reference is the same weights with an equivalent SDPA mask
   (explicit softmax where a score_mod or the logsumexp is needed; transformers' own SDPA path), since CPU flex
   cannot train.
-* The fast tier runs the hand-written document, soft-capping and sliding-window forms, transformers' Llama and the
-  eager document ids at CP=2; transformers' other families, torchtitan's models and CP=4 are the slow tier.
+* The fast tier runs the hand-written document, soft-capping and sliding-window forms, transformers' Llama and LFM2
+  and the eager document ids at CP=2; transformers' Qwen3-MoE, torchtitan's models and CP=4 are the slow tier.
 * Document ids made in eager code from one rank's tokens (``document_eager``, CP=2): refused at run time on each
   rank, and wrong (parity fails) with the check told every tensor is exact.
 * Negative controls, each must fail the parity check: the mask_mod evaluated at this rank's local query indices
@@ -208,9 +208,8 @@ TORCHTITAN_TRAINER = ParityCase(
     batch_extras="tests.models.flex:torchtitan_trainer_masks",
 )
 PAIR0_SLOW += [TORCHTITAN_TRAINER] if package_missing("torchtitan") is None else []
-PAIR1 = [_case("sliding", "balanced", "aot_eager")]
-PAIR1_SLOW = [_hf_case("lfm2", 2, "balanced")]
-PAIR1_SLOW += [TORCHTITAN] if package_missing("torchtitan") is None else []
+PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
+PAIR1_SLOW = [TORCHTITAN] if package_missing("torchtitan") is None else []
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
 TIMEOUT_S = 600.0
@@ -416,8 +415,8 @@ def test_negative_controls_fail_parity(results):
     packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
-    # document, softcap, transformers' llama, document_eager; the slow tier adds LFM2 and torchtitan's two
-    expected = 4 + (1 + (TORCHTITAN in PAIR1_SLOW) + (TORCHTITAN_TRAINER in PAIR0_SLOW) if results["with_slow"] else 0)
+    # document, softcap, transformers' llama and LFM2, document_eager; the slow tier adds torchtitan's two
+    expected = 5 + ((TORCHTITAN in PAIR1_SLOW) + (TORCHTITAN_TRAINER in PAIR0_SLOW) if results["with_slow"] else 0)
     assert len(controlled) == expected, [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
