@@ -241,7 +241,7 @@ MASKS_BUILT_OUTSIDE = (
         ("get_attention_masks", "get_efficient_causal_mask_mod_for_packed_document"),
         "build torchtitan's attention masks outside the compiled model, on the global batch "
         "(model.get_attention_masks(batch['position_ids']) before cpcompile.shard), and pass them in the batch "
-        "handed to cpcompile.shard (README: flex_attention sites)",
+        "handed to cpcompile.shard (docs/flex.md)",
     ),
 )
 
