@@ -161,6 +161,11 @@ def sync_grads(parameters, cp_group: dist.ProcessGroup) -> None:
     (``ValueError`` on every rank otherwise). Two small all-reduces (the number of parameters, which gradients
     exist), then one flat all-reduce per dtype.
     """
+    if isinstance(parameters, torch.nn.Module):  # the same on every rank: raised before any collective
+        raise TypeError(
+            f"cpcompile.sync_grads expects the parameters to sum, got the module {type(parameters).__name__}; "
+            "pass model.parameters()"
+        )
     with failsafe.scope(cp_group, "cpcompile.sync_grads"):
         _sum_grads(list(parameters), cp_group)
 

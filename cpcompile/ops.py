@@ -80,7 +80,7 @@ from cpcompile import kernels as _kernels  # noqa: F401 - registers torch.ops.cp
 from cpcompile.errors import MaskMismatchError, UnsupportedAttentionError
 from cpcompile.mask import visible_mask
 from cpcompile.plan import SELECTIVE_SLOTS_FIX, CPPlan
-from cpcompile.runtime.context import Active, active_context, is_exact, is_proved_mask, mask_key
+from cpcompile.runtime.context import Active, active_context, is_exact, is_proved_mask
 
 __all__ = [
     "SiteSpec",
@@ -293,9 +293,8 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
       input is caught on the batch where it starts to differ: every rank raises the same
       :class:`MaskMismatchError`, naming the ranks whose mask differs.
     """
-    model_key = None if model_mask is None else mask_key(model_mask)
-    key = (model_key, spec.documents, spec.window)
-    if spec.site in _VERIFIED and key in context.checked_masks:
+    form = (spec.documents, spec.window)
+    if spec.site in _VERIFIED and _mask_checked(context, model_mask, form):
         return
     layer = _site_name(spec)
     seen = None
@@ -311,7 +310,20 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
     _VERIFIED.add(spec.site)
     if seen == "shown":  # every rank passed a check that a mask without the condition would have failed
         _DOCUMENTS_SEEN.add(spec.site)
-    context.checked_masks.add(key)
+    if model_mask is None:
+        context.checked_forms.add(form)
+    else:
+        context.checked_masks.add(model_mask, form)
+
+
+def _mask_checked(context: Active, model_mask: torch.Tensor | None, form: tuple) -> bool:
+    """Whether this step already held the round for ``model_mask`` (still alive, unwritten: a tensor that took a
+    freed mask's address is a new mask) under the attention form ``form``, or for a site of that form without a
+    model mask. Decided by what the program did, never by where the allocator put a tensor, so every rank holds
+    the same rounds."""
+    if model_mask is None:
+        return form in context.checked_forms
+    return context.checked_masks.contains(model_mask, form)
 
 
 def _hidden_documents(spec: SiteSpec) -> MaskMismatchError:

@@ -25,12 +25,12 @@ from cpcompile.runtime.context import (
     gather,
     is_exact,
     is_proved_mask,
-    mask_key,
     meet_before_backward,
     real_tokens,
     record_attention_free_graph,
     record_exact,
     record_proved_masks,
+    tensor_key,
 )
 from cpcompile.runtime.shard_options import default_pad_value
 from cpcompile.runtime.sharding import check_group, mark_local_dynamic, shard
@@ -50,7 +50,7 @@ __all__ = [
     "is_exact",
     "is_proved_mask",
     "mark_local_dynamic",
-    "mask_key",
+    "tensor_key",
     "real_tokens",
     "record_attention_form",
     "meet_before_backward",

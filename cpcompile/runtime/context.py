@@ -26,6 +26,7 @@ from cpcompile.runtime.comm import CommStats, gather_sequence
 __all__ = [
     "Active",
     "StepRecord",
+    "TensorSet",
     "activated",
     "active_context",
     "comm_stats",
@@ -38,6 +39,7 @@ __all__ = [
     "real_tokens",
     "record_attention_free_graph",
     "record_exact",
+    "tensor_key",
     "warn_if_no_attention",
 ]
 
@@ -61,59 +63,86 @@ class Active:
     plan: CPPlan
     group: dist.ProcessGroup | None
     comm: CommStats = dataclasses.field(default_factory=lambda: CommStats())
-    #: The model masks already compared with the plan in this step (written only by the attention ops).
-    checked_masks: set = dataclasses.field(default_factory=set)
-    #: The masks a compiled graph proved to keep documents apart and handed on in this step: :func:`mask_key` ->
-    #: a weak reference to the tensor (written by :func:`record_proved_masks`, read through :func:`is_proved_mask`).
-    proved_masks: dict = dataclasses.field(default_factory=dict)
+    #: The model masks already compared with the plan in this step, by site form (written only by the attention
+    #: ops through :meth:`TensorSet.add`).
+    checked_masks: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
+    #: The attention forms ``(documents, window)`` whose sites without a model mask held their round this step.
+    checked_forms: set = dataclasses.field(default_factory=set)
+    #: The masks a compiled graph proved to keep documents apart and handed on in this step (written by
+    #: :func:`record_proved_masks`, read through :func:`is_proved_mask`).
+    proved_masks: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
     #: Per-token tensors known to hold, at this rank's tokens, what the whole-sequence run holds there: the
     #: local batch ``shard`` made, and what compiled graphs of the CP group computed from such tensors only
-    #: (:func:`mask_key` -> a weak reference; written by :func:`record_exact`, read through :func:`is_exact`).
-    exact: dict = dataclasses.field(default_factory=dict)
+    #: (written by :func:`record_exact`, read through :func:`is_exact`).
+    exact: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
     ran: StepRecord = dataclasses.field(default_factory=StepRecord)
 
 
-def mask_key(mask: torch.Tensor) -> tuple:
-    """What identifies a mask tensor within a step: its storage, its version (an in-place write changes it) and its
-    shape."""
-    return (mask.data_ptr(), mask._version, tuple(mask.shape))
+def tensor_key(t: torch.Tensor) -> tuple | None:
+    """What identifies a tensor's values while it lives: its memory (address, shape, strides) and its version (an
+    in-place write changes it). ``None`` for a tensor without a version counter (made under
+    ``torch.inference_mode``), whose in-place writes cannot be seen: such a tensor is never recognised."""
+    if t.is_inference():
+        return None
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride())
+
+
+class TensorSet:
+    """Tensors noted in one step, each under a tag, held weakly.
+
+    A tensor is in the set under a tag when a noted tensor with the same :func:`tensor_key` is still alive: the
+    same tensor, or a view of the same memory with the same shape and strides, unwritten since. A tensor that
+    merely took a freed one's address is not in it. That matters beyond memory safety: whether an allocator
+    hands a freed address to the next tensor differs between processes, so a decision keyed by addresses alone
+    (whether a site holds a control round) could differ between CP ranks, which then wait in different places.
+    Whether a noted tensor is still alive depends only on the program, which every rank runs alike.
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple, list[weakref.ref]] = {}
+
+    def add(self, t: torch.Tensor, tag: object = None) -> None:
+        key = tensor_key(t)
+        if key is not None:
+            self._refs.setdefault((tag, key), []).append(weakref.ref(t))
+
+    def contains(self, t: torch.Tensor, tag: object = None) -> bool:
+        key = tensor_key(t)
+        return key is not None and any(ref() is not None for ref in self._refs.get((tag, key), ()))
 
 
 def record_proved_masks(masks: list[torch.Tensor]) -> None:
     """Note, in the active shard context, masks that the graph which built them proved to keep packed documents
-    apart before handing them on (no-op outside a shard context). Held weakly: a mask freed in the step is no
-    longer trusted, so a later tensor at its address is not taken for it."""
+    apart before handing them on (no-op outside a shard context). Held weakly (:class:`TensorSet`): a mask freed
+    in the step is no longer trusted, so a later tensor at its address is not taken for it."""
     current = _STATE.active
     if current is not None:
-        current.proved_masks.update((mask_key(m), weakref.ref(m)) for m in masks)
+        for m in masks:
+            current.proved_masks.add(m)
 
 
 def is_proved_mask(context: Active, mask: torch.Tensor) -> bool:
     """Whether ``mask`` is a mask :func:`record_proved_masks` noted in ``context`` and still alive."""
-    ref = context.proved_masks.get(mask_key(mask))
-    return ref is not None and ref() is not None
+    return context.proved_masks.contains(mask)
 
 
 def record_exact(tensors: list[torch.Tensor], context: Active | None = None) -> None:
     """Note per-token tensors whose values at this rank's tokens are the whole-sequence run's in ``context`` (the
-    active shard context by default; no-op outside one). Held weakly, keyed like masks (:func:`mask_key`): an
-    in-place write afterwards, or a freed tensor's address taken by another, is not trusted."""
+    active shard context by default; no-op outside one). Held weakly (:class:`TensorSet`): an in-place write
+    afterwards, or a freed tensor's address taken by another, is not trusted. A view that covers its base with
+    the same shape and strides (``position_ids.expand(B, -1)`` of a ``[B, T]`` tensor) is recognised as its base."""
     current = context if context is not None else _STATE.active
     if current is not None:
         for t in tensors:
-            current.exact.setdefault(_exact_key(t), []).append(weakref.ref(t))
-
-
-def _exact_key(t: torch.Tensor) -> tuple:
-    """:func:`mask_key` with the strides: tensors with the same key hold the same values (a view that covers its
-    base, ``position_ids.expand(B, -1)`` of a ``[B, T]`` tensor, shares its base's key)."""
-    return (*mask_key(t), t.stride())
+            current.exact.add(t)
 
 
 def is_exact(context: Active, t: torch.Tensor) -> bool:
-    """Whether ``t`` holds what a tensor :func:`record_exact` noted in ``context`` holds: same storage, version,
+    """Whether ``t`` holds what a tensor :func:`record_exact` noted in ``context`` holds: same memory, version,
     shape and strides, the noted tensor still alive."""
-    return any(ref() is not None for ref in context.exact.get(_exact_key(t), ()))
+    return context.exact.contains(t)
 
 
 class _State(threading.local):
