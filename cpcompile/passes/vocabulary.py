@@ -39,6 +39,9 @@ PyTorch's DTensor sharding rules were considered as this vocabulary: they are re
 pass reads Dynamo graphs of ``torch`` functions and ``Tensor`` methods before AOTAutograd, where a ``Shard(seq)``
 strategy cannot be looked up by name; these tables follow the same split (ops that propagate a shard of a dim,
 ops that need it replicated).
+
+Why one module of about 430 lines: it is the one copy of the op vocabulary; every pass reads these tables, and
+a table defined from another says next to it what differs and why, which a split would put in two places.
 """
 
 from __future__ import annotations
