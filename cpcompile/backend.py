@@ -27,8 +27,8 @@ from cpcompile.runtime import (
     current_plan,
     is_exact,
     meet_before_backward,
-    record_attention_free_graph,
     record_exact,
+    record_graph_run,
     record_proved_masks,
 )
 
@@ -189,9 +189,10 @@ class CPBackend:
         if self.cp_size == 1:
             return compiled
         rewritten = any(r.action == "rewritten" for r in reports)
-        if not rewritten:
-            compiled = _noting_attention_free(compiled, self.group_name, _frame_of(gm, graph_id))
-        if rewritten or any(r.action == "gathered" for r in mixing):  # the graph's backward runs collectives
+        mixes = rewritten or any(r.action == "gathered" for r in mixing)
+        if self.options.token_mixing == "required":
+            compiled = _noting_graph_run(compiled, self.group_name, self.name, _frame_of(gm, graph_id), mixes)
+        if mixes:  # the graph's backward runs collectives
             compiled = _meeting_before_backward(compiled, self.group_name)
         if handed:
             compiled = _recording_proved_masks(compiled, handed)
@@ -213,11 +214,12 @@ def _frame_of(gm: fx.GraphModule, graph_id: int) -> str:
     return f"graph {graph_id}"
 
 
-def _noting_attention_free(compiled, group_name: str, frame: str):
-    """``compiled``, noting each run in the active shard step (``runtime.record_attention_free_graph``)."""
+def _noting_graph_run(compiled, group_name: str, backend_name: str, frame: str, mixes: bool):
+    """``compiled``, noting each run in the active shard step, with whether the graph mixes tokens across ranks
+    (``runtime.record_graph_run``)."""
 
     def run(*args):
-        record_attention_free_graph(group_name, frame)
+        record_graph_run(group_name, backend_name, frame, mixes)
         return compiled(*args)
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo calls a boxed function with one list

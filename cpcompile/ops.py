@@ -772,6 +772,14 @@ def exact_input(t: torch.Tensor, site: str, what: str) -> torch.Tensor:
     the same code on its own tokens), before the site communicates anything.
     """
     context = active_context(f"the flex_attention site {site}")
+    if t.is_inference():  # no version counter: an in-place write since it was computed could not be seen
+        raise UnsupportedAttentionError(
+            f"cpcompile cannot run the flex_attention call at {_site_name(site_spec(site))} across CP ranks under "
+            f"torch.inference_mode: its {what} reads a tensor of shape {tuple(t.shape)} handed on from another graph "
+            "or from eager code, and an inference tensor keeps no record of in-place writes, so cpcompile cannot "
+            "tell that it still holds what the compiled model computed. Fix: run forward-only calls under "
+            "torch.no_grad() instead of torch.inference_mode()"
+        )
     if not is_exact(context, t):
         raise UnsupportedAttentionError(
             f"cpcompile cannot run the flex_attention call at {_site_name(site_spec(site))} across CP ranks: its "

@@ -14,6 +14,7 @@ __all__ = [
     "EXCHANGES",
     "INNER_COMPILERS",
     "MIXING_MODES",
+    "TOKEN_MIXING",
     "POSITION_MODES",
     "BackendOptions",
 ]
@@ -23,6 +24,7 @@ ATTENTION_PATHS = ("auto", "block", "dense", "flex", "flash_varlen")
 POSITION_MODES = ("rewrite", "off")
 MIXING_MODES = ("exact", "off")
 EXCHANGES = ("all_gather", "selective")
+TOKEN_MIXING = ("required", "none")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
 DUMP_DIR_ENV = "CPCOMPILE_DUMP_DIR"
 
@@ -84,6 +86,13 @@ class BackendOptions:
     #: ``"off"``: left as the model computes them, on this rank's tokens only: silently wrong for such models;
     #: only for measuring what the pass changes.
     mixing: Literal["exact", "off"] = "exact"
+    #: Whether the model mixes tokens. ``"required"`` (default): a :func:`cpcompile.shard` step that ran graphs of
+    #: this backend and none of them held rewritten attention or another op made exact across ranks (a gathered
+    #: causal region) raises :class:`~cpcompile.UnsupportedAttentionError` on every rank when the step ends,
+    #: naming the graphs that ran: the model's attention ran outside the compiled graphs (a
+    #: ``torch.compiler.disable`` function, a graph break around it) on this rank's tokens only. ``"none"``: the
+    #: model truly has no token mixing (token-wise layers and a loss only), and such steps are exact.
+    token_mixing: Literal["required", "none"] = "required"
     #: Custom ops (``"namespace::name"``) that compute every token's outputs from that token's inputs, added to
     #: :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS`. Any other custom op that takes sequence-sharded
     #: tensors is refused.
@@ -120,6 +129,11 @@ class BackendOptions:
             raise ValueError(
                 f"exchange_slots={self.exchange_slots!r} must be a positive int (key slots per rank) or None (the "
                 "all-gather's (N - 1) * c)"
+            )
+        if self.token_mixing not in TOKEN_MIXING:
+            raise ValueError(
+                f'token_mixing={self.token_mixing!r} is not a known mode; choose one of {TOKEN_MIXING} ("none" only '
+                "for a model without attention or any other op that mixes tokens)"
             )
         if self.mixing not in MIXING_MODES:
             raise ValueError(f"mixing={self.mixing!r} is not a known mode; choose one of {MIXING_MODES}")

@@ -21,7 +21,7 @@ DOCS = [[10, 20, 7], [5, 30, 2]]  # T = 37: rank 1 of 2 holds tokens 19..36 and 
 
 
 def _local_logits(form, group, positions="rewrite", inner="eager"):
-    backend = cpcompile.backend(group, inner=inner, positions=positions)
+    backend = cpcompile.backend(group, inner=inner, positions=positions, token_mixing="none")  # no attention
     compiled = torch.compile(pm.position_only_lm(form), backend=backend)
     with cpcompile.shard(packed_batch(DOCS, vocab_size=64), group, hf_kwargs=False, layout="contiguous") as local:
         logits = compiled(local["input_ids"])
@@ -56,7 +56,7 @@ def _whole_and_local(model, doc_lens, group, monkeypatch=None):
     T = batch["input_ids"].shape[1]
     c = -(-T // 2)
     whole = copy.deepcopy(model)(batch["input_ids"])[:, c:]
-    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="eager"))
+    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="eager", token_mixing="none"))
     with cpcompile.shard(batch, group, hf_kwargs=False, layout="contiguous") as local:
         logits = compiled(local["input_ids"])
     return whole, logits[:, : T - c]

@@ -130,13 +130,20 @@ def test_mask_is_checked_on_every_new_batch(results, mask):
         assert res["pending_after_mismatch"] == 0, f"rank {rank}: {res['pending_after_mismatch']} unwaited"
 
 
-def test_attention_hidden_from_the_backend_is_warned_once(results):
-    """Attention inside a ``@torch.compiler.disable`` function runs on the local chunk only: the step ran compiled
-    graphs of the CP group and no rewritten attention, so shard warns once (a model without attention is exact,
-    hence a warning, not an error); a model whose attention is compiled gets no such warning."""
+def test_attention_hidden_from_the_backend_is_an_error_on_every_rank(results):
+    """Attention inside a ``@torch.compiler.disable`` function runs on the local chunk only: a step that ran
+    compiled graphs of a backend and none with rewritten attention raises on every rank, every step, naming the
+    frame, the cause and the fix; also when another model's attention ran in the same step (the check is per
+    backend). A model without token mixing runs when declared (``token_mixing="none"``) and is refused when not
+    (the control: the backend cannot tell it from hidden attention)."""
     for rank, res in enumerate(results):
-        first, second = res["hidden"]
-        assert len(first) == 1 and second == [], f"rank {rank}: {res['hidden']}"
-        assert "attended over this rank's tokens only" in first[0] and "@torch.compiler.disable" in first[0]
-        assert "in forward" in first[0], first[0]  # names the frame of the graph that ran
-        assert res["attention_warnings"] == [], res["attention_warnings"]
+        outcomes = [*res["hidden"], res["hidden_next_to_compiled"], res["undeclared_without_mixing"]]
+        for got in outcomes:
+            assert got["type"] == "UnsupportedAttentionError", f"rank {rank}: {got}"
+            message = got["message"]
+            assert "attended over this rank's tokens only" in message and "@torch.compiler.disable" in message
+            assert "in forward" in message, message  # names the frame of the graph that ran
+            assert 'token_mixing="none"' in message, message  # the opt-out for a model without mixing
+        assert res["compiled_alone"]["type"] == "none", res["compiled_alone"]
+        assert res["declared_without_mixing"]["type"] == "none", res["declared_without_mixing"]
+    assert results[0]["hidden"][0]["message"] == results[1]["hidden"][0]["message"]  # the same error everywhere

@@ -27,8 +27,8 @@ from cpcompile.runtime.context import (
     is_proved_mask,
     meet_before_backward,
     real_tokens,
-    record_attention_free_graph,
     record_exact,
+    record_graph_run,
     record_proved_masks,
     tensor_key,
 )
@@ -54,7 +54,7 @@ __all__ = [
     "real_tokens",
     "record_attention_form",
     "meet_before_backward",
-    "record_attention_free_graph",
+    "record_graph_run",
     "record_exact",
     "record_proved_masks",
     "shard",

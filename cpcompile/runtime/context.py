@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cpcompile import failsafe
+from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.plan import CPPlan
 from cpcompile.runtime.comm import CommStats, gather_sequence
 
@@ -32,15 +32,15 @@ __all__ = [
     "comm_stats",
     "current_context",
     "current_plan",
+    "check_token_mixing",
     "ensure_inactive",
     "gather",
     "is_exact",
     "meet_before_backward",
     "real_tokens",
-    "record_attention_free_graph",
+    "record_graph_run",
     "record_exact",
     "tensor_key",
-    "warn_if_no_attention",
 ]
 
 
@@ -50,8 +50,11 @@ class StepRecord:
 
     #: Calls of rewritten attention sites (``cpcompile::site_plan``).
     sites: int = 0
-    #: Frames of the compiled graphs of this CP group that have no rewritten attention and ran in the step.
-    attention_free: list[str] = dataclasses.field(default_factory=list)
+    #: Backend name -> frames of the graphs it compiled for this CP group that ran in the step and mix no tokens
+    #: across ranks (no rewritten attention, no gathered region).
+    unmixed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: Backends whose graphs that ran in the step mix tokens across ranks.
+    mixed: set[str] = dataclasses.field(default_factory=set)
     #: The step's backward round was held (:func:`meet_before_backward`).
     backward_met: bool = False
 
@@ -239,11 +242,18 @@ def comm_stats() -> CommStats:
     return _STATE.last_comm
 
 
-def record_attention_free_graph(group_name: str, frame: str) -> None:
-    """Note that a graph compiled for ``group_name`` without rewritten attention ran (called by the backend)."""
+def record_graph_run(group_name: str, backend_name: str, frame: str, mixes: bool) -> None:
+    """Note that a graph compiled for ``group_name`` by the backend ``backend_name`` ran in the active step, and
+    whether it mixes tokens across ranks (called by the backend; read by :func:`check_token_mixing`)."""
     current = _STATE.active
-    if current is not None and current.plan.group_name == group_name and frame not in current.ran.attention_free:
-        current.ran.attention_free.append(frame)
+    if current is None or current.plan.group_name != group_name:
+        return
+    if mixes:
+        current.ran.mixed.add(backend_name)
+    else:
+        frames = current.ran.unmixed.setdefault(backend_name, [])
+        if frame not in frames:
+            frames.append(frame)
 
 
 def meet_before_backward(outputs: object, group_name: str) -> None:
@@ -275,30 +285,25 @@ def meet_before_backward(outputs: object, group_name: str) -> None:
     torch.autograd.graph.register_multi_grad_hook(tensors, meet, mode="any")
 
 
-#: (group name, frames) already warned about by :func:`warn_if_no_attention`.
-_WARNED_NO_ATTENTION: set[tuple[str, tuple[str, ...]]] = set()
+def check_token_mixing(context: Active, group_name: str) -> None:
+    """Raise when a backend's graphs ran in this step and none of them mixed tokens across ranks.
 
-
-def warn_if_no_attention(context: Active, group_name: str) -> None:
-    """Warn once when compiled graphs of the group ran in this step but no rewritten attention did.
-
-    A warning, not an error: a model without attention (token-wise layers only) is exact under CP, and the
-    backend cannot tell it from a model whose attention ran outside the compiled graphs (a
-    ``@torch.compiler.disable`` function, a graph break around it), which attends over this rank's chunk only.
+    Such a model either has no token mixing (declared with ``cpcompile.backend(..., token_mixing="none")``, whose
+    graphs are not noted) or ran its attention outside the compiled graphs: in a ``@torch.compiler.disable``
+    function, or cut off by a graph break, where it attended over this rank's tokens only. Every rank runs the
+    same graphs, so every rank raises the same :class:`~cpcompile.UnsupportedAttentionError` as the step ends.
     """
     ran = context.ran
-    if ran.sites or not ran.attention_free:
+    unmixed = {name: frames for name, frames in ran.unmixed.items() if name not in ran.mixed}
+    if not unmixed:
         return
-    key = (group_name, tuple(ran.attention_free))
-    if key in _WARNED_NO_ATTENTION:
-        return
-    _WARNED_NO_ATTENTION.add(key)
-    warnings.warn(
-        f"cpcompile.shard: the model ran {len(ran.attention_free)} graph(s) compiled for CP group {group_name!r} "
-        f"in this step ({'; '.join(ran.attention_free)}) and none of them held attention: if the model has "
-        "attention, it ran outside the compiled graphs (inside a @torch.compiler.disable function, or cut off by "
-        "a graph break) and attended over this rank's tokens only, which is wrong under context parallelism. "
-        "Let Dynamo trace the attention (remove the disable, fix the graph break: TORCH_LOGS=graph_breaks). A "
-        "model without attention can ignore this warning",
-        stacklevel=3,
+    name, frames = next(iter(unmixed.items()))
+    raise UnsupportedAttentionError(
+        f"cpcompile.shard: the model compiled by cpcompile {name} for CP group {group_name!r} ran "
+        f"{len(frames)} graph(s) in this step ({'; '.join(frames)}) and none of them held attention or another op "
+        "that mixes tokens across the CP ranks. If the model has attention, it ran outside the compiled graphs "
+        "(inside a @torch.compiler.disable function, or cut off by a graph break: TORCH_LOGS=graph_breaks shows "
+        "where) and attended over this rank's tokens only, which is wrong under context parallelism: let Dynamo "
+        "trace the attention (remove the disable, fix the graph break). A model without attention or any other "
+        'token mixing is exact: declare it with cpcompile.backend(cp_group, token_mixing="none")'
     )

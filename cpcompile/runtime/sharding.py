@@ -21,7 +21,7 @@ from cpcompile.plan import IGNORE_INDEX, CPPlan, build_plan
 from cpcompile.runtime.batch_check import checked_plan, unchecked_round
 from cpcompile.runtime.block_masks import check_block_masks, is_block_masks, local_block_masks
 from cpcompile.runtime.comm import CommStats
-from cpcompile.runtime.context import Active, activated, ensure_inactive, record_exact, warn_if_no_attention
+from cpcompile.runtime.context import Active, activated, check_token_mixing, ensure_inactive, record_exact
 from cpcompile.runtime.shard_options import OWN_PADDING, ShardOptions, default_pad_value, validate_options
 
 __all__ = ["check_group", "mark_local_dynamic", "shard"]
@@ -170,7 +170,7 @@ def shard(
         try:
             yield local
             if cp_size > 1:
-                warn_if_no_attention(context, group_name)
+                check_token_mixing(context, group_name)
         except BaseException as e:
             where = "the `with cpcompile.shard(...)` block"
             explained = _padding_error(e, batch, plan, pads)

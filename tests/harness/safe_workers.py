@@ -129,15 +129,6 @@ class HiddenAttentionLM(nn.Module):
         return lm_output(self.head(x + out), labels, shift_labels, num_items_in_batch)
 
 
-def _warnings_of(fn) -> list[str]:
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn()
-    return [str(w.message) for w in caught if "none of them held attention" in str(w.message)]
-
-
 def _model_step(cm, batch, group, *, backward=True, **kw) -> float:
     import cpcompile
 
@@ -249,7 +240,6 @@ def disagree_worker(rank: int, world_size: int) -> dict:
     cm = _compiled(MaskLM("segments"), group)
     one_segment = dict(one_doc, prefix=torch.zeros(2, 16, dtype=torch.long))
     out["mask_causal_first"] = _outcome(lambda: _model_step(cm, one_segment, group))
-    out["attention_warnings"] = _warnings_of(lambda: _model_step(cm, one_segment, group))  # attention compiled
     _short(group)
     stale = dict(batch, prefix=torch.zeros_like(batch["input_ids"]))
     out["mask_causal_packed"] = _outcome(lambda: _model_step(cm, stale, group))
@@ -265,10 +255,27 @@ def disagree_worker(rank: int, world_size: int) -> dict:
         lambda: _model_step(cm, dict(one_doc, prefix=prefix), group, layout="contiguous")
     )
 
-    # 7. attention hidden from Dynamo: the step runs compiled graphs but no rewritten attention: warned once
+    # 7. attention hidden from Dynamo: the step runs compiled graphs but no rewritten attention: an error on every
+    #    rank, every step; next to a compiled model in the same step too (the check is per backend); a model
+    #    without token mixing is accepted when declared
     group = _group(world_size)
     cm = _compiled(HiddenAttentionLM(), group)
-    out["hidden"] = [_warnings_of(lambda: _model_step(cm, one_doc, group)) for _ in range(2)]
+    out["hidden"] = [_outcome(lambda: _model_step(cm, one_doc, group)) for _ in range(2)]
+    seen = _compiled(MaskLM("segments"), group)
+    hidden = torch.compile(HiddenAttentionLM(), backend=cpcompile.backend(group, inner="eager"))
+
+    def both():
+        with cpcompile.shard(one_segment, group) as local:
+            (seen(**local).loss + hidden(**local).loss).backward()
+
+    out["hidden_next_to_compiled"] = _outcome(both)
+    out["compiled_alone"] = _outcome(lambda: _model_step(seen, one_segment, group))
+    from tests.models.attention import mlp_lm
+
+    declared = torch.compile(mlp_lm(), backend=cpcompile.backend(group, inner="eager", token_mixing="none"))
+    out["declared_without_mixing"] = _outcome(lambda: _model_step(declared, one_doc, group))
+    undeclared = torch.compile(mlp_lm(), backend=cpcompile.backend(group, inner="eager"))
+    out["undeclared_without_mixing"] = _outcome(lambda: _model_step(undeclared, one_doc, group))
     return out
 
 
