@@ -350,13 +350,23 @@ def must_recompute_meta() -> dict:
     return {"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0}
 
 
+#: The per-frame recompile limit under CP: enough for the variants an RL step compiles legitimately (each model
+#: instance, FSDP2 giving every wrapped instance a class of its own; grad and no-grad; train and eval; a first
+#: and a dynamic length), which Dynamo's default of 8 turns into a hard failure once fallback is forbidden.
+RECOMPILE_LIMIT_UNDER_CP = 64
+
+
 def forbid_eager_fallback_on_recompile_limit() -> None:
-    """Make Dynamo raise instead of running a frame uncompiled once its recompile limit is hit.
+    """Make Dynamo raise instead of running a frame uncompiled once its recompile limit is hit, and raise that
+    limit to :data:`RECOMPILE_LIMIT_UNDER_CP` (a larger limit the user set is kept).
 
     An uncompiled frame would run attention on the local chunk only: silently wrong under CP (or a hang when
-    only some ranks fall back). torch 2.11-2.13: ``torch._dynamo.config.fail_on_recompile_limit_hit``.
+    only some ranks fall back). torch 2.11-2.13: ``torch._dynamo.config.fail_on_recompile_limit_hit`` and
+    ``recompile_limit``.
     """
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT_UNDER_CP)
 
 
 def statically_true(expr: object) -> bool:

@@ -319,7 +319,9 @@ def backend(cp_group: dist.ProcessGroup, **options: object) -> CPBackend:
     known ones; a bad value, ``ValueError``.
 
     With a CP group of more than one rank this also sets Dynamo's ``fail_on_recompile_limit_hit``: a frame
-    that exceeds the recompile limit raises instead of silently running uncompiled (local-only attention).
+    that exceeds the recompile limit raises instead of silently running uncompiled (local-only attention); and
+    it raises Dynamo's per-frame ``recompile_limit`` to at least 64, since a policy and a reference model, grad
+    and no-grad calls, ``train()`` and ``eval()`` and a changing length each compile a variant of the same frames.
     """
     known = {f.name for f in dataclasses.fields(BackendOptions)}
     unknown = sorted(set(options) - known)

@@ -13,5 +13,9 @@ fi
 # code without their training stacks (--no-deps), then only what their model modules import. litgpt pins an older
 # huggingface-hub than transformers needs; its model code does not use it, so pip's conflict warning is expected.
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt --no-deps torchtitan litgpt
+# rotary-embedding-torch and IBM fms (tests/test_library_patterns.py): model code that needs only torch,
+# transformers and einops.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt --no-deps \
+  rotary-embedding-torch ibm-fms
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt \
   spmd_types einops tyro lightning psutil "jsonargparse[signatures]"

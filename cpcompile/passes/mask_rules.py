@@ -162,8 +162,11 @@ def _same(a: object, b: object) -> bool:
 
 
 def _int(x: object) -> int | None:
-    """A plain int constant (a node's value when it is a concrete int), else ``None``."""
+    """A plain int constant (a node's value when it is a concrete int, or a SymInt of no symbol: ``j - i + 1`` of
+    one length, x-transformers' ``triu`` diagonal), else ``None``."""
     v = node_value(x) if isinstance(x, fx.Node) else x
+    if isinstance(v, torch.SymInt) and not _compat.free_symbols(v):
+        v = _compat.sym_hint(v)
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -226,6 +229,11 @@ class _Prover:
             return self._plain(n, name)
         if name in _NOT and n.args and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in {*_COMPARE, "triu"}:
             return self._not(n, n.args[0])  # the condition itself is not evaluated: its negation is
+        inner = n.args[0] if name in _NOT and n.args and isinstance(n.args[0], fx.Node) else None
+        if inner is not None and op_name(inner) in _NOT and inner.args and isinstance(inner.args[0], fx.Node):
+            v = node_value(inner.args[0])
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+                return self.value(inner.args[0])  # ~~mask: the mask (x-transformers' ~attn_mask, then ~ of the masks)
         inputs = [self.value(a) for a in n.all_input_nodes]
         if all(v is _PLAIN or v == _ONES for v in inputs):
             return self._plain(n, name)

@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat
-from cpcompile.passes.aliasing import op_name
+from cpcompile.passes import vocabulary as vocab
+from cpcompile.passes.aliasing import is_inplace, mutated, op_name, viewed_bases
 from cpcompile.passes.common import FoundAt, graph_modules, node_value
 from cpcompile.passes.kv_heads import KVSource
 from cpcompile.passes.kv_heads import kv_source as find_kv_source
@@ -63,7 +64,7 @@ def _recorded_shape(n: fx.Node) -> tuple | None:
 def _one_mask_for_all_heads(mask: object) -> object:
     """The ``[B, 1, T, T]`` mask a ``[B, H, T, T]`` mask was expanded from (``mask.expand(B, H, T, T)``, also
     through ``expand_as``/``broadcast_to``): the same mask for every head, which the site then takes as its mask.
-    Any other mask as it is (a mask that may differ between heads keeps its shape, and is refused)."""
+    Any other mask as it is (see :func:`_mask_without_heads` for masks broadcast to the heads in other ways)."""
     m = mask
     while (
         isinstance(m, fx.Node)
@@ -81,6 +82,120 @@ def _one_mask_for_all_heads(mask: object) -> object:
     return mask
 
 
+#: Ops that keep a mask's elements where they are (a cast, a copy), read through by :func:`_mask_without_heads`.
+_HEAD_COPIES = frozenset({"contiguous", "clone", "to", "bool", "detach"})
+
+
+def _one_head(n: object) -> bool:
+    """Whether ``n`` has no heads dim of its own in a ``[B, H, T, T]`` broadcast: fewer than 3 dims, or size 1 at
+    dim -3."""
+    shape = _recorded_shape(n) if isinstance(n, fx.Node) else ()
+    return shape is not None and (len(shape) < 3 or _compat.statically_true(shape[-3] == 1))
+
+
+def _heads_free(n: object, made: dict, copies: list, before: fx.Node) -> object:
+    """A value equal to ``n`` at every head with no heads dim of its own (:func:`_one_head`), its ops copied
+    before ``before`` when it has to be made (the copies are appended to ``copies``); ``None`` when ``n`` may
+    differ between heads. ``made`` maps the nodes already read to their value."""
+    if not isinstance(n, fx.Node) or _one_head(n):
+        return n
+    if n in made:
+        return made[n]
+    made[n] = None
+    if _written_in_place(n):
+        return None  # a copy of its ops would miss the write
+    name = op_name(n) if n.op in ("call_function", "call_method") else ""
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    found = None
+    if src is not None and (name in _HEAD_BROADCASTS or name in _HEAD_COPIES):
+        # a broadcast (expand, expand_as, broadcast_to) copies its input to every head; a cast keeps it
+        found = _heads_free(src, made, copies, before)
+    elif src is not None and name == "repeat" and _one_head(src):
+        sizes = list(n.args[1:]) if not isinstance(n.args[1], (tuple, list)) else list(n.args[1])
+        shape = _recorded_shape(src)
+        # tiles only along the heads dim: every head a copy of the one
+        if shape is not None and len(sizes) == len(shape) == 4 and all(sizes[d] == 1 for d in (0, 2, 3)):
+            found = src
+    elif name in vocab.ELEMENTWISE and not is_inplace(name) and name not in _RANDOM:
+        inputs = n.all_input_nodes
+        free = {i: _heads_free(i, made, copies, before) for i in inputs}
+        if all(v is not None for v in free.values()) and any(free[i] is not i for i in inputs):
+            with n.graph.inserting_before(before):
+                found = n.graph.node_copy(n, lambda a: free.get(a, a))
+            copies.append(found)
+            value = _evaluate(found)
+            if value is None:
+                found = None
+            else:
+                found.meta["example_value"] = value
+    made[n] = found
+    return found
+
+
+def _written_in_place(n: fx.Node) -> bool:
+    """Whether an op of the graph writes in place into ``n`` or a view of it."""
+    for u in n.graph.nodes:
+        target = mutated(u)
+        if target is not None and u is not n and n in viewed_bases(target):
+            return True
+    return False
+
+
+#: Element-wise ops that draw random numbers: a copy would draw other numbers.
+_RANDOM = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli"})
+
+
+def _evaluate(n: fx.Node) -> torch.Tensor | None:
+    """The (fake) value of a node copied from another: its op run on its inputs' recorded values."""
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), node_value)
+    try:
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        return n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a value that cannot be recomputed: the mask is left as it was
+        return None
+
+
+def _mask_without_heads(sdpa: fx.Node, mask: object) -> object:
+    """The site's mask with no heads dim when a ``[B, H, T, T]`` mask is the same for every head.
+
+    Libraries broadcast one ``[B, 1, T, T]`` (or ``[T, T]``) mask to the heads and go on from there:
+    x-transformers' ``mask.expand(B, H, T, T) & ~causal_mask``, ``mask.repeat(1, H, 1, 1)``,
+    ``mask[:, None].expand(-1, H, -1, -1) & causal``. The mask's element-wise ops are copied onto the
+    broadcasts' inputs (``mask & ~causal_mask`` on the ``[B, 1, T, T]`` mask), the call gets that ``[B, 1, T, T]``
+    mask (the same values at every head, by broadcasting) and the ``[B, H, T, T]`` ops no longer used are
+    removed. A mask that may differ between heads (a value with its own heads dim that is not a broadcast, a
+    random op) is left as it is, and the site refuses it.
+    """
+    if not isinstance(mask, fx.Node):
+        return mask
+    plain = _one_mask_for_all_heads(mask)
+    shape = _recorded_shape(mask)
+    if plain is not mask or shape is None or len(shape) != 4 or _one_head(mask):
+        return plain
+    made: dict = {}
+    copies: list = []
+    free = _heads_free(mask, made, copies, sdpa)
+    out = _recorded_shape(free) if isinstance(free, fx.Node) else None
+    same_rows = out is not None and len(out) == 4 and all(_compat.statically_true(out[d] == shape[d]) for d in (2, 3))
+    if not same_rows:
+        _erase_unused(reversed(copies))
+        return mask
+    if "attn_mask" in sdpa.kwargs:
+        sdpa.update_kwarg("attn_mask", free)
+    else:
+        sdpa.update_arg(_SDPA_PARAMS.index("attn_mask"), free)
+    _erase_unused([n for n in reversed(list(mask.graph.nodes)) if n in made])
+    return free
+
+
+def _erase_unused(nodes) -> None:
+    """Erase the nodes of ``nodes`` (users before their inputs) that nothing uses (pure mask ops)."""
+    for n in nodes:
+        if not n.users and n.op in ("call_function", "call_method"):
+            n.graph.erase_node(n)
+
+
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
     """Every SDPA call of ``gm`` and of its nested graphs (e.g. checkpointed layers), in graph order."""
     sites = []
@@ -96,7 +211,7 @@ def find_sdpa_sites(gm: fx.GraphModule) -> list[SDPASite]:
                 query=bound["query"],
                 key=bound["key"],
                 value=bound["value"],
-                attn_mask=_one_mask_for_all_heads(bound["attn_mask"]),
+                attn_mask=_mask_without_heads(node, bound["attn_mask"]),
                 dropout_p=bound["dropout_p"],
                 is_causal=bound["is_causal"],
                 scale=bound["scale"],

@@ -89,6 +89,7 @@ __all__ = [
     "SIZE_ARGS",
     "SPLITS",
     "attention_op_fix",
+    "einsum_subscripts",
     "masks_built_outside_fix",
     "op_name",
     "row_move_args",
@@ -166,6 +167,47 @@ DIM_REDUCTIONS: dict[str, tuple[int, str, object, str]] = {
 
 #: Matrix products: mixing when a contracted dim is a sequence dim.
 CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "einsum", "baddbmm", "addmm", "addbmm", "__matmul__", "tensordot"})
+
+
+def einsum_subscripts(eq: object, ranks: list[int | None]) -> tuple[list[str], str] | None:
+    """An einsum equation as explicit subscripts, one letter per dim of each operand: ``(terms, output)``; how
+    every pass reads an einsum (a contracted letter is one missing from the output).
+
+    ``ranks`` are the operands' numbers of dims. ``...`` stands for the dims no letter names, right-aligned across
+    operands as they broadcast; it becomes letters that the equation does not use (``'..., f -> ... f'`` on a
+    ``[B, T]`` and an ``[F]`` operand reads ``'YZ,f->YZf'``: an outer product, nothing contracted). Without
+    ``->`` the output is the broadcast dims followed by the letters used once, in alphabetical order. ``None``
+    when the equation cannot be read (a non-string, a rank missing, more than one ``...`` in a term).
+    """
+    if not isinstance(eq, str):
+        return None
+    eq = eq.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks) or any(t.count("...") > 1 for t in (*terms, out)):
+        return None
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    widest = 0
+    for i, (term, rank) in enumerate(zip(terms, ranks)):
+        if "..." not in term:
+            continue
+        if rank is None:
+            return None
+        k = rank - (len(term) - 3)
+        if k < 0 or k > len(spare):
+            return None
+        widest = max(widest, k)
+        terms[i] = term.replace("...", "".join(spare[len(spare) - k :]))  # right-aligned broadcast dims
+    broadcast = "".join(spare[len(spare) - widest :]) if widest else ""
+    if not arrow:
+        joined = "".join(terms)
+        out = broadcast + "".join(sorted(c for c in set(joined) if joined.count(c) == 1 and c not in broadcast))
+    else:
+        out = out.replace("...", broadcast)
+    if any("." in t for t in (*terms, out)):
+        return None
+    return terms, out
+
 
 #: Convolutions (input ``[B, C, *spatial]``): mixing along a sequence dim among the spatial dims.
 CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "convolution"})

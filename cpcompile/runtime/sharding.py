@@ -122,6 +122,13 @@ def shard(
         whole row before the tokens are distributed) and
         ``num_items_in_batch``, so that the per-rank losses add up to the global mean.
 
+    The loss contract: the loss each CP rank computes is its share, and the shares summed over the CP ranks are
+    the one-process loss (their gradients, summed by :func:`sync_grads` or FSDP2, its gradients). transformers'
+    loss gets there through ``num_items_in_batch``; a mean ``cross_entropy``/``nll_loss`` over tokens the model
+    computes itself (nanoGPT's ``F.cross_entropy(..., ignore_index=-1)``) is made this rank's share by the
+    compiled graph (:mod:`cpcompile.passes.mixing`, ``mean_share``): the model returns its tokens' loss summed,
+    divided by the count of targets that are not ``ignore_index`` on every rank (padding tokens ignored).
+
     An error in the batch validation or in the ``with`` block is reported to the other CP ranks, and a rank
     that another rank's failure leaves waiting raises :class:`~cpcompile.failsafe.RankFailedError` naming it
     (:mod:`cpcompile.failsafe`); once that happened on ``cp_group``, ``shard`` raises it again at once.

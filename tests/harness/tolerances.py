@@ -52,3 +52,8 @@ DEMO_LOSS_ATOL = 1e-4
 #: examples/demo_cp.py: largest parameter difference after its AdamW steps (measured 1.3e-4; a wrong gradient
 #: flips updates of 2 * lr).
 DEMO_PARAM_ATOL = 1e-3
+#: Per-token log-probs of RL losses (``cpcompile.token_logprobs``, gathered; values ~ -5) at every forward of a
+#: multi-step run (tests/test_rl_step.py, lr 1e-2, eps 1e-4): the logits' fp32 reordering, plus what the parameters'
+#: differences after up to 5 AdamW steps (measured <= 9.1e-7) move them. Measured <= 4.8e-6 at CP=2 and 3 (6 steps,
+#: aot_eager); a wrong mask entry moves the logits, and so the log-probs, by >= 5e-3 (the LOGITS_TOL controls).
+LOGPROB_TOL = dict(atol=1e-5, rtol=1e-5)

@@ -15,6 +15,17 @@ Attention forms (``ATTENTION_FORMS``):
 * ``head_expanded``: the ``packed_docs`` mask expanded to every head, ``mask.expand(B, H, T, T)`` (the same for
   each head): rewritten like ``packed_docs``.
 * ``head_windows``: a causal same-document ``[B, H, T, T]`` mask whose window differs per head: refused.
+* one mask for every head in the spellings of model libraries, rewritten like ``packed_docs``:
+
+  * ``head_expand_causal``: x-transformers: the same-document mask ``[B, 1, T, T]`` negated twice (``masks =
+    [~attn_mask]``, then ``~or_reduce(masks)``), expanded to the heads, ``mask.expand(B, H, T, T)``, then ``mask &
+    ~causal_mask`` (``causal_mask = ones((i, j)).triu(j - i + 1)``: True above the diagonal);
+  * ``head_repeat``: ``mask.repeat(1, H, 1, 1)`` of the causal same-document ``[B, 1, T, T]`` mask;
+  * ``head_einops``: ``einops.repeat(mask, 'b i j -> b h i j', h=H)`` of the causal same-document ``[B, T, T]``;
+  * ``head_none_expand``: ``doc_mask[:, None].expand(-1, H, -1, -1) & causal`` (indexing with ``None``, expanding,
+    then the causal condition).
+* ``head_written``: ``head_none_expand`` with head 0 then written in place, ``mask[:, 0] = causal`` (that head
+  attends across documents): a mask that differs per head, refused.
 * ``document_ids``: causal and same document, read from a per-token ``document_ids`` input (the model's
   ``document_ids=`` keyword; ``position_ids`` still give the learned positions): one document stays whole
   across a rank's runs of tokens.
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import einops
 import torch
 
 from tests.models.tiny import (
@@ -77,6 +89,11 @@ ATTENTION_FORMS = (
     "dropout",
     "head_expanded",
     "head_windows",
+    "head_expand_causal",
+    "head_repeat",
+    "head_einops",
+    "head_none_expand",
+    "head_written",
     "document_ids",
     "window_diff",
     "chunked",
@@ -93,8 +110,11 @@ ATTENTION_FORMS = (
 #: The forms whose bool mask is built from the documents of the batch.
 _DOCUMENT_FORMS = (
     "bidirectional", "window", "packed_docs", "head_expanded", "head_windows", "document_ids", "window_diff", "chunked",
-    "packed_docs_break", "packed_docs_eager",
+    "packed_docs_break", "packed_docs_eager", "head_expand_causal", "head_repeat", "head_einops", "head_none_expand",
+    "head_written",
 )  # fmt: skip
+#: The forms that broadcast one mask to every head in a library's spelling (:func:`_head_broadcast`).
+_HEAD_BROADCAST_FORMS = ("head_expand_causal", "head_repeat", "head_einops", "head_none_expand", "head_written")
 #: The forms whose model has no learned positions: ``position_ids`` reach the mask alone.
 _WITHOUT_POSITIONS = ("position_lookup",)
 
@@ -144,6 +164,8 @@ class Mask:
             ids = _document_source(batch)
             doc = ids if self.form == "document_ids" else doc_ids(ids)
             mask = doc[:, :, None] == doc[:, None, :]
+            if self.form in _HEAD_BROADCAST_FORMS:
+                return {"attn_mask": _head_broadcast(self.form, mask, idx, H)}
             if self.form in ("packed_docs", "head_expanded", "document_ids", "packed_docs_break", "packed_docs_eager"):
                 mask = mask & causal
             elif self.form == "window":
@@ -180,6 +202,27 @@ class Mask:
         if self.form == "dropout":
             return {"is_causal": True, "dropout_p": 0.1}
         return {}  # no_mask
+
+
+def _head_broadcast(form: str, same_doc: torch.Tensor, idx: torch.Tensor, H: int) -> torch.Tensor:
+    """The ``[B, H, T, T]`` causal same-document mask of ``form``, one mask for every head, from the
+    same-document ``[B, T, T]`` mask and the token index ``idx``."""
+    B, T, _ = same_doc.shape
+    causal = idx[None, :] <= idx[:, None]
+    if form == "head_expand_causal":  # x-transformers' AttentionLayers, Attend and create_causal_mask
+        masks = [~same_doc[:, None]]  # the positions each query must not see
+        mask = ~masks[0]  # ~or_reduce(masks)
+        i = j = T
+        causal_mask = torch.ones((i, j), device=same_doc.device, dtype=torch.bool).triu(j - i + 1)
+        return mask.expand(B, H, i, j) & ~causal_mask
+    if form == "head_repeat":
+        return (same_doc & causal)[:, None].repeat(1, H, 1, 1)
+    if form == "head_einops":
+        return einops.repeat(same_doc & causal, "b i j -> b h i j", h=H)
+    mask = same_doc[:, None].expand(-1, H, -1, -1) & causal  # head_none_expand
+    if form == "head_written":
+        mask[:, 0] = causal
+    return mask
 
 
 @torch.compiler.disable

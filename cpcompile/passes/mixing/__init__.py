@@ -20,8 +20,15 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
 * ``partial_sum``: a sum over the sequence (a loss with ``reduction="sum"``, a ``sum()``) whose result reaches
   the graph's output only through scaling by values that are not sharded data (``num_items_in_batch``, which
   ``shard`` passes) and additions of other partial sums: every rank's value is its tokens' share and the ranks'
-  values add up to the one-process value, as ``shard``'s loss contract says. A mean over the sequence, a
-  maximum, a loss with ``reduction="mean"`` or a sum used any other way is refused.
+  values add up to the one-process value, as ``shard``'s loss contract says. Partial sums may be added to each
+  other. A mean over the sequence, a maximum or a sum used any other way is refused.
+* ``mean_share``: a mean ``cross_entropy``/``nll_loss`` over the sequence (``reduction="mean"``, ``ignore_index``
+  and ``label_smoothing`` included; not with class weights or probability targets) whose result reaches the
+  output as a partial sum does: rewritten into this rank's share of the global mean, the loss summed over this
+  rank's tokens divided by the targets that are not ``ignore_index`` counted on every rank (one int64 per rank,
+  all-gathered in the graph and summed); the targets of padding tokens are made ``ignore_index`` first when the
+  targets are a reshape of a per-token tensor. The loss the model returns is then this rank's share, as with
+  transformers' loss; summed over the ranks it is the one-process mean (:func:`_share_of_mean`).
 * ``dispatch``: MoE token bookkeeping (transformers' ``integrations/moe.py``): sorting the ``tokens x top_k``
   expert ids along the token dim, their histogram, moving rows by that permutation and back. Only expert ids
   (the indices of a ``topk`` or ``argmax`` over a dim that is not a sequence dim, reshaped, cast or sorted) and
@@ -39,6 +46,10 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   ``per_token_ops`` option.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
+
+An op whose value nothing the graph returns or writes reads (:func:`~cpcompile.passes.positions.live_nodes`:
+code Dynamo keeps, such as x-transformers' unused ``max_pos = t.max() + 1``) changes no result and is not
+reported.
 
 Masks the model builds from positions (they feed SDPA's ``attn_mask``) belong to the attention pass, which
 replaces and checks them, and so do a BlockMask's block tables (the flex pass reads only the site's
@@ -63,11 +74,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.fx as fx
 
 from cpcompile import _compat, ops  # noqa: F401 - ops registers cpcompile::real_tokens
+from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.common import PassContext, counters, finish, graph_modules, size_hint
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.check import Action as Action
@@ -127,7 +140,8 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
     found = find_mixing_ops(gm, seq, ctx.options.per_token_ops)
     counters["mixing_ops_found"] += len(found)
     data = frozenset().union(*(graph_facts(g, seq).data for g in graph_modules(gm))) if found else frozenset()
-    decided = [(op, *check_op(op, data)) for op in found]
+    partials = frozenset(op.node for op in found if op.accounted in ("partial_sum", "mean_share"))
+    decided = [(op, *check_op(op, data, partials)) for op in found]
     refused = [(op, reason) for op, action, reason in decided if action == "refused"]
     counters["mixing_refused"] += len(refused)
     if refused and ctx.refuse == "raise":
@@ -144,14 +158,57 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
         if action == "summed":
             for write in count_uses(op.node)[0]:
                 _sum_over_ranks(op, write, ctx)
+        if action == "mean_share":
+            _share_of_mean(op, ctx)
         if action != "refused":
             counters[f"mixing_{action}"] += 1
         reports.append(
             MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
         )
-    if any(r.action in ("gathered", "summed") for r in reports):
+    if any(r.action in ("gathered", "summed", "mean_share") for r in reports):
         finish(gm)
     return reports
+
+
+def _share_of_mean(op: MixingOp, ctx: PassContext) -> None:
+    """Make ``op`` (``cross_entropy``/``nll_loss`` with ``reduction="mean"``) this rank's share of the mean over the
+    whole sequence: its loss summed over this rank's tokens, divided by the number of targets that are not
+    ``ignore_index`` on every CP rank (each rank counts its own; the counts are all-gathered, one int64 per rank,
+    and summed). The ranks' shares add up to the one-process mean, and so do their gradients. When the targets are
+    a reshape of a per-token tensor (``targets.view(-1)``), the targets of the padding tokens become
+    ``ignore_index`` first (``cpcompile::real_tokens``), whatever ``shard`` padded them with; other targets count
+    padding unless its target is ``ignore_index``."""
+    from cpcompile.passes.mixing.find import MEAN_SHARE_LOSSES
+
+    loss, graph = op.node, op.node.graph
+    ignore_pos = 1 + MEAN_SHARE_LOSSES[op.op]
+    target = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
+    ignore_index = loss.kwargs.get("ignore_index", loss.args[ignore_pos] if len(loss.args) > ignore_pos else -100)
+    reduction_pos = 1 + vocab.LOSSES[op.op][0]
+    if len(loss.args) > reduction_pos:
+        loss.update_arg(reduction_pos, "sum")
+    else:
+        loss.update_kwarg("reduction", "sum")
+    if op.target_tokens is not None:  # padding tokens: ignored, whatever value shard padded them with
+        base, dim = op.target_tokens
+        ndim = _val(base).dim()
+        with graph.inserting_before(loss):
+            like = graph.call_method("detach", (base,))
+            site = f"{ctx.site_prefix}:{op.where}"
+            real = graph.call_function(torch.ops.cpcompile.real_tokens.default, (like, dim, site))
+            real = graph.call_method("view", (real, [-1 if d == dim else 1 for d in range(ndim)]))
+            real = graph.call_method("reshape_as", (graph.call_method("expand_as", (real, base)), target))
+            kept = graph.call_function(torch.where, (real, target, ignore_index))
+        loss.replace_input_with(target, kept)
+        target = kept
+    with graph.inserting_before(loss.next):
+        counted = graph.call_function(operator.ne, (target, ignore_index))
+        local = graph.call_method("sum", (counted,))
+        row = graph.call_method("reshape", (local, (1,)))
+        every = graph.call_function(_compat.all_gather_seq, (row, 0, ctx.cp_size, ctx.group_name))
+        total = graph.call_method("sum", (every,))
+        share = graph.call_function(operator.truediv, (loss, total))
+    loss.replace_all_uses_with(share, delete_user_cb=lambda u: u is not share)
 
 
 def _sum_over_ranks(op: MixingOp, write: fx.Node, ctx: PassContext) -> None:

@@ -17,7 +17,7 @@ from cpcompile.passes.mixing.find import MixingOp
 __all__ = ["check_op", "count_uses"]
 
 #: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
-Action = Literal["gathered", "partial_sum", "dispatch", "summed", "per_token", "refused"]
+Action = Literal["gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "refused"]
 
 #: Dispatch ops that count expert assignments over this rank's tokens.
 _COUNTS = frozenset({"histc", "bincount", "sum"})
@@ -26,10 +26,12 @@ _COUNTS = frozenset({"histc", "bincount", "sum"})
 _SCALES = {"truediv", "div", "mul", "neg", "to", "float", "double", "type", "clone", "detach", "contiguous"}
 
 
-def _partial_sum_reason(n: fx.Node, data: frozenset) -> str | None:
+def _partial_sum_reason(n: fx.Node, data: frozenset, partials: frozenset = frozenset()) -> str | None:
     """``None`` when every path from ``n`` to the graph's output only scales it by values that are not sharded
-    data (or adds other partial sums, or leaves unchanged), else why the sum is not a partial sum."""
+    data (or adds other partial sums: ``partials`` are the graph's sums over the sequence and means made shares,
+    each checked on its own; or leaves unchanged), else why the sum is not a partial sum."""
     seen, queue = {n}, [n]
+    from_partial: dict = {}
     while queue:
         t = queue.pop()
         for u in t.users:
@@ -44,7 +46,10 @@ def _partial_sum_reason(n: fx.Node, data: frozenset) -> str | None:
                         queue.append(u)
                     continue
             operands = [a for a in (*u.args, *u.kwargs.values()) if a is not t]
-            if name in ("add", "sub", "iadd", "isub") and all(isinstance(a, fx.Node) and a in seen for a in operands):
+            if name in ("add", "sub", "iadd", "isub") and all(
+                isinstance(a, fx.Node) and (a in seen or _scaled_partial(a, data, partials, from_partial))
+                for a in operands
+            ):
                 if u not in seen:
                     seen.add(u)
                     queue.append(u)
@@ -56,11 +61,38 @@ def _partial_sum_reason(n: fx.Node, data: frozenset) -> str | None:
     return None
 
 
-def check_op(op: MixingOp, data: frozenset) -> tuple[Action, str]:
-    """``(action, reason)`` for a mixing op: how it is accounted for, or why it is refused."""
-    if op.accounted == "partial_sum":
-        reason = _partial_sum_reason(op.node, data)
-        return ("partial_sum", "") if reason is None else ("refused", f"{op.what}: {reason}")
+def _scaled_partial(a: fx.Node, data: frozenset, partials: frozenset, memo: dict) -> bool:
+    """Whether ``a`` is one of ``partials`` only scaled by values that are not sharded data, or a sum of such."""
+    if a in partials:
+        return True
+    if a in memo:
+        return memo[a]
+    memo[a] = False
+    name = vocab.op_name(a) if a.op in ("call_function", "call_method") else ""
+    inputs = a.all_input_nodes
+    if name in _SCALES:
+        # the scaled value: a divisor is not (a sum divided by a partial sum is no partial sum)
+        scaled = inputs if name not in ("truediv", "div") else [i for i in inputs if a.args and i is a.args[0]]
+        memo[a] = any(
+            _scaled_partial(c, data, partials, memo) and all(i not in data for i in inputs if i is not c)
+            for c in scaled
+        )
+    elif name in ("add", "sub"):
+        memo[a] = bool(inputs) and all(_scaled_partial(i, data, partials, memo) for i in inputs)
+    return memo[a]
+
+
+def check_op(op: MixingOp, data: frozenset, partials: frozenset = frozenset()) -> tuple[Action, str]:
+    """``(action, reason)`` for a mixing op: how it is accounted for, or why it is refused. ``partials``: the nodes
+    of the graph's other sums over the sequence and means (a partial sum may be added to them)."""
+    if op.accounted in ("partial_sum", "mean_share"):
+        # a mean's share is a partial sum too: it must reach the output the same way
+        reason = _partial_sum_reason(op.node, data, partials)
+        if reason is None:
+            return op.accounted, ""
+        if op.accounted == "mean_share":
+            return "refused", f"{op.op}(reduction='mean') averages over this rank's tokens only: {reason}"
+        return "refused", f"{op.what}: {reason}"
     if op.accounted == "dispatch" and op.op in _COUNTS:
         writes, reason = count_uses(op.node)
         if reason is None and writes and len(op.seq_dims) != 1:

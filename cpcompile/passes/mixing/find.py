@@ -22,6 +22,7 @@ from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
 from cpcompile.passes.positions import SequenceLength, graph_facts
+from cpcompile.passes.positions.graph import scalar_value
 from cpcompile.passes.sequence_dims import Tags, is_nested, sequence_dims, shape_of
 
 __all__ = ["MixingOp", "find_mixing_ops"]
@@ -45,13 +46,16 @@ class MixingOp(FoundAt):
     layer: str
     #: What it does along the sequence, in words.
     what: str
-    #: ``partial_sum``/``dispatch``/``per_token`` when the finder already knows it is accounted for.
+    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token`` when the finder already knows it is accounted for.
     accounted: str = ""
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
     problem: str = ""
     #: The sequence dims of the tensor it reads, when they are plain dims (not merged with others).
     seq_dims: tuple[int, ...] = ()
+    #: ``mean_share``: the per-token tensor the loss's targets are a reshape of and its sequence dim (where the
+    #: rewrite marks padding tokens ignored), when the targets are one.
+    target_tokens: tuple[fx.Node, int] | None = None
 
     @property
     def source(self) -> str:
@@ -191,8 +195,10 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return _check_feature(n, name, x, tags, found)
     if name in ("getitem", "setitem") or name in vocab.ROW_MOVES:
         return _check_index(n, name, x, g, found)
+    if name == "narrow":
+        return _check_narrow(n, x, tags, g, found)
     if name in vocab.LOSSES:
-        return _check_loss(n, name, found)
+        return _check_loss(n, name, found, g)
     if name in vocab.DIM_REDUCTIONS:
         _, _, _, kind = vocab.DIM_REDUCTIONS[name]
         if not _reduced_seq_dims(n, name, tags):
@@ -295,7 +301,7 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
                 continue
             if not isinstance(e, slice):
                 return found("selection", f"{verb} token {e!r} of the sequence")
-            if not _full_slice(e, shape_of(base)[d]):
+            if not _full_slice(e, shape_of(base)[d], g.seq):
                 if not any(g.seq.involves(s) for s in shape_of(n) or ()):  # a few tokens picked out
                     return found("selection", f"{verb} tokens {_slice_text(e)} of the sequence")
                 return found("shift", f"slices the sequence dim with {_slice_text(e)}")
@@ -311,26 +317,107 @@ def _check_index(n, name, x, g: _Graph, found) -> MixingOp | None:
     return found("selection", f"{name} along the sequence")
 
 
+def _check_narrow(n, x, tags, g: _Graph, found) -> MixingOp | None:
+    """``x.narrow(dim, start, length)`` keeps the tokens apart along a dim that is not a sequence dim, and along
+    one when it keeps the whole dim: start 0 and ``length`` the dim's size, also when written with sizes of other
+    inputs of the local length (IBM fms's RoPE: ``freqs.narrow(1, freqs.size(1) - q.size(1), q.size(1))``, the
+    cache looked up at ``position_ids`` and ``q`` from ``input_ids``: two symbols of one length, guarded equal by
+    :func:`_same_length`). A part of the sequence picks tokens by their local index."""
+    dim = arg(n, 1, "dim")
+    if n.args[0] is not x or not isinstance(dim, int) or not tags:
+        return found("selection", "narrow of sharded data along an unknown dim")
+    dim %= len(tags)
+    if not tags[dim]:
+        return None
+    start, length, size = scalar_value(arg(n, 2, "start")), scalar_value(arg(n, 3, "length")), shape_of(x)[dim]
+    if _same_length(start, 0, g.seq) and _same_length(length, size, g.seq):
+        return None
+    return found("selection", "narrow picks tokens of the sequence by their local index")
+
+
+def _same_length(a: object, b: object, seq: SequenceLength) -> bool:
+    """Whether sizes ``a`` and ``b`` are equal at every call of the graph: statically, or, when every symbol they
+    involve stands for the local length (every per-token tensor ``shard`` hands the model has it; Dynamo may give
+    each input a symbol of its own), by a shape guard that they are equal (a call where they differ recompiles)."""
+    if not isinstance(a, (int, torch.SymInt)) or not isinstance(b, (int, torch.SymInt)):
+        return False
+    if _compat.statically_true(a == b):
+        return True
+    symbols = _compat.free_symbols(a) | _compat.free_symbols(b)
+    return bool(symbols) and symbols <= seq.symbols and _compat.guard_equal(a, b)
+
+
 def _slice_text(e: slice) -> str:
     parts = [str(_val(p) if isinstance(p, fx.Node) else p) if p is not None else "" for p in (e.start, e.stop)]
     return "[" + ":".join(parts) + (f":{e.step}" if e.step not in (None, 1) else "") + "]"
 
 
-def _full_slice(e: slice, size: object) -> bool:
-    if e.start not in (None, 0) or e.step not in (None, 1):
+def _full_slice(e: slice, size: object, seq: SequenceLength) -> bool:
+    """Whether index entry ``e`` keeps every element of a dim of ``size`` in order: ``:``, ``0:T``, and the last
+    ``T`` of ``T`` rows (x-transformers' ``freqs[:, -seq_len:]``), also when ``T`` is the size of another input
+    of the local length (:func:`_same_length`)."""
+    if e.step not in (None, 1):
         return False
-    stop = _val(e.stop) if isinstance(e.stop, fx.Node) else e.stop
-    return stop is None or _compat.statically_true(stop >= size)
+    start, stop = scalar_value(e.start), scalar_value(e.stop)
+    if not (start is None or _same_length(start, 0, seq)):
+        ints = isinstance(start, (int, torch.SymInt))
+        if not (ints and (_compat.statically_true(start + size <= 0) or _same_length(-start, size, seq))):
+            return False
+    return stop is None or _compat.statically_true(stop >= size) or _same_length(stop, size, seq)
 
 
-def _check_loss(n, name, found) -> MixingOp | None:
+#: Losses whose mean over tokens becomes this rank's share of the global mean (``mean_share``): their mean divides
+#: by the number of targets that are not ``ignore_index``, so the share is the sum over this rank's tokens divided
+#: by that count over every rank. name -> position of ``ignore_index`` among the arguments after the input.
+MEAN_SHARE_LOSSES = {"cross_entropy": 3, "nll_loss": 3}
+
+
+def _check_loss(n, name, found, g: _Graph) -> MixingOp | None:
     pos, kw = vocab.LOSSES[name]
-    reduction = arg(n, pos, kw, "mean")
+    reduction = arg(n, 1 + pos, kw, "mean")
     if reduction == "none":
         return None
     if reduction == "sum":
         return found("loss", f"{name}(reduction='sum') over the tokens", accounted="partial_sum")
+    if reduction == "mean" and name in MEAN_SHARE_LOSSES:
+        problem = _mean_share_problem(n)
+        if problem is None:
+            op = found("loss", f"{name}(reduction='mean') over the tokens", accounted="mean_share")
+            return dataclasses.replace(op, target_tokens=_target_tokens(arg(n, 1, "target"), g))
+        return found("loss", f"{name}(reduction='mean') averages over this rank's tokens only, and {problem}")
     return found("loss", f"{name}(reduction={reduction!r}) averages over this rank's tokens only")
+
+
+#: Ops that hand a tensor on with its elements in the same (row-major) order.
+_SAME_ORDER = frozenset({"view", "reshape", "flatten", "contiguous", "long", "to", "int", "clone"})
+
+
+def _target_tokens(target: object, g: _Graph) -> tuple[fx.Node, int] | None:
+    """The per-token tensor ``target`` is a reshape of (``targets.view(-1)`` of ``[B, T]`` targets) and its one
+    sequence dim, or ``None``."""
+    t = target
+    while isinstance(t, fx.Node):
+        tags = _seq_tags(t, g)
+        if sum(1 for x in tags if x) == 1 and len(tags) > 1:
+            return t, tags.index(True)
+        if t.op not in ("call_function", "call_method") or vocab.op_name(t) not in _SAME_ORDER or not t.args:
+            return None
+        t = t.args[0]
+    return None
+
+
+def _mean_share_problem(n: fx.Node) -> str | None:
+    """Why the mean of a :data:`MEAN_SHARE_LOSSES` call cannot be counted over the ranks, or ``None``."""
+    if arg(n, 2, "weight") is not None:
+        return "its class weights make the mean's denominator a sum of the targets' weights"
+    if arg(n, 3, "size_average") is not None or arg(n, 5, "reduce") is not None:
+        return "it is called with the deprecated size_average/reduce arguments"
+    target = _val(arg(n, 1, "target"))
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return "its targets are class probabilities, whose mean counts every token"
+    if not isinstance(arg(n, 4, "ignore_index", -100), int):
+        return "its ignore_index is a run-time value"
+    return None
 
 
 def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
@@ -339,12 +426,11 @@ def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
         eq, *operands = n.args
         if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
             operands = list(operands[0])
-        if not isinstance(eq, str) or "." in eq:
-            return reason
-        lhs, _, out = eq.replace(" ", "").partition("->")
-        terms = lhs.split(",")
-        if "->" not in eq:
-            out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
+        ranks = [len(shape_of(op)) if shape_of(op) is not None else None for op in operands]
+        parsed = vocab.einsum_subscripts(eq, ranks)
+        if parsed is None:
+            return found("contraction", f"einsum {eq!r} of sequence-sharded operands (its subscripts cannot be read)")
+        terms, out = parsed
         for term, op in zip(terms, operands):
             t = _seq_tags(op, g)
             if any(c not in out and d < len(t) and t[d] for d, c in enumerate(term)):
@@ -373,6 +459,8 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
         for n in g.graph.nodes:
             if n.op not in ("call_function", "call_method", "call_module") or n in info.mask_only or n in in_region:
                 continue
+            if n not in facts.live:
+                continue  # dead code Dynamo keeps (``max_pos = t.max() + 1`` never read): it changes no result
             operands = _seq_operands(n, info)
             if not operands:
                 continue

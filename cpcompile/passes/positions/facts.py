@@ -28,10 +28,10 @@ def sequence_length(gm: fx.GraphModule, chunk_len: int | None, mixed: bool = Fal
     """The local length of ``gm``: the symbols of its inputs' sizes that stand for it, else ``chunk_len``.
 
     A symbol is the local length when it is a whole dim of a tensor input that is not module state (token
-    ids, hidden states, ``position_ids``) and the size it had when the graph was traced equals ``chunk_len``
-    (the backend compiles inside the shard context whose plan fixes ``c``). Without a plan, the symbols of
-    dim 1 (the sequence dim of ``[B, T, ...]`` inputs, the one ``shard`` marks dynamic) are taken. ``None``
-    when the graph has no symbol and no plan tells ``c``.
+    ids, hidden states, ``position_ids``), or a size input of its own, and the size it had when the graph was
+    traced equals ``chunk_len`` (the backend compiles inside the shard context whose plan fixes ``c``). Without
+    a plan, the symbols of dim 1 (the sequence dim of ``[B, T, ...]`` inputs, the one ``shard`` marks dynamic)
+    are taken. ``None`` when the graph has no symbol and no plan tells ``c``.
 
     ``mixed``: also say whether the graph has such symbols and a ``[B, c, ...]`` input with the constant
     length ``c`` (:attr:`SequenceLength.mixed`).
@@ -39,6 +39,12 @@ def sequence_length(gm: fx.GraphModule, chunk_len: int | None, mixed: bool = Fal
     symbols, constant = set(), False
     for n in gm.graph.nodes:
         v = _val(n)
+        if n.op == "placeholder" and isinstance(v, torch.SymInt) and chunk_len is not None:
+            # a size handed in on its own: the length of a tensor outside the graph (transformers' mask graph
+            # under FSDP2 gets the hidden states' length so, apart from its position_ids' own symbol)
+            if _compat.free_symbols(v) == {_compat.sym_expr(v)} and _compat.sym_hint(v) == chunk_len:
+                symbols.add(_compat.sym_expr(v))
+            continue
         if n.op != "placeholder" or not isinstance(v, torch.Tensor) or _compat.is_module_state(n):
             continue
         dims = range(v.dim()) if chunk_len is not None else ([1] if v.dim() >= 2 else [])

@@ -55,7 +55,7 @@ def _check_matmul(u: fx.Node, name: str, seq: SequenceLength) -> str | None:
         eq, *operands = u.args
         if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
             operands = list(operands[0])
-        parsed = _einsum_subscripts(eq, operands)
+        parsed = vocab.einsum_subscripts(eq, [_rank(op) for op in operands])
         if parsed is None:
             return f"einsum {eq!r} with a position-derived operand (its subscripts could not be read)"
         terms, out = parsed
@@ -71,43 +71,9 @@ def _check_matmul(u: fx.Node, name: str, seq: SequenceLength) -> str | None:
     return reason if _contracted_seq(a, -1, seq) or _contracted_seq(b, db, seq) else None
 
 
-def _einsum_subscripts(eq: object, operands: list) -> tuple[list[str], str] | None:
-    """An einsum equation as explicit subscripts, one letter per dim: ``(terms, output)``.
-
-    ``...`` stands for the dims no letter names, right-aligned across operands as they broadcast; it becomes
-    letters that the equation does not use (``'..., f -> ... f'`` on a ``[T]`` and an ``[F]`` operand reads
-    ``'A,f->Af'``). Without ``->`` the output is the broadcast dims followed by the letters used once, in
-    alphabetical order. ``None`` when the equation cannot be read (a non-string, a shape missing).
-    """
-    if not isinstance(eq, str):
-        return None
-    eq = eq.replace(" ", "")
-    lhs, arrow, out = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != len(operands) or any(t.count("...") > 1 for t in (*terms, out)):
-        return None
-    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
-    widest = 0
-    for i, (term, op) in enumerate(zip(terms, operands)):
-        if "..." not in term:
-            continue
-        shape = shape_of(op)
-        if shape is None:
-            return None
-        k = len(shape) - (len(term) - 3)
-        if k < 0 or k > len(spare):
-            return None
-        widest = max(widest, k)
-        terms[i] = term.replace("...", "".join(spare[len(spare) - k :]))  # right-aligned broadcast dims
-    broadcast = "".join(spare[len(spare) - widest :]) if widest else ""
-    if not arrow:
-        singles = sorted(c for c in set("".join(terms)) if "".join(terms).count(c) == 1 and c not in broadcast)
-        out = broadcast + "".join(singles)
-    else:
-        out = out.replace("...", broadcast)
-    if any("." in t for t in (*terms, out)):
-        return None
-    return terms, out
+def _rank(x: object) -> int | None:
+    shape = shape_of(x)
+    return None if shape is None else len(shape)
 
 
 def _check_reshape(u: fx.Node, t: fx.Node, seq: SequenceLength) -> str | None:
