@@ -180,7 +180,7 @@ def _controls(group) -> dict:
 
     out = {}
     for name, target, attr, fake in (
-        ("positions", ops, "_site_positions", contiguous_positions),
+        ("positions", ops.sites, "_site_positions", contiguous_positions),
         ("gather", CPPlan, "restore_order", gather_in_slot_order),
     ):
         with mock.patch.object(target, attr, fake):
