@@ -268,8 +268,8 @@ def _control(case: ParityCase, group):
     if overrides["family"] == "llama":
         check_op = mixing.check_op
 
-        def local_ids(op, data):
-            return ("per_token", "") if op.kind in ("shift", "scan") else check_op(op, data)
+        def local_ids(op, data, *rest):
+            return ("per_token", "") if op.kind in ("shift", "scan") else check_op(op, data, *rest)
 
         return _patched(mixing, "check_op", local_ids)
     if overrides["family"] == "lfm2":
