@@ -1,7 +1,8 @@
 # `make demo`: set up and train a tiny model with CP=2 on 2 CPU processes, next to a single-process run.
 # `make lint`: ruff check and ruff format --check.
-# `make test`: set up, lint and run the test suite (what CI runs).
-.PHONY: setup demo lint test
+# `make test`: set up, lint and run the fast tier (every claim once, at CP=2; the tests not marked `slow`).
+# `make test-all`: set up, lint and run every test, both tiers (what CI runs: .ci/run).
+.PHONY: setup demo lint test test-all
 setup:
 	bash scripts/setup.sh
 demo: setup
@@ -12,5 +13,8 @@ lint: setup
 # Two processes share the cores (whole files per process); the tests that bound how fast a peer reacts run alone
 # after them.
 test: lint
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial and not slow" --durations=15
+	.venv/bin/python -m pytest -q -m "serial and not slow"
+test-all: lint
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
 	.venv/bin/python -m pytest -q -m serial

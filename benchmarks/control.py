@@ -69,10 +69,10 @@ def _mask_check_times(chunks: list[int], reps: int) -> list[dict]:
             needs_grad=False,
         )
         mask = plan.local_rule_mask(documents=True)
-        assert ops._mask_mismatch(spec, plan, mask) is None
+        assert ops.mask_mismatch(spec, plan, mask) is None
         start = time.perf_counter()
         for _ in range(reps):
-            ops._mask_mismatch(spec, plan, mask)
+            ops.mask_mismatch(spec, plan, mask)
         row = {"chunk c": c, "mask check (ms, mean)": (time.perf_counter() - start) / reps * 1e3}
         start = time.perf_counter()
         for _ in range(reps):  # what a site whose document condition is assumed adds, on a fresh plan each step

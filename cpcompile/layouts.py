@@ -59,6 +59,9 @@ Cost: O(T log T) on the batch's device (sorts of ``T`` keys; ``halves`` O(T) per
 ``split_keys``, O(T) more per candidate), plus one device-to-host copy of the pieces' work (``N * K`` numbers per
 form) for the greedy assignment, which runs on the host. Integer arithmetic, so every rank computes the same
 layout from the same batch.
+
+Why one module of about 520 lines: the layouts and the balancer are one choice; the balancer builds its
+candidates from the other layouts and compares them all by one work model (:func:`token_work`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def _fake_group(rank: int):
 
 def pytest_sessionfinish(session, exitstatus):
     """Close the pooled test ranks when the session ends: an xdist worker may exit without running atexit hooks,
-    and its ranks would outlive it (idle, holding memory) through the rest of ``make test``."""
+    and its ranks would outlive it (idle, holding memory) through the rest of the run."""
     from tests.harness.dist import _close_pools
 
     _close_pools()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness.dist import run_distributed
+from tests.harness.tiers import slow
 from tests.harness.tolerances import LOGITS_TOL, LOSS_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +104,7 @@ def _compile_after_lightning(rank: int, world: int) -> dict:
     }
 
 
+@slow  # an integration: lightning's import and its deep copy; the copy itself is tested above
 def test_torch_compile_after_import_lightning():
     pytest.importorskip("lightning", reason="lightning is an optional test dependency (pip install lightning)")
     for rank, result in enumerate(run_distributed(_compile_after_lightning, 2, fresh=True)):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.harness.tiers import slow
 from tests.harness.tolerances import DEMO_LOSS_ATOL, DEMO_PARAM_ATOL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ def _run_demo() -> subprocess.CompletedProcess:
     )
 
 
+@slow  # the example end to end; its CP=2 parity is tests/test_parity.py's
 def test_demo_runs_and_matches_single_process():
     proc = _run_demo()
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"

@@ -4,7 +4,7 @@ Against the unsharded eager model (tests.harness.parity): Llama at CP = 2 and 4,
 ranks and documents that lie on one rank (a one-token document among them), T not a multiple of N, the contiguous
 and balanced layouts (balanced with ``Workload(split_keys=True)``, the layout that keeps documents whole, and
 without, which here is the ``halves`` candidate), the rewritten graph run as traced and one inductor case, one case
-with a receive buffer bounded by ``exchange_slots``.
+with a receive buffer bounded by ``exchange_slots``. CP=4 and the inductor case are the slow tier.
 Every full-attention site must report ``exchange == "selective"``; the bytes each rank received equal the
 brute-force count of the keys its queries see on other ranks (tests/test_exchange.py), K and V, every site. A second
 batch with other documents (one row a single document) runs exact without a recompile; the profiler sees
@@ -24,6 +24,7 @@ from cpcompile.plan import CPPlan, Workload, build_plan
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
+from tests.harness.tiers import slow
 from tests.test_exchange import brute_force_needs
 
 SELECTIVE = (("exchange", "selective"),)
@@ -40,7 +41,6 @@ CASES = {
     2: (
         ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE),
         (
-            ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, inner="inductor"),
             # a receive buffer of 28 key slots (the all-gather's: 32); this batch needs at most 27 (row 1)
             ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=(*SELECTIVE, ("exchange_slots", 28))),
         ),
@@ -56,6 +56,8 @@ CASES = {
         ),
     ),
 }
+#: The inductor case (slow tier), checked like the cases above: bytes, another batch, the negative control.
+INDUCTOR = ParityCase(model="llama", doc_lens=DOCS_63, backend_kwargs=SELECTIVE, inner="inductor")
 
 
 def _worker(rank, world_size, case, others):
@@ -124,9 +126,18 @@ TIMEOUT_S = 420
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=slow)])
 def test_selective_exchange_parity(cp):
-    results = run_distributed(_worker, cp, *CASES[cp], timeout_s=TIMEOUT_S)
+    _check(run_distributed(_worker, cp, *CASES[cp], timeout_s=TIMEOUT_S))
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_selective_exchange_parity_inductor():
+    _check(run_distributed(_worker, 2, INDUCTOR, (), timeout_s=TIMEOUT_S))
+
+
+def _check(results: list[dict]) -> None:
     assert any(res["bytes"][2] for res in results), "no rank needed keys of another rank: the case tests nothing"
     for rank, res in enumerate(results):
         got, expected, _ = res["bytes"]

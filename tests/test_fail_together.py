@@ -120,8 +120,8 @@ def test_killed_rank_is_reported_dead(where):
 
 
 def test_options_are_validated(monkeypatch):
-    from cpcompile import FailsafeOptions, configure_failsafe
-    from cpcompile.failsafe import PEER_TIMEOUT_ENV, REPORT_GRACE_ENV
+    from cpcompile.failsafe import PEER_TIMEOUT_ENV, REPORT_GRACE_ENV, FailsafeOptions
+    from cpcompile.failsafe import configure as configure_failsafe
 
     monkeypatch.delenv(PEER_TIMEOUT_ENV, raising=False)
     monkeypatch.delenv(REPORT_GRACE_ENV, raising=False)

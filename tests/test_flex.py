@@ -17,6 +17,8 @@
   packed rows of changing length). The one-process reference is the same weights with an equivalent SDPA mask
   (explicit softmax where a score_mod or the logsumexp is needed; transformers' own SDPA path), since CPU flex
   cannot train.
+* The fast tier runs the hand-written document, soft-capping and sliding-window forms, transformers' Llama and LFM2
+  and the eager document ids at CP=2; transformers' Qwen3-MoE, torchtitan's models and CP=4 are the slow tier.
 * Document ids made in eager code from one rank's tokens (``document_eager``, CP=2): refused at run time on each
   rank, and wrong (parity fails) with the check told every tensor is exact.
 * Negative controls, each must fail the parity check: the mask_mod evaluated at this rank's local query indices
@@ -40,6 +42,7 @@ from cpcompile.kernels import FlexMods, flex_cp_attention, register_flex_mods
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase
+from tests.harness.tiers import runs_slow, slow
 from tests.harness.tolerances import KERNEL_TOL, LOGITS_TOL
 from tests.models import flex as _flex_models
 from tests.models.positions import package_missing
@@ -188,7 +191,10 @@ def _hf_case(family: str, layers: int = 1, layout: str = "contiguous", backend_k
     )
 
 
-PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe"), _case("document_eager")]
+#: CP=2 cases of the fast tier (``PAIR0``, ``PAIR1``) and those the slow tier adds (``*_SLOW``): transformers' flex path
+#: on more families, torchtitan's models, and CP=4.
+PAIR0 = [_case("document"), _case("softcap"), _hf_case("llama"), _case("document_eager")]
+PAIR0_SLOW = [_hf_case("qwen3_moe")]
 #: Cases refused at run time on every rank (the document ids were made in eager code from one rank's tokens).
 REFUSED_AT_RUN_TIME = ("tests.models.flex:document_eager",)
 #: torchtitan's Llama 3 on its default FlexAttention (optional test dependency, installed by scripts/setup.sh).
@@ -201,9 +207,9 @@ TORCHTITAN_TRAINER = ParityCase(
     inner="aot_eager",
     batch_extras="tests.models.flex:torchtitan_trainer_masks",
 )
-PAIR0 += [TORCHTITAN_TRAINER] if package_missing("torchtitan") is None else []
+PAIR0_SLOW += [TORCHTITAN_TRAINER] if package_missing("torchtitan") is None else []
 PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
-PAIR1 += [TORCHTITAN] if package_missing("torchtitan") is None else []
+PAIR1_SLOW = [TORCHTITAN] if package_missing("torchtitan") is None else []
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
 TIMEOUT_S = 600.0
@@ -262,8 +268,8 @@ def _control(case: ParityCase, group):
     if overrides["family"] == "llama":
         check_op = mixing.check_op
 
-        def local_ids(op, data):
-            return ("per_token", "") if op.kind in ("shift", "scan") else check_op(op, data)
+        def local_ids(op, data, *rest):
+            return ("per_token", "") if op.kind in ("shift", "scan") else check_op(op, data, *rest)
 
         return _patched(mixing, "check_op", local_ids)
     if overrides["family"] == "lfm2":
@@ -284,7 +290,7 @@ def _refused_at_run_time(case: ParityCase, runner) -> dict:
     except cpcompile.UnsupportedAttentionError as e:
         message = str(e)
     torch.compiler.reset()
-    with _patched(ops, "is_exact", lambda context, t: True):
+    with _patched(ops.check, "is_exact", lambda context, t: True):
         failing = failing_quantities(runner.run())
     return {"case": case.model, "refused": message, "control_failing": failing}
 
@@ -358,16 +364,18 @@ def _one_row_trainer(group) -> dict:
     return out
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, with_slow: bool) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank takes part in creating every group
-    out = {}
+    out = {"with_slow": with_slow}
     if rank < 2:
-        out["pair0"] = _run(PAIR0, pairs[0], control=True)
+        out["pair0"] = _run(PAIR0 + (PAIR0_SLOW if with_slow else []), pairs[0], control=True)
     else:
-        out["pair1"] = _run(PAIR1, pairs[1], control=True)
+        out["pair1"] = _run(PAIR1 + (PAIR1_SLOW if with_slow else []), pairs[1], control=True)
+    if not with_slow:
+        return out
     out["cp4"] = _run(CP4, dist.group.WORLD)
     if package_missing("torchtitan") is None:
         torch.compiler.reset()
@@ -376,8 +384,8 @@ def _worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    per_rank = run_distributed(_worker, 4, timeout_s=TIMEOUT_S)
+def results(request) -> dict:
+    per_rank = run_distributed(_worker, 4, runs_slow(request), timeout_s=TIMEOUT_S)
     return {**per_rank[2], **per_rank[0]}  # pair0 from rank 0, pair1 from rank 2, CP=4 from rank 0
 
 
@@ -407,7 +415,9 @@ def test_negative_controls_fail_parity(results):
     packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
-    assert len(controlled) == 5 + (TORCHTITAN in PAIR1) + (TORCHTITAN_TRAINER in PAIR0), [s["case"] for s in controlled]
+    # document, softcap, transformers' llama and LFM2, document_eager; the slow tier adds torchtitan's two
+    expected = 5 + ((TORCHTITAN in PAIR1_SLOW) + (TORCHTITAN_TRAINER in PAIR0_SLOW) if results["with_slow"] else 0)
+    assert len(controlled) == expected, [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
 
@@ -422,6 +432,7 @@ def test_document_ids_made_in_eager_code_are_refused_on_every_rank(results):
     assert "build the BlockMask there too" in s["refused"], s
 
 
+@slow
 @NEEDS_TORCHTITAN
 def test_torchtitan_llama3_on_its_flex_attention(results):
     """torchtitan's own Llama 3 on its default FlexAttention, the BlockMask built in the forward from its own
@@ -431,6 +442,7 @@ def test_torchtitan_llama3_on_its_flex_attention(results):
     assert s["actions"] == ["rewritten"] and s["control_failing"], s
 
 
+@slow
 @NEEDS_TORCHTITAN
 def test_torchtitan_trainer_masks_built_outside_the_model(results):
     """torchtitan's default config as its trainer runs it: ``model.get_attention_masks(positions)`` on the global
@@ -451,6 +463,7 @@ def test_parity_cp2_balanced(results):
     _check(results["pair1"])
 
 
+@slow
 def test_parity_cp4(results):
     _check(results["cp4"])
 

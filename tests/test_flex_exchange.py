@@ -14,6 +14,8 @@ receives only the keys its queries see under the site's ``mask_mod``, evaluated 
   on other ranks, counted from the dense mask of the plan (``tests.test_exchange.brute_force_needs``: causal, same
   document, within the window), K and V, every row. A second batch with other documents runs exact without a
   recompile.
+* The fast tier runs the ``document`` and ``sliding`` forms at CP=2; transformers' flex path, torchtitan's trainer
+  masks and CP=4 are the slow tier.
 * Negative control: every rank's first needed key left out of the routing must fail the parity check.
 """
 
@@ -31,6 +33,7 @@ from cpcompile.plan import CPPlan, build_plan
 from cpcompile.testing import packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase
+from tests.harness.tiers import runs_slow, slow
 from tests.models import flex as _flex_models
 from tests.models.positions import package_missing
 from tests.test_exchange import SETTINGS, brute_force_needs, packed
@@ -95,9 +98,12 @@ def _hf_case(family: str, layers: int = 1, layout: str = "contiguous") -> Parity
 
 #: Cases whose mask is a rule of the plan (form -> window): their bytes are checked against the dense mask.
 RULES = {"tests.models.flex:document": None, "tests.models.flex:sliding": _flex_models.WINDOW}
-PAIR0 = [_case("document"), _hf_case("qwen3_moe")]
+#: The fast tier's cases (``PAIR0``, ``PAIR1``: the two forms whose bytes are checked) and those the slow tier adds
+#: (``*_SLOW``: transformers' flex path, torchtitan's trainer masks, and ``CP4``).
+PAIR0 = [_case("document")]
+PAIR0_SLOW = [_hf_case("qwen3_moe")]
 if package_missing("torchtitan") is None:
-    PAIR0.append(
+    PAIR0_SLOW.append(
         ParityCase(
             model="tests.models.flex:torchtitan_trainer",
             doc_lens=DOCS,
@@ -106,7 +112,8 @@ if package_missing("torchtitan") is None:
             backend_kwargs=SELECTIVE,
         )
     )
-PAIR1 = [_case("sliding", "balanced"), _hf_case("lfm2", 2, "balanced")]
+PAIR1 = [_case("sliding", "balanced")]
+PAIR1_SLOW = [_hf_case("lfm2", 2, "balanced")]
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
 TIMEOUT_S = 600.0
@@ -168,19 +175,21 @@ def _run(cases, group) -> list[dict]:
     return out
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, with_slow: bool) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank takes part in creating every group
-    out = {"pair0" if rank < 2 else "pair1": _run(PAIR0 if rank < 2 else PAIR1, pairs[rank // 2])}
-    out["cp4"] = _run(CP4, dist.group.WORLD)
+    cases = (PAIR0 + PAIR0_SLOW * with_slow) if rank < 2 else (PAIR1 + PAIR1_SLOW * with_slow)
+    out = {"pair0" if rank < 2 else "pair1": _run(cases, pairs[rank // 2])}
+    if with_slow:
+        out["cp4"] = _run(CP4, dist.group.WORLD)
     return out
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_worker, 4, timeout_s=TIMEOUT_S)
+def results(request) -> list[dict]:
+    return run_distributed(_worker, 4, runs_slow(request), timeout_s=TIMEOUT_S)
 
 
 def _summaries(results: list[dict]) -> list[dict]:
@@ -216,3 +225,11 @@ def test_another_batch_runs_without_a_recompile_and_the_control_fails(results):
         got, expected = s["profiled"]
         assert got == expected, s
     assert any(s["profiled"][1][0] for s in controlled), controlled  # some rank received keys
+
+
+@slow
+def test_transformers_flex_path_torchtitan_and_cp4_ran(results):
+    """The slow tier's cases ran (transformers' flex path on three families, torchtitan's trainer masks where
+    installed, CP=4); each is exact and exchanged selectively (checked by the tests above)."""
+    names = [s["case"] for s in results[0]["pair0"] + results[2]["pair1"] + results[0]["cp4"]]
+    assert sum("hf_flex" in n for n in names) == 3 and len(results[0]["cp4"]) == len(CP4), names

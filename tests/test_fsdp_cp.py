@@ -8,7 +8,9 @@ One spawned run of 4 gloo processes (module fixture ``runs``) trains the same 3 
 (2, 2) on all four, plus two wrong setups that must fail: the seed's (FSDP over the dp mesh only, the CP
 ranks' partial gradients never summed) and FSDP's default averaging over dp x cp. The same run checks
 gathered log-probs / entropy / per-sample means with CP=4, ``clip_grad_norm_`` on DTensor gradients and
-examples/train_fsdp_cp.py's training function (dp=2, cp=2) with its own single-process check. Every
+examples/train_fsdp_cp.py's training function (dp=2, cp=2) with its own single-process check. The fast tier runs
+(2, 2), the wrong setups, the log-probs, per-sample means and clipping; (1, 2) with inductor, (2, 1), (1, 1) and
+the example are the slow tier. Every
 expected value comes from the unsharded eager model (or ``torch.nn.utils.clip_grad_norm_``) in the pytest
 process.
 """
@@ -24,6 +26,7 @@ from cpcompile.plan import Workload
 from cpcompile.testing import packed_batch, tiny_model
 from tests.harness.dist import run_distributed
 from tests.harness.parity import cp_step, reference_step
+from tests.harness.tiers import runs_slow, slow
 from tests.harness.tolerances import (
     EXACT,
     GRAD_TOL,
@@ -39,6 +42,9 @@ from tests.harness.tolerances import (
 #: short rows contiguous).
 LAYOUT = {"layout": "balanced", "workload": Workload(block_size=4)}
 
+#: The slow tier's meshes: (dp, cp) = (1, 1), (1, 2) under inductor, (2, 1); (2, 2) and the wrong setups are in
+#: the fast tier.
+SLOW_MESHES = ("dp1_cp1", "dp1_cp2_inductor", "dp2_cp1")
 STEPS = 3
 MAX_NORM = 1.0  # below the tiny model's gradient norm (1.16-1.27 in these steps): clipping is active
 LR = 1e-2
@@ -287,7 +293,7 @@ def _clip(rank: int, world: int):
     return out
 
 
-def _worker(rank: int, world: int):
+def _worker(rank: int, world: int, with_slow: bool):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -296,7 +302,9 @@ def _worker(rank: int, world: int):
 
     m12, m21, m11, m22 = mesh([[0, 1]]), mesh([[2], [3]]), mesh([[3]]), mesh([[0, 1], [2, 3]])
     res = {}
-    if rank in (0, 1):
+    if not with_slow:
+        pass
+    elif rank in (0, 1):
         rec, _ = _train(m12, inner="inductor")
         res["dp1_cp2_inductor"] = rec
     else:
@@ -312,7 +320,8 @@ def _worker(rank: int, world: int):
     res["logprobs"] = _logprobs(world)
     res["per_sample_dp"] = _per_sample_mean_dp(m22)
     res["clip"] = _clip(rank, world)
-    res["example"] = _example()
+    if with_slow:
+        res["example"] = _example()
     return res
 
 
@@ -335,8 +344,8 @@ def _example():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_worker, 4, timeout_s=600)
+def runs(request):
+    return run_distributed(_worker, 4, runs_slow(request), timeout_s=600)
 
 
 # -- single-process references ----------------------------------------------------------------------------
@@ -402,7 +411,7 @@ def _case(runs, name):
 
 
 # -- the tests --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["dp1_cp1", "dp1_cp2_inductor", "dp2_cp1", "dp2_cp2"])
+@pytest.mark.parametrize("case", [*(pytest.param(c, marks=slow) for c in SLOW_MESHES), "dp2_cp2"])
 def test_fsdp_cp_steps_equal_single_process(runs, reference, case):
     rec = _case(runs, case)
     worst = assert_matches_reference(rec, reference)
@@ -493,6 +502,7 @@ def test_clip_grad_norm_dtensor(runs, mesh_name, norm_type, nonfinite):
             torch.testing.assert_close(g, e, **REDUCTION_TOL, equal_nan=True, msg=lambda m: f"rank {rank}: {m}")
 
 
+@slow
 def test_example_matches_one_process(runs):
     """The example's own --check: losses, grad norms and first-step gradients equal one process's."""
     checked = [r["example"]["check"] for r in runs if r["example"]["check"] is not None]

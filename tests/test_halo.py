@@ -5,10 +5,10 @@
   with every other rank's.
 - Parity (tests.harness.parity, against the unsharded eager model): Mistral with windows smaller than a chunk and longer
   than a run of a rank's tokens (the halo then comes from two ranks), Gemma 3 (sliding and full layers), at
-  CP = 2, 3 and 4, packed documents crossing chunk edges, contiguous and balanced layouts, run as traced and
-  inductor; the bytes each rank received equal the brute-force count. A halo one token short (every rank's
-  first needed key dropped) fails the same check. Windows of a chunk or more keep the all-gather at these
-  sizes (the halo's ``MAX_RUNS * (window - 1)`` slots would not be fewer keys); the families' parity covers them.
+  CP = 2, 3 and 4, packed documents crossing chunk edges, contiguous and balanced layouts, run as traced and inductor
+  (CP=3, 4 and inductor in the slow tier); the bytes each rank received equal the brute-force count. A halo one token
+  short (every rank's first needed key dropped) fails the same check. Windows of a chunk or more keep the all-gather at
+  these sizes (the halo's ``MAX_RUNS * (window - 1)`` slots would not be fewer keys); the families' parity covers them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from cpcompile.plan import LAYOUTS, MAX_RUNS, AttentionForm, CPPlan, Workload, build_plan, runs
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, ParityRunner, assert_parity, assert_rewrites, check_case
+from tests.harness.tiers import slow
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -96,10 +97,7 @@ DOCS = ((24, 30, 10), (5, 50, 1, 8))
 #: keys. At CP=4 the ranks hold runs of 8 tokens or fewer (head_tail, balanced), so a window of 12 reaches back
 #: over a whole run: the halo comes from two ranks.
 CASES = {
-    2: (
-        ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),)),
-        (ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),), inner="inductor"),),
-    ),
+    2: (ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),)), ()),
     3: (
         ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 11),)),
         (ParityCase(model="gemma3", doc_lens=DOCS),),
@@ -115,6 +113,8 @@ CASES = {
         (),
     ),
 }
+#: The inductor case (slow tier), checked like the cases above: bytes and the negative control.
+INDUCTOR = ParityCase(model="mistral", doc_lens=DOCS, overrides=(("sliding_window", 6),), inner="inductor")
 
 
 def _worker(rank, world_size, case, others):
@@ -157,9 +157,18 @@ TIMEOUT_S = 420
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(3, marks=slow), pytest.param(4, marks=slow)])
 def test_halo_parity(cp):
-    results = run_distributed(_worker, cp, *CASES[cp], timeout_s=TIMEOUT_S)
+    _check(run_distributed(_worker, cp, *CASES[cp], timeout_s=TIMEOUT_S))
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_halo_parity_inductor():
+    _check(run_distributed(_worker, 2, INDUCTOR, (), timeout_s=TIMEOUT_S))
+
+
+def _check(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         got, expected = res["bytes"]
         assert got == expected, (rank, got, expected)

@@ -85,7 +85,7 @@ def cli_llama(configs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3_inspection(configs):
-    return cpcompile.inspect_model(configs["qwen3"], cp_size=2, seq_len=48, doc_lens=QWEN_DOCS)
+    return cpcompile.inspect.inspect_model(configs["qwen3"], cp_size=2, seq_len=48, doc_lens=QWEN_DOCS)
 
 
 def test_cli_table_and_summary_rows_llama(cli_llama):
@@ -181,7 +181,7 @@ def test_cli_dump_files_png_and_graph_code(cli_llama):
 
 def test_function_dump_is_byte_identical_to_cli_dump(cli_llama, configs, tmp_path):
     _, cli_dump = cli_llama
-    result = cpcompile.inspect_model(configs["llama"], cp_size=2, seq_len=64, doc_lens=[LLAMA_DOCS])
+    result = cpcompile.inspect.inspect_model(configs["llama"], cp_size=2, seq_len=64, doc_lens=[LLAMA_DOCS])
     written = cpcompile.inspect.write_dump(result, str(tmp_path / "again"))
     assert {os.path.relpath(p, tmp_path / "again") for p in written} == _expected_files([0, 1])
     for rel in sorted(_expected_files([0, 1])):
@@ -375,8 +375,8 @@ def test_auto_attention_is_the_block_loop_on_meta_as_on_cpu(qwen3_inspection):
 def test_meta_trace_matches_a_real_cpu_trace_in_bfloat16(configs):
     # dense: SDPA stays in the graph, so the two graphs compare as text
     kwargs = dict(cp_size=2, seq_len=16, doc_lens=[[5, 11]], ranks=[1], dtype="bfloat16", attention="dense")
-    meta = cpcompile.inspect_model(configs["llama"], **kwargs)
-    real = cpcompile.inspect_model(configs["llama"], device="cpu", **kwargs)
+    meta = cpcompile.inspect.inspect_model(configs["llama"], **kwargs)
+    real = cpcompile.inspect.inspect_model(configs["llama"], device="cpu", **kwargs)
     assert meta.rows == real.rows and len(meta.rows) == 2
     # the same graph, up to the device of the tensors the model creates inside it (arange for the mask)
     assert meta.graphs[0].after.replace("device(type='meta')", "device(type='cpu')") == real.graphs[0].after
@@ -448,7 +448,7 @@ def test_inspect_peak_memory_at_4x_the_length_stays_under_2x():
 
 def test_inspect_lists_mixing_ops():
     """A model with a causal conv outside attention: the report and summary list it with what the backend does."""
-    result = cpcompile.inspect_model("tests.models.mixing:mixer_lm", cp_size=2, seq_len=32)
+    result = cpcompile.inspect.inspect_model("tests.models.mixing:mixer_lm", cp_size=2, seq_len=32)
     text = result.report()
     assert "ops that mix tokens along the sequence outside attention" in text, text
     rows = [line for line in text.splitlines() if "conv1d" in line]

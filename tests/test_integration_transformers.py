@@ -5,6 +5,9 @@ CPU, gloo) and compared with the same trainer class run in one plain process on 
 (``tests/_hf_trainer_worker.py``): the loss and grad norm the Trainer logs at every step, and the parameters after
 the last step. Batches are taken in order, except in the dp=2 x cp=2 run, which shuffles (the Trainer's default).
 
+The training launches are the slow tier; the fast tier launches the refusals alone (they come before any step) and
+checks the message without torchrun.
+
 Measured differences and the negative control's error: BENCHMARKS.md ("parity errors").
 """
 
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness.tiers import slow
 from tests.harness.tolerances import LOSS_TOL, NORM_TOL, TRAINER_PARAM_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,9 +96,9 @@ def reference(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def cp2(tmp_path_factory) -> dict[str, dict]:
-    """One torchrun launch of 2 processes (CP=2, 4 documents per step): every CP job, the refusals and the SFT
-    example (TRL) with its own arguments."""
-    jobs = _jobs("trainer", *(["sft"] if HAS_TRL else []), "control", "refusals", *(["example"] if HAS_TRL else []))
+    """One torchrun launch of 2 processes (CP=2, 4 documents per step): every CP job and the SFT example (TRL)
+    with its own arguments."""
+    jobs = _jobs("trainer", *(["sft"] if HAS_TRL else []), "control", *(["example"] if HAS_TRL else []))
     return _launch(_torchrun(2, "--cp", "2", "--batch", "4", *jobs), tmp_path_factory.mktemp("cp2"))
 
 
@@ -114,10 +118,12 @@ def _assert_matches(run: dict, ref: dict, what: str) -> None:
         torch.testing.assert_close(got, value, **TRAINER_PARAM_TOL, msg=lambda m: f"{what}, {name}: {m}")
 
 
+@slow
 def test_trainer_cp2_matches_one_process(cp2, reference):
     _assert_matches(cp2["trainer"], reference["trainer"], "Trainer CP=2")
 
 
+@slow
 def test_trainer_cp2_under_aot_eager_matches_one_process(reference, tmp_path):
     # the example's default on CPU: inside the Trainer's DDP wrapper, Dynamo's DDPOptimizer splits each graph at
     # DDP's gradient buckets (a 64 KiB first bucket makes several of the tiny model's 354 KiB), compiles each part
@@ -127,6 +133,7 @@ def test_trainer_cp2_under_aot_eager_matches_one_process(reference, tmp_path):
     _assert_matches(runs["trainer"], reference["trainer"], "Trainer CP=2, aot_eager")
 
 
+@slow
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is an optional test dependency (pip install -c constraints.txt trl)")
 def test_sft_trainer_padding_free_cp2_matches_one_process(cp2, reference):
     # TRL's padding-free collator: one packed row per micro-batch, position_ids restarting per document, and the
@@ -134,6 +141,7 @@ def test_sft_trainer_padding_free_cp2_matches_one_process(cp2, reference):
     _assert_matches(cp2["sft"], reference["sft"], "SFTTrainer CP=2")
 
 
+@slow
 def test_trainer_dp2_cp2_shuffled_matches_one_process(tmp_path):
     # 2 replicas of 2 documents each, 2 CP ranks per replica; shuffled by the Trainer's default random sampler:
     # the replicas' batches of a step together are the one-process run's 4 documents of that step
@@ -146,6 +154,7 @@ def test_trainer_dp2_cp2_shuffled_matches_one_process(tmp_path):
     _assert_matches(runs["trainer"], ref["trainer"], "Trainer dp=2 x cp=2, shuffled")
 
 
+@slow
 def test_negative_control_fails_the_same_check(cp2, reference):
     # counting every CP rank's copy of the batch in the denominator halves the loss and the gradient
     first_step = {**reference["trainer"], "history": reference["trainer"]["history"][:1]}  # the control runs 1 step
@@ -153,8 +162,9 @@ def test_negative_control_fails_the_same_check(cp2, reference):
         _assert_matches(cp2["control"], first_step, "control")
 
 
-def test_refusals_name_the_setting_and_the_fix(cp2):
-    messages = cp2["refusals"]
+def test_refusals_name_the_setting_and_the_fix(tmp_path):
+    # a launch of its own (the refusals come before any step): the fast tier checks them without training
+    messages = _launch(_torchrun(2, "--cp", "2", "--batch", "4", *_jobs("refusals")), tmp_path)["refusals"]
     assert (
         "eval_strategy='steps'" in messages["eval_strategy"] and "set eval_strategy='no'" in messages["eval_strategy"]
     )
@@ -188,12 +198,14 @@ def test_cp_trainer_without_torchrun_says_how_to_launch(tmp_path):
         "MULTI_GPU/.../MULTI_NEURON), so on CPU (MULTI_CPU) the Trainer silently runs DDP"
     ),
 )
+@slow
 def test_trainer_fsdp_cp2_matches_one_process(reference, tmp_path):
     runs = _launch(_torchrun(2, "--cp", "2", "--batch", "4", "--fsdp", *_jobs("trainer")), tmp_path)
     assert runs["trainer"]["sharded"], "the Trainer did not shard the model with FSDP"
     _assert_matches(runs["trainer"], reference["trainer"], "Trainer FSDP CP=2")
 
 
+@slow
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is an optional test dependency (pip install -c constraints.txt trl)")
 def test_sft_example_runs_under_torchrun_and_saves_the_model(cp2):
     # examples/sft_trainer_cp.py's main, called in the CP=2 torchrun launch with the example's own arguments

@@ -227,7 +227,9 @@ def test_inspect_columns_and_picture_follow_the_layout(tmp_path):
     config = tiny_config("llama")
     config.save_pretrained(tmp_path / "llama")
     docs = [[200, 250, 62]]
-    result = cpcompile.inspect_model(str(tmp_path / "llama"), cp_size=4, seq_len=512, doc_lens=docs, block_size=16)
+    result = cpcompile.inspect.inspect_model(
+        str(tmp_path / "llama"), cp_size=4, seq_len=512, doc_lens=docs, block_size=16
+    )
     assert result.layout == "balanced"
     assert result.workload == Workload(forms=(AttentionForm(True, None, config.num_hidden_layers),), block_size=16)
     ours = [t.computed_pairs for t in result.totals]

@@ -125,6 +125,7 @@ def test_cp2_library_patterns_with_controls():
     any(package_missing(p) for p in ("rotary_embedding_torch", "fms")) and not os.environ.get("CI"),
     reason="rotary-embedding-torch or ibm-fms is not installed (scripts/setup.sh installs them)",
 )
+@pytest.mark.slow  # models of other libraries; their patterns, written by hand, are the CP=2 cases above
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_cp2_real_packages():
     """The real rotary-embedding-torch and IBM fms (skipped without them, failed under CI)."""

@@ -682,9 +682,9 @@ def test_mask_check_on_intervals_agrees_with_the_dense_comparison(seed):
         if plan.runs() > 1:
             rules.append(plan.local_global_mask(documents=documents, window=window))
         for rule in rules:
-            assert ops._mask_mismatch(spec, plan, rule) is None
+            assert ops.mask_mismatch(spec, plan, rule) is None
             one_row = rule[:1]  # a mask broadcast over the batch
-            assert (ops._mask_mismatch(spec, plan, one_row) is None) == _dense_verdict(plan, spec, one_row)
+            assert (ops.mask_mismatch(spec, plan, one_row) is None) == _dense_verdict(plan, spec, one_row)
             c = rule.shape[-1]
             for _ in range(12):
                 broken = rule.clone()
@@ -705,7 +705,7 @@ def test_mask_check_on_intervals_agrees_with_the_dense_comparison(seed):
                     if len(keys) >= 3 and int(keys[-1]) + 1 < c:
                         broken[b, 0, i, keys[1]] = False
                         broken[b, 0, i, keys[-1] + 1] = True
-                error = ops._mask_mismatch(spec, plan, broken)
+                error = ops.mask_mismatch(spec, plan, broken)
                 assert (error is None) == _dense_verdict(plan, spec, broken), (documents, window, how)
                 if error is not None:
                     ours = plan.local_rule_mask(documents=documents, window=window)

@@ -1,7 +1,7 @@
 """Every bad input a user can give gets a ValueError/TypeError on every rank, naming the value and the fix, before
 anything is compiled or communicated where possible. One spawned group per CP size (2 and 3) runs the whole
 table (``tests.harness.safe_workers.misuse_worker``); models: ``tests.models.attention.attention_lm``
-(packed-document mask) and a tiny transformers Llama (``cpcompile.testing.tiny_model``)."""
+(packed-document mask) and a tiny transformers Llama (``cpcompile.testing.tiny_model``). CP=3 is the slow tier."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from tests.harness.dist import run_distributed
 from tests.harness.safe_workers import misuse_worker
+from tests.harness.tiers import slow
 
 #: case -> (exception type name on every rank, fragments of the message)
 TABLE = {
@@ -33,7 +34,7 @@ TABLE = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
+@pytest.fixture(scope="module", params=[pytest.param(2, id="cp2"), pytest.param(3, id="cp3", marks=slow)])
 def results(request):
     return request.param, run_distributed(misuse_worker, request.param, timeout_s=300, fresh=True)
 

@@ -17,7 +17,8 @@ The 4 processes run CP=2 on ranks {0, 1} (contiguous layout, ``inner="eager"``, 
 (the conv model with inductor: the new all-gather and op compiled for real through AOTAutograd; the conv model
 in a static graph, ``shard(dynamic=False)``, where the trim ``[..., :T]`` is a constant; the per-token forms the
 mixing pass accepts next to refused ones of the same ops: ``token_norm``, ``feature_setitem``, ``head_repeat``)
-side by side, then CP=4 on all four under the balanced layout (each rank holds several runs of tokens).
+side by side, then CP=4 on all four under the balanced layout (each rank holds several runs of tokens). The
+inductor case and CP=4 are the slow tier.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from cpcompile.layouts import Workload
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, assert_controls, report
+from tests.harness.tiers import runs_slow, slow
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 LOSS = ("cross_entropy", "partial_sum")
@@ -61,12 +63,13 @@ def _case(name: str, inner: str = "eager", layout: str = "contiguous", dynamic: 
 
 PAIR0 = [_case(m) for m in ("conv", "shift", "mask_cumsum", "lfm2")]
 PAIR1 = [
-    _case("conv", inner="inductor"),
     _case("conv", dynamic=False),
     _case("token_norm"),
     _case("feature_setitem"),
     _case("head_repeat"),
 ]
+#: The slow tier adds the inductor case to ranks {2, 3}, and ``CP4``.
+PAIR1_SLOW = [_case("conv", inner="inductor")]
 CP4 = [_case(m, layout="balanced") for m in ("conv", "shift", "mask_cumsum", "lfm2")]
 
 
@@ -82,7 +85,7 @@ def _run(cases, group, controls):
     return out
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, with_slow: bool) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -92,8 +95,9 @@ def _worker(rank: int, world: int) -> dict:
     if rank < 2:
         out["cp2"] = _run(PAIR0, pairs[0], ("mixing_off",))
     else:
-        out["cp2"] = _run(PAIR1, pairs[1], ())
-    out["cp4"] = _run(CP4, dist.group.WORLD, ())
+        out["cp2"] = _run(PAIR1 + PAIR1_SLOW * with_slow, pairs[1], ())
+    if with_slow:
+        out["cp4"] = _run(CP4, dist.group.WORLD, ())
     return out
 
 
@@ -101,8 +105,8 @@ TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, 4, timeout_s=TIMEOUT_S)
+def results(request):
+    return run_distributed(_worker, 4, runs_slow(request), timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
@@ -115,12 +119,21 @@ def test_cp2_contiguous_with_controls(results):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_inductor_and_static(results):
-    summaries = results[2]["cp2"]
+def test_cp2_static_and_per_token_forms(results):
+    summaries = results[2]["cp2"][: len(PAIR1)]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in PAIR1]
 
 
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_inductor(results):
+    summaries = results[2]["cp2"][len(PAIR1) :]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in PAIR1_SLOW]
+
+
+@slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_cp4_balanced(results):
     summaries = results[0]["cp4"]

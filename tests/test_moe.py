@@ -13,8 +13,8 @@ is summed over the CP ranks (padding left out), and a count used as a value is r
 
 Parity of every MoE family of :data:`cpcompile.testing.MOE_FAMILIES` at CP=2 and 3, and of Mixtral at CP=3 (balanced
 layout, T not a multiple of 3), runs in one spawned group of 3 processes, with torchtitan's Qwen3-MoE (its trainer's
-masks, its running counts compared exactly); Mixtral and Qwen3-MoE are in :data:`cpcompile.testing.FAMILIES` and run
-with every family in ``tests/test_layouts_parity.py``.
+masks, its running counts compared exactly), in the slow tier; Mixtral and Qwen3-MoE are in
+:data:`cpcompile.testing.FAMILIES` and run with every family in ``tests/test_layouts_parity.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from cpcompile.passes.positions import ROW_NUMBERS, UnsupportedPositionError
 from cpcompile.testing import MOE_FAMILIES, packed_batch
 from tests.harness.dist import run_distributed
 from tests.harness.graphs import dynamo_graph, run_pass
+from tests.harness.tiers import slow
 from tests.harness.workers import balanced_case
 from tests.models.positions import package_missing
 from tests.models.tiny import lm_output, seeded
@@ -275,6 +276,7 @@ def moe_results():
     return run_distributed(_worker, 3, timeout_s=600)
 
 
+@slow  # torchtitan's models; the counts' decision is tested in one process above
 @pytest.mark.parametrize(("cp", "layout"), TORCHTITAN_MOE)
 def test_torchtitan_qwen3_moe_is_exact_and_counts_every_token_once(moe_results, cp, layout):
     """torchtitan's Qwen3-MoE as its trainer runs it (its default masks built outside for the whole batch): its
@@ -295,6 +297,7 @@ def test_torchtitan_qwen3_moe_is_exact_and_counts_every_token_once(moe_results, 
         assert not control["failing"] and len(control["counts_differ"]) == 2, control
 
 
+@slow  # a family sweep; one MoE family (Qwen3-MoE) is exact at CP=2 in the fast tier (tests/test_layouts_parity.py)
 @pytest.mark.timeout(660)
 @pytest.mark.parametrize(("family", "cp"), CASES)
 def test_moe_family_parity(moe_results, family, cp):

@@ -256,7 +256,7 @@ def test_documents_in_blocks_is_what_the_step_check_can_see(case, layout):
         needs_grad=False,
     )  # fmt: skip
     told_apart = all(
-        any(ops._mask_mismatch(spec, p, rule(p, documents=False, window=window)) is not None for p in ps)
+        any(ops.mask_mismatch(spec, p, rule(p, documents=False, window=window)) is not None for p in ps)
         for rule in (type(ps[0]).local_rule_mask, type(ps[0]).local_global_mask)
     )
     real = [p.token_indices() < p.seq_len for p in ps]

@@ -12,6 +12,8 @@ Models (``tests.models.positions.library_style``, ``tests.models.attention`` for
 * ``attn:head_expanded``: a causal same-document mask built from ``position_ids`` and expanded to every head
   (``mask.expand(B, H, T, T)``); negative control ``merge_documents`` (the CP run sees documents merged).
 
+CP=4 is the slow tier.
+
 The rewritten graph runs as traced (``inner="eager"``); inductor runs ``library_style`` as a layer of ``all_forms``
 (``tests/test_positions_parity.py``). The one-process checks of each form's values on the last rank, with
 ``positions="off"`` as control, are in ``tests/test_positions_values.py``.
@@ -28,6 +30,7 @@ import pytest
 from cpcompile.plan import Workload
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, assert_controls, check_case, report
+from tests.harness.tiers import slow
 
 DOCS = ((10, 20, 7), (5, 30, 2))  # T = 37
 LIBRARY = "tests.models.positions:library_style"
@@ -101,6 +104,7 @@ def test_cp2(cp2, i):
     assert len(cp2[i]["controls"]) == (CASES[2][i][1] is not None)
 
 
+@slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 @pytest.mark.parametrize("i", range(len(CASES[4])), ids=[c.name for c, _ in CASES[4]])
 def test_cp4(cp4, i):

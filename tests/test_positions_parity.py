@@ -11,8 +11,9 @@ for each real package (``explicit_positions`` takes its positions as input and n
 Inductor runs one model that combines every form (``all_forms``: a layer per RoPE form, ``library_style`` included,
 learned positions at the embedding, one layer taking explicit positions) at CP=2, standing for them. The other cases
 run the rewritten graph as traced (``inner="eager"``: the positions pass rewrites Dynamo's graph, before
-AOTAutograd). CP=4 runs the balanced layout (each rank holds several runs of tokens), so rewritten positions are
-checked to follow the plan's tokens wherever they are.
+AOTAutograd). CP=4 runs the balanced layout (each rank holds several runs of tokens), and so does ``titan_style``
+at CP=2, so rewritten positions are checked to follow the plan's tokens wherever they are. CP=4, inductor and the
+real packages are the slow tier.
 
 Measured differences: BENCHMARKS.md ("parity errors", models that compute positions).
 """
@@ -24,6 +25,7 @@ import pytest
 from cpcompile.plan import Workload
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, assert_controls, check_case, report
+from tests.harness.tiers import slow
 from tests.models import positions as pm
 
 # T = 37: chunks of 19 (CP=2) and 10 (CP=4, 3 padding tokens on rank 3); documents cross chunk boundaries.
@@ -95,7 +97,9 @@ TIMEOUT_S = 900
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_position_models_cp2():
     # learned positions with exactly T rows: the padding token's index (37) must be clamped into the table
-    cases = [_case(m) for m in MODELS if m != "learned_positions"]
+    # titan_style under the balanced layout (blocks of 4: rank 1 holds two runs of tokens), the others contiguous
+    cases = [_case(m, layout="balanced" if m == "titan_style" else "contiguous") for m in MODELS]
+    cases = [c for c in cases if "learned_positions" not in c.model]
     cases += [_case("learned_positions", max_len=37), _case("llama_without_positions")]
     # one control per kind of rewrite: a table slice, an arange, transformers' cache_position
     controlled = ("titan_style", "arange_rope", "llama_without_positions")
@@ -104,6 +108,7 @@ def test_position_models_cp2():
     assert [len(s["controls"]) for s in results[0]] == [1, 0, 1, 0, 0, 1]
 
 
+@slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_position_models_cp4():
     """The balanced layout: rewritten positions are the plan's global indices, whichever tokens a rank holds."""
@@ -114,6 +119,7 @@ def test_position_models_cp4():
     _report_and_check(results[0])
 
 
+@slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_position_models_cp2_inductor():
     """Every form in one model (one layer per form, learned positions at the embedding): one inductor compile
@@ -122,6 +128,7 @@ def test_position_models_cp2_inductor():
     _report_and_check(results[0])
 
 
+@slow  # torchtitan's and litgpt's models; the same forms hand-written are in the fast tier
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_real_packages_cp2():
     """Each package's model in its plain ``model(tokens)`` call (RoPE sliced by the local length) is exact at

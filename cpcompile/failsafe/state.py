@@ -188,7 +188,7 @@ def configure(group: dist.ProcessGroup, options: FailsafeOptions | None = None) 
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup (the CP group), got {type(group).__name__}")
     if options is not None and not isinstance(options, FailsafeOptions):
-        raise TypeError(f"options must be a cpcompile.FailsafeOptions or None, got {type(options).__name__}")
+        raise TypeError(f"options must be a cpcompile.failsafe.FailsafeOptions or None, got {type(options).__name__}")
     state = group_state(group)
     state.options = FailsafeOptions() if options is None else options
     _apply_timeout(state, group)

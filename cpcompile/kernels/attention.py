@@ -37,6 +37,9 @@ logsumexp. The library kernels live in :mod:`cpcompile.kernels.library`.
 This module (about 480 lines) keeps the loop's forward and backward next to the block schedule they share and the
 op that dispatches between the implementations: the backward recomputes exactly the blocks and masks the forward
 visited, and reading one beside the other is how that is checked.
+
+Why one module of about 470 lines: the loop's forward and backward, the op and its fake walk the same blocks in
+the same order (the backward recomputes what the forward computed), so they are read and changed together.
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ PyTorch's DTensor sharding rules were considered as this vocabulary: they are re
 pass reads Dynamo graphs of ``torch`` functions and ``Tensor`` methods before AOTAutograd, where a ``Shard(seq)``
 strategy cannot be looked up by name; these tables follow the same split (ops that propagate a shard of a dim,
 ops that need it replicated).
+
+Why one module of about 430 lines: it is the one copy of the op vocabulary; every pass reads these tables, and
+a table defined from another says next to it what differs and why, which a split would put in two places.
 """
 
 from __future__ import annotations
@@ -283,7 +286,7 @@ MASKS_BUILT_OUTSIDE = (
         ("get_attention_masks", "get_efficient_causal_mask_mod_for_packed_document"),
         "build torchtitan's attention masks outside the compiled model, on the global batch "
         "(model.get_attention_masks(batch['position_ids']) before cpcompile.shard), and pass them in the batch "
-        "handed to cpcompile.shard (README: flex_attention sites)",
+        "handed to cpcompile.shard (docs/flex.md)",
     ),
 )
 

@@ -31,7 +31,7 @@ __all__ = ["block_mask_tensors", "check_block_masks", "is_block_masks", "local_b
 _FIX = (
     "build it for the whole global batch before cpcompile.shard, from the batch's global position_ids (torchtitan: "
     "model.get_attention_masks(batch['position_ids'])), or build it inside the compiled forward from the local "
-    "batch (README, flex_attention)"
+    "batch (docs/flex.md)"
 )
 
 

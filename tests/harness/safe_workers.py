@@ -26,16 +26,16 @@ def _group(world_size: int, peer_timeout_s: float = 120.0):
     import cpcompile
 
     group = dist.new_group(list(range(world_size)))
-    options = cpcompile.FailsafeOptions(peer_timeout_s=peer_timeout_s, report_grace_s=GRACE_S)
-    cpcompile.configure_failsafe(group, options)
+    options = cpcompile.failsafe.FailsafeOptions(peer_timeout_s=peer_timeout_s, report_grace_s=GRACE_S)
+    cpcompile.failsafe.configure(group, options)
     return group
 
 
 def _short(group) -> None:
     import cpcompile
 
-    options = cpcompile.FailsafeOptions(peer_timeout_s=PEER_TIMEOUT_S, report_grace_s=GRACE_S)
-    cpcompile.configure_failsafe(group, options)
+    options = cpcompile.failsafe.FailsafeOptions(peer_timeout_s=PEER_TIMEOUT_S, report_grace_s=GRACE_S)
+    cpcompile.failsafe.configure(group, options)
 
 
 def _compiled(model, group):
@@ -336,8 +336,8 @@ def misuse_worker(rank: int, world_size: int) -> dict:
     from cpcompile.testing import tiny_model
 
     torch._dynamo.reset()
-    long_waits = cpcompile.FailsafeOptions(peer_timeout_s=120, report_grace_s=GRACE_S)
-    cpcompile.configure_failsafe(group, long_waits)  # a compile may take longer on one rank
+    long_waits = cpcompile.failsafe.FailsafeOptions(peer_timeout_s=120, report_grace_s=GRACE_S)
+    cpcompile.failsafe.configure(group, long_waits)  # a compile may take longer on one rank
     dyn = torch.compile(tiny_model("llama").eval(), backend=cpcompile.backend(group, inner="aot_eager"), dynamic=True)
 
     def dynamic_true():

@@ -300,8 +300,8 @@ def _fail_model(group):
 def _short_waits(group, peer_timeout_s: float = FAIL_PEER_TIMEOUT_S) -> None:
     import cpcompile
 
-    options = cpcompile.FailsafeOptions(peer_timeout_s=peer_timeout_s, report_grace_s=FAIL_GRACE_S)
-    cpcompile.configure_failsafe(group, options)
+    options = cpcompile.failsafe.FailsafeOptions(peer_timeout_s=peer_timeout_s, report_grace_s=FAIL_GRACE_S)
+    cpcompile.failsafe.configure(group, options)
 
 
 def _step(cm, batch, group, **kw) -> float:
