@@ -13,15 +13,11 @@ process and prints the largest parameter difference.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import cpcompile
@@ -209,47 +205,11 @@ def check(args, device, losses, norms, first_grads, params) -> dict[str, float]:
     return {"loss": loss_diff, "grad_norm": norm_diff, "grad": grad_diff, "param": param_diff}
 
 
-def _spawned(rank: int, world: int, init_file: str, args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        cpcompile.gloo_backend(),  # gloo with one worker thread per group (see cpcompile.runtime.gloo)
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=10),
-    )
-    try:
-        train(args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> None:
+    from _launch import launch  # the examples' folder: this script's own
+
     args = parse_args(argv)
-    world = args.dp * args.cp
-    if "RANK" in os.environ:  # launched by torchrun
-        if torch.cuda.is_available():
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local_rank)
-            device, backend = torch.device("cuda", local_rank), "nccl"
-        else:
-            device, backend = torch.device("cpu"), cpcompile.gloo_backend()
-        dist.init_process_group(backend)
-        if dist.get_world_size() != world:
-            raise SystemExit(f"--dp {args.dp} x --cp {args.cp} = {world}, but torchrun started {dist.get_world_size()}")
-        try:
-            train(args, device)
-        finally:
-            dist.destroy_process_group()
-        return
-    with tempfile.TemporaryDirectory() as tmp:  # no launcher: spawn dp * cp CPU processes with gloo
-        rendezvous = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(
-            _spawned, args=(world, rendezvous, args), nprocs=world, join=False, start_method="spawn"
-        )
-        while not ctx.join():
-            pass
+    launch(train, args, args.dp * args.cp)
 
 
 if __name__ == "__main__":

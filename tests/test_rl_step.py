@@ -113,6 +113,10 @@ CASES: dict[str, tuple[Step, ...]] = {
 }
 #: Cases at CP=3 (the full tier): the issue's step and the mixes with the most mode changes.
 SLOW_CASES = ("grpo", "grpo_epochs", "inference_mode", "eval", "forward_only_between")
+#: The CP=2 cases of the fast tier (``make test``): the GRPO step. The other modes at CP=2 are in the full tier;
+#: the fast tier still runs no_grad, inference_mode and eval forwards of two models in one step against one
+#: process (tests/test_step_rounds.py), the issue's step with a new T per step, and the example on FSDP2.
+FAST_CASES = ("grpo",)
 #: Issue #36's step on six lengths, to reproduce its hang: the reference's no_grad mask may take the address of
 #: the policy's freed one on one rank only (that rank then skipped the reference's mask check, its peer held it).
 HANG_REPRO = steps(*((T, ISSUE_STEP) for T in (64, 80, 93, 72, 88, 67)))
@@ -382,21 +386,24 @@ def test_issue_36_step_does_not_hang():
     check_case("issue_36", 2, HANG_REPRO, inner="aot_eager", timeout_s=HANG_REPRO_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n if n in FAST_CASES else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_rl_mix_cp2(name):
     check_case(name, 2, CASES[name])
 
 
+@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles) and the example (FSDP2, a new T)
 def test_rl_one_backend_for_both_models_cp2():
     """The issue's step with one ``cpcompile.backend`` compiling both models (as examples/rl_grpo_cp.py does)."""
     check_case("grpo_shared_backend", 2, CASES["grpo"], shared_backend=True)
 
 
+@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles) and the example (FSDP2, a new T)
 def test_rl_fsdp_backend_per_model_cp2():
     """The issue's step under FSDP2 (dp=1 x cp=2) with a backend per model, as the issue compiled them; one T."""
     check_case("grpo_fsdp_two_backends", 2, steps((64, ISSUE_STEP), (64, ISSUE_STEP)), fsdp=True)
 
 
+@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles) and the example (FSDP2, a new T)
 def test_rl_fsdp_length_changes_cp2():
     """The issue's step under FSDP2 (dp=1 x cp=2), on a different T each step, as RL batches come."""
     check_case("grpo_fsdp", 2, CASES["grpo"], shared_backend=True, fsdp=True)
