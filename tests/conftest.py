@@ -17,6 +17,29 @@ def _fake_group(rank: int):
     dist.destroy_process_group()
 
 
+#: Test files whose spawned fixtures take longest, heaviest first (measured by ``make test --durations``; see
+#: docs/testing.md). They are collected first so that ``--dist loadfile`` starts them first and the two workers
+#: finish together instead of one running a heavy file alone at the end.
+HEAVY_FIRST = (
+    "test_flex.py",
+    "test_comm.py",
+    "test_rl_step.py",
+    "test_fsdp_cp.py",
+    "test_misuse.py",
+    "test_layouts_parity.py",
+    "test_parity.py",
+    "test_library_patterns_parity.py",
+    "test_mixing_parity.py",
+    "test_integration_transformers.py",
+    "test_flex_exchange.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: the rest keep their order
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Close the pooled test ranks when the session ends: an xdist worker may exit without running atexit hooks,
     and its ranks would outlive it (idle, holding memory) through the rest of the run."""

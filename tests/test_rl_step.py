@@ -421,6 +421,7 @@ DIVERGE_S = 15.0
 
 
 @pytest.mark.serial
+@pytest.mark.slow  # the fast tier: ranks on different paths, tests/test_safe_defaults.py
 def test_no_grad_on_one_rank_only_raises_on_every_rank():
     results = run_distributed(diverging_worker, 2, timeout_s=CASE_TIMEOUT_S, fresh=True)
     for rank, got in enumerate(results):

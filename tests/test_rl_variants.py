@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import cpcompile
+from cpcompile import _compat
 from cpcompile.testing import packed_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -21,9 +22,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 @pytest.fixture(scope="module")
 def mesh():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    _compat.init_fake_process_group(rank=0, world_size=2)
     try:
         yield cpcompile.init_dp_cp_mesh(1, 2)
     finally:
