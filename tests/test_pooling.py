@@ -16,7 +16,8 @@ layouts; a hand-written model whose scores tie across ranks (``input_ids % 4``: 
 must win, also where a rank holds several runs of tokens). Negative controls: the owner rule broken (every rank's
 row carries the gradient: the gradients fail), the tie rule broken (the last maximum wins: the logits fail) and
 ``mixing="off"`` (each rank pools its own tokens: the logits fail). One process (fake group of 2): what the pass
-reports and writes, and the argmax forms it keeps refused. CP=2 is the fast tier; CP=3 and 4 are slow.
+reports and writes, a model whose only cross-token op is the pooling (a step that mixes tokens), and the argmax
+forms it keeps refused. CP=2 is the fast tier; CP=3 and 4 are slow.
 """
 
 from __future__ import annotations
@@ -230,6 +231,27 @@ def test_reports_and_graph(world, tmp_path):
     after = (tmp_path / "rank0" / "graph0_after.py").read_text()
     assert after.count("all_gather_seq") >= 3  # values, keys, rows
     assert "real_tokens" in after and logits.shape == (2, 3) and loss.dim() == 0
+
+
+class _PoolOnly(nn.Module):
+    """Token-wise layers and last-token pooling: the pooling is the model's only op that mixes tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 8)
+
+    def forward(self, input_ids, **_):
+        h = self.embed(input_ids)
+        return (h[torch.arange(h.shape[0]), (input_ids % 4).argmax(-1)].sum(),)
+
+
+def test_pooling_counts_as_token_mixing(world):
+    """A model whose only cross-token op is the pooling mixes tokens across ranks: the step ends without the error
+    that names attention run outside the compiled graphs."""
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard({"input_ids": batch()[0]}, world) as local:
+        torch.compile(_PoolOnly(), backend=backend)(**local)
+    assert [(r.op, r.action) for r in backend.mixing_reports] == POOLED
 
 
 class _ArgmaxUse(nn.Module):

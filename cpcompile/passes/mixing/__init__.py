@@ -94,7 +94,7 @@ from cpcompile.passes.mixing.check import Action as Action
 from cpcompile.passes.mixing.check import _refusal, check_op, count_uses
 from cpcompile.passes.mixing.find import Kind as Kind
 from cpcompile.passes.mixing.find import MixingOp, find_mixing_ops
-from cpcompile.passes.mixing.pooling import pool_across_ranks
+from cpcompile.passes.mixing.pooling import pool_across_ranks, pooled_picks
 from cpcompile.passes.mixing.regions import CausalRegion, rewrite_region
 from cpcompile.passes.mixing.regions import causal_region as causal_region
 from cpcompile.passes.positions import graph_facts, sequence_length
@@ -106,6 +106,8 @@ __all__ = [
     "check_op",
     "find_mixing_ops",
     "mixing_pass",
+    "pool_across_ranks",
+    "pooled_picks",
     "rewrite_region",
 ]
 
