@@ -222,6 +222,12 @@ class CPPlan:
         """``[T_pad]`` int64: the global index at every slot of a tensor all-gathered over the CP group."""
         return self.indices.reshape(-1)
 
+    def gathered_order(self) -> torch.Tensor:
+        """``[T_pad]`` int64: the permutation that puts a tensor gathered over the CP group (rank-major chunks of
+        ``c`` tokens, slot ``i`` holding global index ``gathered_indices()[i]``) into token order, padding last:
+        ``gathered.index_select(dim, order)``. Its inverse permutation is :meth:`gathered_indices`."""
+        return torch.argsort(self.gathered_indices())
+
     # -- slicing ---------------------------------------------------------------------------------------
     def pad(self, t: torch.Tensor, value: int | float | bool) -> torch.Tensor:
         """Pad the sequence dim (dim 1) of a global ``[B, T, ...]`` tensor to ``padded_len`` with ``value``."""
@@ -236,7 +242,7 @@ class CPPlan:
 
     def restore_order(self, gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """A tensor gathered over the CP group (``padded_len`` slots along ``dim``) in token order, unpadded."""
-        order = torch.argsort(self.gathered_indices())[: self.seq_len]
+        order = self.gathered_order()[: self.seq_len]
         return gathered.index_select(dim, order.to(gathered.device))
 
     def unpad(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:

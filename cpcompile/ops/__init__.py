@@ -58,6 +58,10 @@ then moves the keys with the same :func:`halo_exchange`.
 all-gathered along the sequence into global token order, and this rank's token indices to take its tokens back
 (:func:`emit_sequence_gather`).
 
+``cpcompile::heads_from_sequence`` and ``cpcompile::sequence_from_heads`` (:mod:`~cpcompile.ops.heads`) move a
+tensor between the sequence split and a head split (the whole sequence in token order for ``H / N`` heads per
+rank): one all-to-all each way, under the permutation ``cpcompile::heads_order`` takes from the plan.
+
 ``cpcompile::token_positions`` serves :mod:`cpcompile.passes.positions`: the global index of every token this
 rank holds, for position sources (``arange`` of the local length, tables sliced by it) the model computes itself.
 
@@ -65,8 +69,9 @@ The package splits by concern, each op next to its fake implementation and the `
 it, so that what the pass puts in a graph and what runs at run time are read, and changed, together:
 :mod:`~cpcompile.ops.sites` (:class:`SiteSpec`, the registry, the site's plan ops and its attention),
 :mod:`~cpcompile.ops.check` (the checks before a site communicates), :mod:`~cpcompile.ops.exchange` (the
-all-gather, the halo and selective exchanges and their routing) and :mod:`~cpcompile.ops.tokens` (the ops of
-the positions and mixing passes). Every name below is importable from ``cpcompile.ops``.
+all-gather, the halo and selective exchanges and their routing), :mod:`~cpcompile.ops.heads` (the exchanges
+between the sequence and head splits) and :mod:`~cpcompile.ops.tokens` (the ops of the positions and mixing
+passes). Every name below is importable from ``cpcompile.ops``.
 """
 
 from __future__ import annotations
@@ -90,6 +95,13 @@ from cpcompile.ops.exchange import (
     halo_exchange,
     halo_routing,
     recompute_exchange,
+)
+from cpcompile.ops.heads import (
+    emit_heads_from_sequence,
+    emit_sequence_from_heads,
+    heads_from_sequence,
+    heads_order,
+    sequence_from_heads,
 )
 from cpcompile.ops.sites import (
     EXCHANGES_OF_NEEDED_KEYS,
@@ -124,6 +136,8 @@ __all__ = [
     "emit_flex_site_plan",
     "emit_gather_start",
     "emit_halo_exchange",
+    "emit_heads_from_sequence",
+    "emit_sequence_from_heads",
     "emit_sequence_gather",
     "emit_site_check",
     "emit_site_plan",
@@ -135,6 +149,8 @@ __all__ = [
     "flex_site_plan",
     "halo_exchange",
     "halo_routing",
+    "heads_from_sequence",
+    "heads_order",
     "last_of",
     "MASK_CHECK_ROWS",
     "mask_mismatch",
@@ -142,6 +158,7 @@ __all__ = [
     "recompute_exchange",
     "register_site",
     "ROUTING_KEYS",
+    "sequence_from_heads",
     "sequence_order",
     "site_check",
     "site_plan",

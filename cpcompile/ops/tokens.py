@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile.ops.sites import SiteSpec
-from cpcompile.runtime.context import active_context
+from cpcompile.runtime.context import Active, active_context
 
 
 def emit_buffer_gather(graph: fx.Graph, t: fx.Node, dim: int, spec: SiteSpec) -> fx.Node:
@@ -92,6 +92,25 @@ def _(like: torch.Tensor, dim: int, site: str) -> torch.Tensor:
     return like.new_empty((like.shape[dim],), dtype=torch.bool)
 
 
+def chunk_context(like: torch.Tensor, dim: int, cp_size: int, what: str) -> Active:
+    """The active shard context, checked against an op compiled for a CP group of ``cp_size`` ranks whose input
+    ``like`` has this rank's tokens along ``dim``; ``RuntimeError`` naming ``what`` when the group size or the
+    local length differs from the active plan's."""
+    context = active_context(what)
+    plan = context.plan
+    if plan.cp_size != cp_size:
+        raise RuntimeError(
+            f"{what} was compiled for a CP group of size {cp_size}, but the active shard context has size "
+            f"{plan.cp_size}; pass the same cp_group to cpcompile.backend and cpcompile.shard"
+        )
+    if like.shape[dim] != plan.chunk_len:
+        raise RuntimeError(
+            f"{what} got {like.shape[dim]} tokens along dim {dim}, but the active plan expects this rank's chunk "
+            f"length {plan.chunk_len}; call the model with the `local` batch of the active cpcompile.shard context"
+        )
+    return context
+
+
 @torch.library.custom_op("cpcompile::sequence_order", mutates_args=())
 def sequence_order(
     like: torch.Tensor, dim: int, cp_size: int, needs_grad: bool, site: str
@@ -104,21 +123,10 @@ def sequence_order(
     along ``dim``: only its size and device are read, and its bytes are counted as one sequence all-gather
     (``CommStats.sequence_gathers``; with ``needs_grad``, one reduce-scatter in backward).
     """
-    context = active_context(f"the sequence-mixing op at {site}")
+    context = chunk_context(like, dim, cp_size, f"the sequence-mixing op at {site}")
     plan = context.plan
-    if plan.cp_size != cp_size:
-        raise RuntimeError(
-            f"the sequence-mixing op at {site} was compiled for a CP group of size {cp_size}, but the active shard "
-            f"context has size {plan.cp_size}; pass the same cp_group to cpcompile.backend and cpcompile.shard"
-        )
-    if like.shape[dim] != plan.chunk_len:
-        raise RuntimeError(
-            f"the sequence-mixing op at {site} got {like.shape[dim]} tokens along dim {dim}, but the active plan "
-            f"expects this rank's chunk length {plan.chunk_len}; call the model with the `local` batch of the "
-            "active cpcompile.shard context"
-        )
     context.comm.record_sequence_gather(like, cp_size, needs_grad)
-    order = torch.argsort(plan.gathered_indices())
+    order = plan.gathered_order()
     return order.to(like.device), plan.token_indices().clone().to(like.device)
 
 

@@ -59,6 +59,13 @@ class CommStats:
     sequence_gathers: int = 0
     sequence_gather_bytes: int = 0
     sequence_reduce_scatter_bytes: int = 0
+    #: All-to-alls between the sequence split and the head split (``cpcompile::heads_from_sequence`` and
+    #: ``cpcompile::sequence_from_heads``, :mod:`cpcompile.ops.heads`) and the bytes this rank received in them
+    #: from the other ranks; each whose input needs a gradient adds the reverse all-to-all of the same size in
+    #: backward (``heads_backward_bytes``, bytes received).
+    heads_exchanges: int = 0
+    heads_bytes: int = 0
+    heads_backward_bytes: int = 0
 
     def record_sequence_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
@@ -72,6 +79,12 @@ class CommStats:
         self.halo_bytes += nbytes
         if needs_grad:
             self.halo_backward_bytes += nbytes
+
+    def record_heads(self, nbytes: int, needs_grad: bool) -> None:
+        self.heads_exchanges += 1
+        self.heads_bytes += nbytes
+        if needs_grad:
+            self.heads_backward_bytes += nbytes
 
     def record_routing(self, nbytes: int) -> None:
         self.routing_gathers += 1
