@@ -258,7 +258,8 @@ class Inspection:
                 "",
                 "ops that mix tokens along the sequence outside attention (gathered: run on the whole sequence; "
                 "partial_sum: a sum the ranks' values add up to; dispatch: MoE token bookkeeping; summed: an MoE "
-                "count written into module state, summed over the ranks; per_token: a listed custom op; refused):",
+                "count written into module state, summed over the ranks; per_token: a listed custom op; "
+                "head_parallel: a recurrent core run on the whole sequence for this rank's heads; refused):",
                 self.mixing_table(),
             ]
         return "\n".join(lines) + "\n"

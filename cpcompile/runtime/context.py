@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from cpcompile import failsafe
+from cpcompile import _compat, cores, failsafe
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.plan import CPPlan
 from cpcompile.runtime.comm import CommStats, gather_sequence
@@ -185,8 +185,6 @@ def activated(context: Active) -> Iterator[Active]:
 
     With a group of more than one rank it also switches the known mixer cores to their head-parallel form for
     the block (:mod:`cpcompile.cores`)."""
-    from cpcompile import _compat, cores
-
     cores.register_known_cores()
     group = context.group
     heads = (_compat.group_name_of(group), group.size()) if group is not None and group.size() > 1 else None
