@@ -190,8 +190,9 @@ class CPBackend:
             return compiled
         rewritten = any(r.action == "rewritten" for r in reports)
         mixes = rewritten or any(r.action == "gathered" for r in mixing)
-        if self.options.token_mixing == "required":
-            compiled = _noting_graph_run(compiled, self.group_name, self.name, _frame_of(gm, graph_id), mixes)
+        if self.options.token_mixing == "required":  # pooled rows mix tokens across ranks, in forward only
+            noted = mixes or any(r.action == "pooled" for r in mixing)
+            compiled = _noting_graph_run(compiled, self.group_name, self.name, _frame_of(gm, graph_id), noted)
         if mixes:  # the graph's backward runs collectives
             compiled = _meeting_before_backward(compiled, self.group_name)
         if handed:

@@ -107,7 +107,11 @@ def test_failure_in_own_code_is_bounded_by_the_peer_timeout(results):
         assert results[1][name + "_next"]["rank_failed"], results[1][name + "_next"]
 
 
-@pytest.mark.parametrize("where", ["between_forward_and_backward", "before_first_call"])
+#: a rank killed mid-step in the fast tier; killed before its first call (a peer in its first control round) in the
+#: slow one
+@pytest.mark.parametrize(
+    "where", ["between_forward_and_backward", pytest.param("before_first_call", marks=pytest.mark.slow)]
+)
 def test_killed_rank_is_reported_dead(where):
     results = run_distributed(killed_rank_worker, 2, where, timeout_s=120, may_die=(1,), fresh=True)
     assert results[1] is None  # rank 1 killed itself

@@ -6,7 +6,7 @@ and what it does with each, the refusals and their messages, the graph it writes
 rewritten models runs on gloo processes in ``test_mixing_parity.py``. Models: ``tests.models.mixing.mixer_lm``
 (one mixer each), transformers LFM2 (``Lfm2ForCausalLM``, a conv layer and an attention layer), Llama, GLM-4-MoE,
 Mixtral and Qwen3-MoE (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``: MoE
-dispatch), and ``LlamaForSequenceClassification`` (last-token pooling).
+dispatch), and ``LlamaForSequenceClassification`` (last-token pooling, ``pooled``).
 """
 
 from __future__ import annotations
@@ -208,8 +208,9 @@ def test_refused_in_static_graphs(world, mixer):
             torch.compile(mixer_lm(mixer=mixer), backend=backend)(**local)
 
 
-def test_sequence_classification_last_token_pooling_is_refused(world):
-    """LlamaForSequenceClassification pools the last non-padding token (an argmax over the sequence)."""
+def test_sequence_classification_last_token_pooling_is_pooled(world):
+    """LlamaForSequenceClassification pools the last non-padding token (an argmax over the sequence): both ops are
+    ``pooled`` (parity and the refused argmax forms: tests/test_pooling.py)."""
     import transformers
 
     config = tiny_config("llama", num_labels=3, pad_token_id=0)
@@ -217,9 +218,9 @@ def test_sequence_classification_last_token_pooling_is_refused(world):
     model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
     backend = cpcompile.backend(world, inner="eager")
     batch = {k: v for k, v in packed_batch(DOCS).items() if k != "labels"}
-    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"argmax at .*argmax along the sequence"):
-        with cpcompile.shard(batch, world) as local:
-            torch.compile(model, backend=backend)(**local)
+    with cpcompile.shard(batch, world) as local:
+        torch.compile(model, backend=backend)(**local)
+    assert [(r.op, r.action) for r in backend.mixing_reports] == [("argmax", "pooled"), ("getitem", "pooled")]
 
 
 class _LossPlusConstant(nn.Module):

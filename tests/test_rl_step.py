@@ -391,19 +391,19 @@ def test_rl_mix_cp2(name):
     check_case(name, 2, CASES[name])
 
 
-@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles) and the example (FSDP2, a new T)
+@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles), the issue's step (a new T)
 def test_rl_one_backend_for_both_models_cp2():
     """The issue's step with one ``cpcompile.backend`` compiling both models (as examples/rl_grpo_cp.py does)."""
     check_case("grpo_shared_backend", 2, CASES["grpo"], shared_backend=True)
 
 
-@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles) and the example (FSDP2, a new T)
+@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles), the issue's step (a new T)
 def test_rl_fsdp_backend_per_model_cp2():
     """The issue's step under FSDP2 (dp=1 x cp=2) with a backend per model, as the issue compiled them; one T."""
     check_case("grpo_fsdp_two_backends", 2, steps((64, ISSUE_STEP), (64, ISSUE_STEP)), fsdp=True)
 
 
-@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles) and the example (FSDP2, a new T)
+@pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles), the issue's step (a new T)
 def test_rl_fsdp_length_changes_cp2():
     """The issue's step under FSDP2 (dp=1 x cp=2), on a different T each step, as RL batches come."""
     check_case("grpo_fsdp", 2, CASES["grpo"], shared_backend=True, fsdp=True)
@@ -437,6 +437,9 @@ def test_no_grad_on_one_rank_only_raises_on_every_rank():
 
 
 # -- examples/rl_grpo_cp.py --------------------------------------------------------------------------------------
+# the fast tier: the GRPO step and the issue's step (this file), FSDP2 (tests/test_fsdp_cp.py), the compiles
+# (tests/test_rl_variants.py)
+@pytest.mark.slow
 def test_example_rl_grpo_cp_matches_one_process():
     """The example (FSDP2, dp=1 x cp=2, 2 batches x 2 optimizer steps) runs and its table shows one process's
     values: the differences are recomputed here from the two printed columns, not read from the example's own."""

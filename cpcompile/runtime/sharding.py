@@ -128,6 +128,9 @@ def shard(
     computes itself (nanoGPT's ``F.cross_entropy(..., ignore_index=-1)``) is made this rank's share by the
     compiled graph (:mod:`cpcompile.passes.mixing`, ``mean_share``): the model returns its tokens' loss summed,
     divided by the count of targets that are not ``ignore_index`` on every rank (padding tokens ignored).
+    A sequence classifier's loss over pooled rows (last-token pooling, ``pooled``) is whole on every rank instead,
+    as the pooled logits are: its gradients, summed over the CP ranks, are the one-process gradients; do not add
+    its values over the CP ranks.
 
     An error in the batch validation or in the ``with`` block is reported to the other CP ranks, and a rank
     that another rank's failure leaves waiting raises :class:`~cpcompile.failsafe.RankFailedError` naming it

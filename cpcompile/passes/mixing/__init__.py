@@ -42,6 +42,11 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   for its load-balancing bias): the write gets the count summed over the CP group (a small all-gather of the
   per-expert counts, summed in rank order), so the state holds the whole sequence's count on every rank, as in
   the one-process model; the dispatch keeps this rank's count.
+* ``pooled``: an ``argmax`` over the sequence whose result only picks the winning token's rows of per-token data
+  (``x[rows, v.argmax(-1)]``: last-token pooling of transformers' ``*ForSequenceClassification``), and those
+  picks: the ranks agree on the winner (largest value, the first in global order on ties, padding never) and every
+  rank gets its rows; only the owner's row carries a gradient (:mod:`~cpcompile.passes.mixing.pooling`). An
+  argmax used any other way (as a value, to index a table) is refused.
 * ``per_token``: a custom op listed in :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS` or the backend's
   ``per_token_ops`` option.
 * ``head_parallel``: the call of a known recurrent core (:mod:`cpcompile.cores`) that Dynamo traced through its
@@ -70,6 +75,8 @@ Modules (every public name is importable from this package):
   bookkeeping (expert ids, the permutation that sorts them);
 - :mod:`~cpcompile.passes.mixing.regions`: :class:`CausalRegion`, found (:func:`causal_region`) and run on the whole
   sequence (:func:`rewrite_region`);
+- :mod:`~cpcompile.passes.mixing.pooling`: the ``pooled`` form, found (:func:`pooled_picks`) and exchanged
+  (:func:`pool_across_ranks`);
 - :mod:`~cpcompile.passes.mixing.check`: :func:`check_op` and the refusal message with its fix;
 - :mod:`~cpcompile.passes.mixing.graph`: what the finder knows about one graph, read by find and regions;
 - this module: :class:`MixingReport` and the entry point :func:`mixing_pass`.
@@ -92,6 +99,7 @@ from cpcompile.passes.mixing.check import Action as Action
 from cpcompile.passes.mixing.check import _refusal, check_op, count_uses
 from cpcompile.passes.mixing.find import Kind as Kind
 from cpcompile.passes.mixing.find import MixingOp, find_mixing_ops
+from cpcompile.passes.mixing.pooling import pool_across_ranks, pooled_picks
 from cpcompile.passes.mixing.regions import CausalRegion, rewrite_region
 from cpcompile.passes.mixing.regions import causal_region as causal_region
 from cpcompile.passes.positions import graph_facts, sequence_length
@@ -103,6 +111,8 @@ __all__ = [
     "check_op",
     "find_mixing_ops",
     "mixing_pass",
+    "pool_across_ranks",
+    "pooled_picks",
     "rewrite_region",
 ]
 
@@ -119,7 +129,8 @@ class MixingReport:
     action: str
     reason: str = ""
     source: str = ""
-    #: ``gathered``: bytes this rank receives per call in the all-gather (``(N - 1) * numel * itemsize``).
+    #: ``gathered``, and the picks of ``pooled``: bytes this rank receives per call in the all-gather of the region's
+    #: input or of the candidate rows (``(N - 1) * numel * itemsize``).
     all_gather_bytes_per_call: int = 0
 
     def to_json(self) -> dict:
@@ -165,14 +176,26 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
                 _sum_over_ranks(op, write, ctx)
         if action == "mean_share":
             _share_of_mean(op, ctx)
+        if action == "pooled" and op.picks:
+            pool_across_ranks(op.node, list(op.picks), ctx, f"{ctx.site_prefix}:{op.where}")
+        if action == "pooled" and not op.picks:
+            nbytes = _pooled_bytes(op.node, ctx.cp_size)
         if action != "refused":
             counters[f"mixing_{action}"] += 1
         reports.append(
             MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
         )
-    if any(r.action in ("gathered", "summed", "mean_share") for r in reports):
+    if any(r.action in ("gathered", "summed", "mean_share", "pooled") for r in reports):
         finish(gm)
     return reports
+
+
+def _pooled_bytes(pick: fx.Node, cp_size: int) -> int:
+    """Bytes this rank receives per call in the all-gather of the candidate rows of a ``pooled`` pick."""
+    v = _val(pick)
+    if not isinstance(v, torch.Tensor):
+        return 0
+    return (cp_size - 1) * size_hint(math.prod(v.shape)) * v.element_size()
 
 
 def _share_of_mean(op: MixingOp, ctx: PassContext) -> None:

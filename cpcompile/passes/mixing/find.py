@@ -20,6 +20,7 @@ from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
+from cpcompile.passes.mixing.pooling import pooled_picks
 from cpcompile.passes.mixing.regions import CausalRegion, causal_region
 from cpcompile.passes.positions import SequenceLength, graph_facts
 from cpcompile.passes.positions.graph import scalar_value
@@ -46,8 +47,8 @@ class MixingOp(FoundAt):
     layer: str
     #: What it does along the sequence, in words.
     what: str
-    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``head_parallel`` when the finder already knows it
-    #: is accounted for.
+    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled``/``head_parallel`` when the finder
+    #: already knows it is accounted for.
     accounted: str = ""
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
@@ -57,6 +58,9 @@ class MixingOp(FoundAt):
     #: ``mean_share``: the per-token tensor the loss's targets are a reshape of and its sequence dim (where the
     #: rewrite marks padding tokens ignored), when the targets are one.
     target_tokens: tuple[fx.Node, int] | None = None
+    #: ``pooled`` argmax: the getitems that pick rows of per-token data at the tokens it chose
+    #: (:func:`~cpcompile.passes.mixing.pooling.pooled_picks`).
+    picks: tuple[fx.Node, ...] = ()
 
     @property
     def source(self) -> str:
@@ -443,6 +447,25 @@ def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
     return reason if contracted else None
 
 
+def _pooling(ops: list[MixingOp], g: _Graph) -> list[MixingOp]:
+    """``ops`` with every argmax over the sequence whose result only picks the winning token's rows of per-token
+    data (:func:`~cpcompile.passes.mixing.pooling.pooled_picks`), and those picks, marked ``pooled``."""
+    at = {op.node: i for i, op in enumerate(ops)}
+    ops = list(ops)
+    for op in list(ops):
+        if op.op != "argmax" or op.accounted:
+            continue
+        picks = pooled_picks(op.node, g)
+        if picks is None or any(p not in at for p in picks):
+            continue
+        what = "argmax along the sequence, whose result only picks the winning token's rows"
+        ops[at[op.node]] = dataclasses.replace(op, accounted="pooled", what=what, picks=tuple(picks))
+        for p in picks:
+            pick = ops[at[p]]
+            ops[at[p]] = dataclasses.replace(pick, accounted="pooled", what=f"{pick.what}, picked by {op.node.name}")
+    return ops
+
+
 def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tuple[str, ...] = ()) -> list[MixingOp]:
     """Every op of ``gm`` and of its nested graphs that mixes tokens of a sharded sequence, in graph order.
 
@@ -459,7 +482,7 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
         in_region: set[fx.Node] = set()  # ops of a region found at an earlier op: run on the whole sequence with it
         heads, whole = _head_parallel_regions(g)  # head-parallel regions: their ends are reported, not their ops
         in_region.update(whole)
-        here = [op for op in heads if op.node in facts.live]
+        ops: list[MixingOp] = []
         for n in g.graph.nodes:
             if n.op not in ("call_function", "call_method", "call_module") or n in info.mask_only or n in in_region:
                 continue
@@ -476,9 +499,10 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
                 region, problem = causal_region(n, info)
                 op = dataclasses.replace(op, region=region, problem=problem)
                 in_region.update(region.nodes if region is not None else ())
-            here.append(op)
+            ops.append(op)
         # a selection of the first token that a region found later reads (a diff's prepend) runs in that region
-        kept = [op for op in here if op.region is not None or op.kind == "head_parallel" or op.node not in in_region]
+        kept = [op for op in _pooling(ops, info) if op.region is not None or op.node not in in_region]
+        kept += [op for op in heads if op.node in facts.live]
         order = {n: i for i, n in enumerate(g.graph.nodes)}
         found.extend(sorted(kept, key=lambda op: order[op.node]))
     return found
