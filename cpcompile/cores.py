@@ -17,12 +17,16 @@ Known cores (a registry, not a general mechanism): transformers' Qwen3-Next ``to
 ``[B, S, Hv, Dv]``), on its torch fallback path only (not when transformers resolved it to flash-linear-attention).
 Key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole groups (its key
 heads and their value heads); otherwise, when ``N`` divides ``Hv``, queries and keys are repeated to the value
-heads first (as the core does itself). Refused at trace time (``ValueError`` naming the layer function and the
-fix, on every rank): ``N`` dividing neither, an ``initial_state`` or ``output_final_state`` (a cache), and
-``cu_seqlens``.
+heads first (as the core does itself). Refused while Dynamo traces, on every rank, by the op
+``cpcompile::heads_refusal`` (Dynamo raises its ``TorchRuntimeError`` with the message, which names the core and
+the fix): ``N`` not dividing ``Hv`` (or ``Hk`` not dividing ``Hv``), an ``initial_state`` or
+``output_final_state`` (a cache), ``cu_seqlens``.
 
-The substitution is registered for a core when :func:`cpcompile.shard` is entered and its model module is
-imported (:func:`register_known_cores`); it is process-wide and permanent, and inert without a CP context.
+The substitution is registered for every core whose model module is imported when a backend for a CP group of
+more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
+process-wide and permanent, and inert without a CP context. A graph Dynamo traced before the registration (the
+model's module imported after the backend was made, and the compiled model called outside ``shard`` first) holds
+the library's core and no guard on :data:`HEADS_GROUP`.
 """
 
 from __future__ import annotations
