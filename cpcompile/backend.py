@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat, _logging, dump
+from cpcompile import _compat, _logging, cores, dump
 from cpcompile.options import BackendOptions
 from cpcompile.passes.common import PassContext
 from cpcompile.passes.flex_cp import flex_cp_pass
@@ -88,6 +88,8 @@ class CPBackend:
             _compat.forbid_eager_fallback_on_recompile_limit()
         if self.cp_size > 1 or options.attention == "block":  # flex sites reach the flex pass on CPU too
             _compat.trace_flex_attention_on_cpu()
+        if self.cp_size > 1:  # before the first trace: a graph traced without CP then guards on it too
+            cores.register_known_cores()
         self.options = options
         self.trace_only = trace_only
         self.reports: list[SiteReport] = []

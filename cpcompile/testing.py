@@ -9,7 +9,7 @@ import torch
 
 from cpcompile.inspect.batch import packed_batch
 
-__all__ = ["FAMILIES", "MOE_FAMILIES", "tiny_config", "tiny_model", "packed_batch"]
+__all__ = ["FAMILIES", "HYBRID_FAMILIES", "MOE_FAMILIES", "tiny_config", "tiny_model", "packed_batch"]
 
 _COMMON = dict(
     vocab_size=128,
@@ -86,11 +86,36 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
         },
     ),
 }
-_ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
+
+#: Hybrid families whose recurrent mixer runs head-parallel under CP (:mod:`cpcompile.cores`), checked in
+#: tests/test_hybrids_parity.py.
+HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
+    # hybrid: a gated delta-net layer (2 key / 4 value heads of 16, conv kernel 4) before a gated attention layer,
+    # MoE feed-forwards (4 experts, 2 per token, a shared expert); no cache (the recurrence runs on the sequence)
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "use_cache": False,
+        },
+    ),
+}
+_ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 
 
 def tiny_config(family: str, **overrides):
-    """A small config of ``family`` (:data:`FAMILIES`, :data:`MOE_FAMILIES`): 2 layers, hidden 64, 4/2 heads, SDPA.
+    """A small config of ``family`` (:data:`FAMILIES`, :data:`MOE_FAMILIES`, :data:`HYBRID_FAMILIES`): 2 layers,
+    hidden 64, 4/2 heads, SDPA.
 
     ``overrides`` replace config fields; ``attn_implementation="eager"`` builds the non-SDPA variant.
     """

@@ -259,7 +259,8 @@ class Inspection:
                 "ops that mix tokens along the sequence outside attention (gathered: run on the whole sequence; "
                 "partial_sum: a sum the ranks' values add up to; dispatch: MoE token bookkeeping; summed: an MoE "
                 "count written into module state, summed over the ranks; pooled: the winning token's rows of an argmax "
-                "over the sequence, handed to every rank; per_token: a listed custom op; refused):",
+                "over the sequence, handed to every rank; per_token: a listed custom op; head_parallel: a recurrent "
+                "core run on the whole sequence for this rank's heads; refused):",
                 self.mixing_table(),
             ]
         return "\n".join(lines) + "\n"

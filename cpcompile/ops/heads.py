@@ -167,6 +167,20 @@ def _(y, order, seq_dim, head_dim, group_name, site, needs_grad):
     return y.new_empty(shape)
 
 
+@torch.library.custom_op("cpcompile::heads_refusal", mutates_args=())
+def heads_refusal(like: torch.Tensor, message: str) -> torch.Tensor:
+    """Raise ``ValueError(message)``: a head-parallel core's refusal, put in the graph by the core's replacement
+    while Dynamo traces it. Its fake implementation raises too, so the refusal stops the compile on every rank
+    (Dynamo reports it as a ``TorchRuntimeError`` with the message); a ``raise`` in traced Python code would
+    make Dynamo run the frame without the graph instead."""
+    raise ValueError(message)
+
+
+@heads_refusal.register_fake
+def _(like, message):
+    raise ValueError(message)
+
+
 def _setup_context(ctx, inputs, output):
     _, order, seq_dim, head_dim, group_name, site, _ = inputs
     ctx.save_for_backward(order)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from cpcompile import failsafe
+from cpcompile import _compat, cores, failsafe
 from cpcompile.errors import UnsupportedAttentionError
 from cpcompile.plan import CPPlan
 from cpcompile.runtime.comm import CommStats, gather_sequence
@@ -181,11 +181,19 @@ def ensure_inactive() -> None:
 
 @contextlib.contextmanager
 def activated(context: Active) -> Iterator[Active]:
-    """Make ``context`` the active one of this thread for the ``with`` block; its counts stay readable after."""
+    """Make ``context`` the active one of this thread for the ``with`` block; its counts stay readable after.
+
+    With a group of more than one rank it also switches the known mixer cores to their head-parallel form for
+    the block (:mod:`cpcompile.cores`)."""
+    cores.register_known_cores()
+    group = context.group
+    heads = (_compat.group_name_of(group), group.size()) if group is not None and group.size() > 1 else None
     _STATE.active = context
+    cores.set_heads_group(heads)
     try:
         yield context
     finally:
+        cores.set_heads_group(None)
         _STATE.active = None
         _STATE.last_comm = context.comm
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import cpcompile
 from cpcompile.backend import CPBackend
-from cpcompile.testing import FAMILIES, MOE_FAMILIES, packed_batch, tiny_model
+from cpcompile.testing import FAMILIES, HYBRID_FAMILIES, MOE_FAMILIES, packed_batch, tiny_model
 from tests.harness.tolerances import GRAD_TOL, LOGITS_TOL, LOSS_TOL
 from tests.models import attention as _models
 
@@ -132,10 +132,10 @@ class ParityCase:
         if ":" in self.model:
             module, _, factory = self.model.partition(":")
             return getattr(importlib.import_module(module), factory)(seed=self.seed, **kwargs)
-        if self.model not in FAMILIES and self.model not in MOE_FAMILIES:
+        families = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
+        if self.model not in families:
             raise ValueError(
-                f"unknown model {self.model!r}; use one of {sorted({**FAMILIES, **MOE_FAMILIES})}, 'attn:<form>' "
-                "or 'module:factory'"
+                f"unknown model {self.model!r}; use one of {sorted(families)}, 'attn:<form>' or 'module:factory'"
             )
         return tiny_model(self.model, seed=self.seed, **kwargs)
 

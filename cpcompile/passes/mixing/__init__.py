@@ -49,6 +49,11 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   argmax used any other way (as a value, to index a table) is refused.
 * ``per_token``: a custom op listed in :data:`cpcompile.passes.vocabulary.PER_TOKEN_OPS` or the backend's
   ``per_token_ops`` option.
+* ``head_parallel``: the call of a known recurrent core (:mod:`cpcompile.cores`) that Dynamo traced through its
+  head-parallel replacement: every node that reads a ``cpcompile::heads_from_sequence`` output, up to the
+  ``cpcompile::sequence_from_heads`` that brings the result back, runs on the whole sequence of this rank's heads
+  as the one-process model runs it, and is not a mixing op; one report per ``sequence_from_heads``, named after
+  the core. A whole-sequence value that reaches the graph's output without the way back is refused.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
 

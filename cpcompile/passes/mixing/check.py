@@ -17,7 +17,9 @@ from cpcompile.passes.mixing.find import MixingOp
 __all__ = ["check_op", "count_uses"]
 
 #: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
-Action = Literal["gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "pooled", "refused"]
+Action = Literal[
+    "gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "pooled", "head_parallel", "refused"
+]
 
 #: Dispatch ops that count expert assignments over this rank's tokens.
 _COUNTS = frozenset({"histc", "bincount", "sum"})

@@ -31,7 +31,7 @@ __all__ = ["MixingOp", "find_mixing_ops"]
 #: What an op does along the sequence.
 Kind = Literal[
     "convolution", "scan", "shift", "reduction", "loss", "contraction", "order", "selection", "index", "custom",
-    "unknown",
+    "head_parallel", "unknown",
 ]  # fmt: skip
 
 
@@ -47,8 +47,8 @@ class MixingOp(FoundAt):
     layer: str
     #: What it does along the sequence, in words.
     what: str
-    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled`` when the finder already knows it is
-    #: accounted for.
+    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled``/``head_parallel`` when the finder
+    #: already knows it is accounted for.
     accounted: str = ""
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
@@ -480,6 +480,8 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
         expert_ids = _expert_ids(g, seq, tags)
         info = _Graph(seq, facts.data, facts.mask_only, tags, expert_ids, _dispatch_index(g, expert_ids), per_token)
         in_region: set[fx.Node] = set()  # ops of a region found at an earlier op: run on the whole sequence with it
+        heads, whole = _head_parallel_regions(g)  # head-parallel regions: their ends are reported, not their ops
+        in_region.update(whole)
         ops: list[MixingOp] = []
         for n in g.graph.nodes:
             if n.op not in ("call_function", "call_method", "call_module") or n in info.mask_only or n in in_region:
@@ -498,6 +500,65 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
                 op = dataclasses.replace(op, region=region, problem=problem)
                 in_region.update(region.nodes if region is not None else ())
             ops.append(op)
-        found.extend(_pooling(ops, info))
-    # a selection of the first token that a region found later reads (a diff's prepend) runs in that region
-    return [op for op in found if op.region is not None or op.node not in in_region]
+        # a selection of the first token that a region found later reads (a diff's prepend) runs in that region
+        kept = [op for op in _pooling(ops, info) if op.region is not None or op.node not in in_region]
+        kept += [op for op in heads if op.node in facts.live]
+        order = {n: i for i, n in enumerate(g.graph.nodes)}
+        found.extend(sorted(kept, key=lambda op: order[op.node]))
+    return found
+
+
+_INTO_HEADS = ("cpcompile::heads_order", "cpcompile::heads_from_sequence")
+_FROM_HEADS = "cpcompile::sequence_from_heads"
+
+
+def _exchange_name(n: fx.Node) -> str:
+    return vocab.op_name(n) if n.op == "call_function" else ""
+
+
+def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
+    """The head-parallel regions of ``g`` (:mod:`cpcompile.cores`): every node that reads, directly or through
+    others, a ``cpcompile::heads_from_sequence`` (or ``heads_order``) output, up to the
+    ``cpcompile::sequence_from_heads`` that brings the result back to this rank's tokens. These nodes run on the
+    whole sequence of this rank's heads, as the one-process model runs them, and are not mixing ops. One op per
+    ``sequence_from_heads`` (``head_parallel``); a region whose whole-sequence values reach anything else (the
+    graph's output without the way back) is one refused op."""
+    starts = [n for n in g.graph.nodes if _exchange_name(n) in _INTO_HEADS]
+    if not starts:
+        return [], set()
+    whole: set[fx.Node] = set(starts)
+    queue = list(starts)
+    ends: list[fx.Node] = []
+    leaks: list[fx.Node] = []
+    while queue:
+        t = queue.pop()
+        for u in t.users:
+            if u in whole:
+                continue
+            if _exchange_name(u) == _FROM_HEADS:
+                if u not in ends:
+                    ends.append(u)
+                continue
+            if u.op == "output":
+                leaks.append(t)
+                continue
+            whole.add(u)
+            queue.append(u)
+    ops = []
+    for n in ends:
+        site = n.args[5] if len(n.args) > 5 else ""
+        what = f"runs {site} on the whole sequence for this rank's heads (one all-to-all per tensor each way)"
+        ops.append(dataclasses.replace(_head_op(n, what, "head_parallel"), op=str(site).rpartition(".")[2] or "core"))
+    for n in leaks:
+        what = (
+            "is a whole-sequence value of a head-parallel region that leaves it without "
+            "cpcompile::sequence_from_heads; return the core's outputs only"
+        )
+        ops.append(dataclasses.replace(_head_op(n, what, ""), problem="it is not brought back to this rank's tokens"))
+    whole.update(ends)
+    return ops, whole
+
+
+def _head_op(n: fx.Node, what: str, accounted: str) -> MixingOp:
+    return MixingOp(node=n, kind="head_parallel", op=vocab.op_name(n), layer=_compat.node_module_path(n), what=what,
+                    accounted=accounted)  # fmt: skip

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sympy
 
-from cpcompile import _compat
+from cpcompile import _compat, cores
 from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes.positions.model import FIX, SequenceLength
 
@@ -71,13 +71,14 @@ class LengthGuards:
 def length_guards(seq: SequenceLength | None) -> LengthGuards:
     """The shape guards recorded so far for the frame being compiled that involve only the local length's symbols,
     written in one length ``T``; those that hold for every ``T`` (``Eq(s0, s1)`` of two inputs of the local
-    length) are dropped."""
+    length) are dropped, and so are those of a head-parallel core (:func:`cpcompile.cores.in_core`), which
+    decided on the whole sequence."""
     if seq is None or seq.static:
         return LengthGuards(())
     kept = []
     for expr, where in _compat.shape_guards():
         symbols = getattr(expr, "free_symbols", set())
-        if not symbols or not symbols <= seq.symbols:
+        if not symbols or not symbols <= seq.symbols or cores.in_core(where):
             continue
         in_t = expr.xreplace({s: _T for s in symbols})
         if in_t is not sympy.true:

@@ -1,0 +1,170 @@
+"""Head-parallel mixer cores: known recurrent core functions run on the whole sequence for H / N heads under CP.
+
+A recurrent mixer (a gated delta-net's chunked delta rule) carries a state along the sequence, so on a rank's
+``c`` tokens it is wrong, and its traced ops are specialised to the local length (the chunk loop is unrolled).
+For the core functions listed in :data:`CORES`, cpcompile gives Dynamo a replacement
+(``torch.compiler.substitute_in_graph``) that, while a :func:`cpcompile.shard` context of more than one rank is
+active, sends every per-head argument through ``cpcompile::heads_from_sequence`` (this rank's ``c`` tokens of
+all ``H`` heads -> all ``N * c`` tokens in global order, padding last, of heads ``[r * H/N, (r + 1) * H/N)``),
+runs the library's own function on the whole sequence, and brings the output back with
+``cpcompile::sequence_from_heads``. Dynamo traces the core at the symbolic length ``N * c``, with the guards the
+one-process model at that length would have. Outside a shard context (or with one rank) the replacement calls the
+original function unchanged; Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
+under CP is never reused without it and the other way round. Eager calls never see the replacement.
+
+Known cores (a registry, not a general mechanism): transformers' Qwen3-Next ``torch_chunk_gated_delta_rule``
+(``query``, ``key`` ``[B, S, Hk, Dk]``, ``value`` ``[B, S, Hv, Dv]``, ``g``, ``beta`` ``[B, S, Hv]``; output
+``[B, S, Hv, Dv]``), on its torch fallback path only (not when transformers resolved it to flash-linear-attention).
+Key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole groups (its key
+heads and their value heads); otherwise, when ``N`` divides ``Hv``, queries and keys are repeated to the value
+heads first (as the core does itself). Refused while Dynamo traces, on every rank, by the op
+``cpcompile::heads_refusal`` (Dynamo raises its ``TorchRuntimeError`` with the message, which names the core and
+the fix): ``N`` not dividing ``Hv`` (or ``Hk`` not dividing ``Hv``), an ``initial_state`` or
+``output_final_state`` (a cache), ``cu_seqlens``.
+
+The substitution is registered for every core whose model module is imported when a backend for a CP group of
+more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
+process-wide and permanent, and inert without a CP context. A graph Dynamo traced before the registration (the
+model's module imported after the backend was made, and the compiled model called outside ``shard`` first) holds
+the library's core and no guard on :data:`HEADS_GROUP`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["CORES", "HEADS_GROUP", "in_core", "register_known_cores", "registered_cores"]
+
+#: ``(group_name, cp_size)`` of the active :func:`cpcompile.shard` context when its group has more than one rank,
+#: else ``None``. Read by the replacements while Dynamo traces them (Dynamo guards on its value).
+HEADS_GROUP: tuple[str, int] | None = None
+
+#: module path -> name of the core function in it: the cores :func:`register_known_cores` substitutes.
+CORES: dict[str, str] = {
+    "transformers.models.qwen3_next.modeling_qwen3_next": "torch_chunk_gated_delta_rule",
+}
+
+_REGISTERED: dict[str, object] = {}
+
+
+def registered_cores() -> dict[str, object]:
+    """``"module.function"`` -> the function object substituted so far."""
+    return dict(_REGISTERED)
+
+
+def in_core(where: str) -> bool:
+    """Whether ``where`` (Dynamo's ``code  # path/file.py:line in function`` of a shape guard) is a line of a
+    substituted core's function. Such a decision was taken on the whole sequence's padded length ``N * c`` of the
+    head-parallel call, not on the local one: the core is causal and the padding comes last, so a branch the
+    padded length takes (one more chunk of padding) changes no value of a real token."""
+    place = where.rpartition("  # ")[2].strip()
+    for key, fn in _REGISTERED.items():
+        if fn is None:
+            continue
+        module_name, _, name = key.rpartition(".")
+        if place.endswith(f" in {name}") and module_name.replace(".", "/") + ".py:" in place:
+            return True
+    return False
+
+
+def set_heads_group(value: tuple[str, int] | None) -> None:
+    """Set :data:`HEADS_GROUP` (the shard context does, on entry and exit)."""
+    global HEADS_GROUP
+    HEADS_GROUP = value
+
+
+def _torch_path(wrapped) -> object | None:
+    """The torch function behind transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper when the wrapper
+    runs it (no fused package resolved), else ``None``."""
+    original = getattr(wrapped, "__wrapped__", None)
+    if original is None:
+        return None
+    cells = dict(zip(wrapped.__code__.co_freevars, wrapped.__closure__ or ()))
+    implementation = cells.get("implementation")
+    if implementation is not None and implementation.cell_contents is not original:
+        return None
+    return original
+
+
+def register_known_cores() -> None:
+    """Substitute every core of :data:`CORES` whose module is imported and not substituted yet."""
+    for module_name, fn_name in CORES.items():
+        key = f"{module_name}.{fn_name}"
+        module = sys.modules.get(module_name)
+        if key in _REGISTERED or module is None:
+            continue
+        wrapped = getattr(module, fn_name, None)
+        original = _torch_path(wrapped) if wrapped is not None else None
+        if original is None:
+            _REGISTERED[key] = None  # a fused kernel, or an unknown form: left alone
+            continue
+        torch.compiler.substitute_in_graph(wrapped)(_gated_delta_rule_replacement(original, key))
+        _REGISTERED[key] = wrapped
+
+
+def _refuse(like, site: str, what: str, fix: str) -> None:
+    torch.ops.cpcompile.heads_refusal(like, f"the head-parallel core {site} under context parallelism {what}; {fix}")
+
+
+def _to_heads(x, order, group_name, site):
+    return torch.ops.cpcompile.heads_from_sequence(x, order, 1, 2, group_name, site, x.requires_grad)
+
+
+def _to_sequence(y, order, group_name, site):
+    return torch.ops.cpcompile.sequence_from_heads(y, order, 1, 2, group_name, site, y.requires_grad)
+
+
+def _run_core(original, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel):
+    """The call of the library's core on the whole sequence of this rank's heads (a global of this module: the
+    negative controls of the tests replace it)."""
+    return original(query, key, value, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _gated_delta_rule_replacement(original, site: str):
+    def chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        packed = kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None
+        if heads is None:
+            if packed:  # as the library's wrapper does on its torch path (Dynamo runs the wrapper, which raises)
+                raise ValueError(f"`{site}` can't keep packed sequences apart without `flash-linear-attention`")
+            return original(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
+        group_name, n = heads
+        if packed:
+            _refuse(value, site, "got cu_seqlens", "pass no cu_seq_lens (the torch path does not keep documents apart)")
+        if initial_state is not None or output_final_state:
+            _refuse(value, site, "got a recurrent state (a cache)", "train with use_cache=False")
+        hk, hv = key.shape[2], value.shape[2]
+        if hv % n != 0 or hv % hk != 0:
+            _refuse(value, site, f"has {hv} value heads", f"use a CP size that divides {hv}")
+        if hk % n != 0:  # groups cannot stay whole on a rank: every rank gets the key heads of its value heads
+            query = query.repeat_interleave(hv // hk, dim=2)
+            key = key.repeat_interleave(hv // hk, dim=2)
+        order = torch.ops.cpcompile.heads_order(value.detach(), 1, n, site)
+        q, k, v, gg, b = (_to_heads(t, order, group_name, site) for t in (query, key, value, g, beta))
+        out, _ = _run_core(original, q, k, v, gg, b, chunk_size, use_qk_l2norm_in_kernel)
+        return _to_sequence(out, order, group_name, site), None
+
+    return chunk_gated_delta_rule

@@ -1,0 +1,206 @@
+"""Parity of hybrid models whose recurrent mixer runs head-parallel (:mod:`cpcompile.cores`), compiled with
+cpcompile at CP=2 and CP=4 (gloo processes), vs the same model run whole in one process on the same global batch.
+
+Model: transformers Qwen3-Next (``qwen3_next`` of ``cpcompile.testing.HYBRID_FAMILIES``): a gated delta-net layer
+(2 key / 4 value heads, causal conv kernel 4, the torch chunked delta rule) before a gated attention layer, MoE
+feed-forwards. T = 37 is not a multiple of 2 or 4 and fits one chunk of the rule (64 tokens); documents cross rank
+edges. transformers' torch path does not keep packed documents apart in the recurrence or the conv, so the
+one-process model leaks state across documents and the CP run must do the same.
+
+Each case asserts the logits, the summed loss and every summed gradient (``tests.harness.parity`` tolerances), the
+SDPA site rewritten, the mixing ops reported (``EXPECTED``: the conv gathered, the delta rule head-parallel, MoE
+dispatch, the loss) and one sequence all-gather per gathered region. The negative control runs the delta rule on
+each rank's own tokens only (``cores._run_core`` replaced by a call per run of ``c`` tokens, which under the
+contiguous layout are the ranks' chunks): the parity check must fail, on the logits.
+
+Fast tier: CP=2 contiguous (``inner="eager"``) with the control, on ranks {0, 1}. Slow tier: CP=2 balanced and
+CP=2 under ``aot_eager`` (the exchanges and the core traced by AOTAutograd), then CP=4 balanced (2 key heads for 4
+ranks: queries and keys are repeated to the value heads before the exchange). Single process: outside a CP context
+the compiled core is the library's, and a CP size that divides no head count is refused while tracing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cpcompile.layouts import Workload
+from tests.harness.dist import run_distributed
+from tests.harness.parity import ParityCase, report
+from tests.harness.tiers import runs_slow, slow
+
+DOCS = ((10, 20, 7), (5, 30, 2))
+_MOE_LAYER = (
+    ("sort", "dispatch"),
+    ("getitem", "dispatch"),
+    ("getitem", "dispatch"),
+    ("histc", "dispatch"),
+    ("transformers::grouped_mm_fallback", "per_token"),
+    ("transformers::grouped_mm_fallback", "per_token"),
+    ("setitem", "dispatch"),
+    ("getitem", "dispatch"),
+)
+EXPECTED = (
+    ("conv1d", "gathered"),
+    ("torch_chunk_gated_delta_rule", "head_parallel"),
+    *_MOE_LAYER,
+    *_MOE_LAYER,
+    ("cross_entropy", "partial_sum"),
+)
+
+
+def _case(inner: str = "eager", layout: str = "contiguous") -> ParityCase:
+    balanced = layout == "balanced"
+    return ParityCase(
+        model="qwen3_next",
+        doc_lens=DOCS,
+        inner=inner,
+        expected_sites=1,
+        layout=layout,
+        expected_mixing=EXPECTED,
+        shard_kwargs=(("workload", Workload(block_size=4)),) if balanced else (),
+    )
+
+
+FAST = [_case()]
+SLOW_CP2 = [_case(layout="balanced"), _case(inner="aot_eager")]
+CP4 = [_case(layout="balanced")]
+
+
+def _local_core(original, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel):
+    """The negative control's core: each run of ``c`` tokens (a rank's chunk under the contiguous layout) alone."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    runs = zip(*(t.chunk(n, dim=1) for t in (query, key, value, g, beta)), strict=True)
+    outs = [original(*r, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for r in runs]
+    return torch.cat(outs, dim=1), None
+
+
+def _control(case, group) -> dict:
+    import torch
+
+    from cpcompile import cores
+    from tests.harness.parity import ParityRunner, assert_parity, failing_quantities
+
+    torch.compiler.reset()
+    saved = cores._run_core
+    cores._run_core = _local_core
+    try:
+        bad = ParityRunner(case, group).run()
+    finally:
+        cores._run_core = saved
+        torch.compiler.reset()
+    try:
+        assert_parity(bad)
+    except AssertionError as e:
+        return {"caught": True, "failing": failing_quantities(bad), **bad.errors(), "message": str(e).splitlines()[0]}
+    return {"caught": False, "failing": [], **bad.errors()}
+
+
+def _run(cases, group):
+    import torch
+
+    from tests.harness.parity import check_case
+
+    out = []
+    for case in cases:
+        torch.compiler.reset()
+        out.append(check_case(case, group))
+    return out
+
+
+def _worker(rank: int, world: int, with_slow: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pair = dist.new_group([0, 1])  # every rank takes part in creating the group
+    out = {}
+    if rank < 2:
+        out["cp2"] = _run(FAST + SLOW_CP2 * with_slow, pair)
+        out["control"] = _control(FAST[0], pair)
+    if with_slow:
+        out["cp4"] = _run(CP4, dist.group.WORLD)
+    return out
+
+
+TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def results(request):
+    world = 4 if runs_slow(request) else 2
+    return run_distributed(_worker, world, runs_slow(request), timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_contiguous(results):
+    summaries = results[0]["cp2"][: len(FAST)]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in FAST]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_core_on_local_tokens_fails_parity(results):
+    for per_rank in results[:2]:
+        control = per_rank["control"]
+        print(f"\ncontrol core on local tokens: {control}")
+        assert control["caught"], f"the delta rule on each rank's tokens alone passed the parity check: {control}"
+        assert "logits" in control["failing"], control
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_balanced_and_aot_eager(results):
+    summaries = results[0]["cp2"][len(FAST) :]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SLOW_CP2]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp4_balanced_repeated_key_heads(results):
+    summaries = results[0]["cp4"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in CP4]
+    assert all(s["runs"] > 1 for s in summaries), [s["runs"] for s in summaries]
+
+
+def _core_inputs(seed: int = 0):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, 21, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(2, 21, 4, 8, generator=gen)
+    g = -torch.rand(2, 21, 4, generator=gen)
+    beta = torch.rand(2, 21, 4, generator=gen)
+    return q, k, v, g, beta
+
+
+def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_refused():
+    import torch
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    from cpcompile import cores
+
+    cores.register_known_cores()
+    assert cores.registered_cores()[f"{qwen3_next.__name__}.torch_chunk_gated_delta_rule"] is not None
+
+    def f(q, k, v, g, beta):
+        return qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    inputs = _core_inputs()
+    torch.compiler.reset()
+    compiled = torch.compile(f, backend="eager")
+    torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
+    assert cores.HEADS_GROUP is None
+    try:
+        cores.set_heads_group(("not-a-group", 3))  # 4 value heads over 3 ranks: the traced core refuses
+        with pytest.raises(RuntimeError, match="has 4 value heads.*use a CP size that divides 4"):
+            compiled(*inputs)
+    finally:
+        cores.set_heads_group(None)
+    # the graph traced without CP is still the one used once the CP context is gone
+    torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
+    torch.compiler.reset()
