@@ -681,3 +681,11 @@ def op_argument_names(target: object, namespace: str) -> tuple[str, ...] | None:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == namespace:
         return tuple(a.name for a in target._schema.arguments)
     return None
+
+
+def substituted_in_graph(fn: object) -> bool:
+    """Whether Dynamo already traces a replacement for ``fn`` (``torch.compiler.substitute_in_graph`` ran for it in
+    this process: a second registration raises)."""
+    from torch._dynamo.variables import PolyfilledFunctionVariable
+
+    return fn in PolyfilledFunctionVariable._get_polyfill_handlers()

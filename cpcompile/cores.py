@@ -35,6 +35,8 @@ import sys
 
 import torch
 
+from cpcompile import _compat
+
 __all__ = ["CORES", "HEADS_GROUP", "in_core", "register_known_cores", "registered_cores"]
 
 #: ``(group_name, cp_size)`` of the active :func:`cpcompile.shard` context when its group has more than one rank,
@@ -100,7 +102,8 @@ def register_known_cores() -> None:
         if original is None:
             _REGISTERED[key] = None  # a fused kernel, or an unknown form: left alone
             continue
-        torch.compiler.substitute_in_graph(wrapped)(_gated_delta_rule_replacement(original, key))
+        if not _compat.substituted_in_graph(wrapped):  # once per process, even when this module's state is reset
+            torch.compiler.substitute_in_graph(wrapped)(_gated_delta_rule_replacement(original, key))
         _REGISTERED[key] = wrapped
 
 
