@@ -7,7 +7,9 @@ For the core functions listed in :data:`CORES`, cpcompile gives Dynamo a replace
 active, sends every per-head argument through ``cpcompile::heads_from_sequence`` (this rank's ``c`` tokens of
 all ``H`` heads -> all ``N * c`` tokens in global order, padding last, of heads ``[r * H/N, (r + 1) * H/N)``),
 runs the library's own function on the whole sequence, and brings the output back with
-``cpcompile::sequence_from_heads``. Dynamo traces the core at the symbolic length ``N * c``, with the guards the
+``cpcompile::sequence_from_heads``. The core's inputs get a layout whose ``[B, H, S, ...]`` transpose is contiguous
+(queries and keys first repeated to the value heads, as the core would), so that a graph traced at one length runs
+at every other one (:func:`_heads_major`). Dynamo traces the core at the symbolic length ``N * c``, with the guards the
 one-process model at that length would have. Outside a shard context (or with one rank) the replacement calls the
 original function unchanged; Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
@@ -129,7 +131,9 @@ def _heads_major(x):
     from the traced strides fails (``view size is not compatible with input tensor's size and stride``) whenever
     ``S`` is a multiple of the chunk size with two chunks or more (pytorch/pytorch#144187: the meta function of
     ``constant_pad_nd`` is only fixed for static pads). With inputs already in this layout the transposed view is
-    contiguous, so the pad's output is contiguous for every ``S`` and the traced strides hold."""
+    contiguous, so the pad's output is contiguous for every ``S`` and the traced strides hold. The core's own
+    repeat of the key heads to the value heads would give a fresh sequence-major tensor, so the replacement does
+    that repeat (the same op) before this layout."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
