@@ -141,6 +141,23 @@ HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
             "use_cache": False,
         },
     ),
+    # OLMo-Hybrid: the same gated delta-net core (beta doubled: negative eigenvalues allowed) before an attention
+    # layer, dense feed-forwards
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "use_cache": False,
+        },
+    ),
 }
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 

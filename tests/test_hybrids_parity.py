@@ -15,7 +15,7 @@ contiguous layout are the ranks' chunks): the parity check must fail, on the log
 
 Fast tier: CP=2 contiguous (``inner="eager"``) with the control, on ranks {0, 1}. Slow tier: CP=2 balanced and
 CP=2 under ``aot_eager`` (the exchanges and the core traced by AOTAutograd), the families with the same core at CP=2
-contiguous (Qwen3.5 with dense feed-forwards, Qwen3.5-MoE; their text models, the same tiny sizes), then CP=4
+contiguous (Qwen3.5 and OLMo-Hybrid with dense feed-forwards, Qwen3.5-MoE; the same tiny sizes), then CP=4
 balanced (2 key heads for 4 ranks: queries and keys are repeated to the value heads before the exchange). Single
 process: outside a CP context the compiled core is the library's (every family's core is substituted), and a CP
 size that divides no head count is refused while tracing.
@@ -50,11 +50,13 @@ EXPECTED = (
 )
 
 
-#: the mixing of the families of the same core: Qwen3.5 (dense feed-forwards), Qwen3.5-MoE (as Qwen3-Next)
+#: the mixing of the families of the same core: Qwen3.5 and OLMo-Hybrid (dense feed-forwards), Qwen3.5-MoE (as
+#: Qwen3-Next)
 EXPECTED_BY_MODEL = {
     "qwen3_next": EXPECTED,
     "qwen3_5": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
     "qwen3_5_moe": EXPECTED,
+    "olmo_hybrid": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
 }
 
 
@@ -73,7 +75,7 @@ def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_
 
 FAST = [_case()]
 SLOW_CP2 = [_case(layout="balanced"), _case(inner="aot_eager")]
-SAME_CORE_CP2 = [_case(model="qwen3_5"), _case(model="qwen3_5_moe")]
+SAME_CORE_CP2 = [_case(model="qwen3_5"), _case(model="qwen3_5_moe"), _case(model="olmo_hybrid")]
 CP4 = [_case(layout="balanced")]
 
 
@@ -173,7 +175,7 @@ def test_cp2_balanced_and_aot_eager(results):
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_qwen3_5_and_qwen3_5_moe(results):
+def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
     summaries = results[0]["same_core"]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in SAME_CORE_CP2]
@@ -201,6 +203,7 @@ def _core_inputs(seed: int = 0):
 
 def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_refused():
     import torch
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
@@ -208,7 +211,7 @@ def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_re
     from cpcompile import cores
 
     cores.register_known_cores()
-    for module in (qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe):
+    for module in (qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_olmo_hybrid):
         assert cores.registered_cores()[f"{module.__name__}.torch_chunk_gated_delta_rule"] is not None
 
     def f(q, k, v, g, beta):
