@@ -14,9 +14,10 @@ one-process model at that length would have. Outside a shard context (or with on
 original function unchanged; Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
 
-Known cores (a registry, not a general mechanism): transformers' Qwen3-Next ``torch_chunk_gated_delta_rule``
-(``query``, ``key`` ``[B, S, Hk, Dk]``, ``value`` ``[B, S, Hv, Dv]``, ``g``, ``beta`` ``[B, S, Hv]``; output
-``[B, S, Hv, Dv]``), on its torch fallback path only (not when transformers resolved it to flash-linear-attention).
+Known cores (a registry, not a general mechanism): transformers' ``torch_chunk_gated_delta_rule`` of Qwen3-Next,
+Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid (one function, defined in each model's module: ``query``, ``key``
+``[B, S, Hk, Dk]``, ``value`` ``[B, S, Hv, Dv]``, ``g``, ``beta`` ``[B, S, Hv]``; output ``[B, S, Hv, Dv]``), on
+its torch fallback path only (not when transformers resolved it to flash-linear-attention).
 Key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole groups (its key
 heads and their value heads); otherwise, when ``N`` divides ``Hv``, queries and keys are repeated to the value
 heads first (as the core does itself). Refused while Dynamo traces, on every rank, by the op
@@ -48,6 +49,9 @@ HEADS_GROUP: tuple[str, int] | None = None
 #: module path -> name of the core function in it: the cores :func:`register_known_cores` substitutes.
 CORES: dict[str, str] = {
     "transformers.models.qwen3_next.modeling_qwen3_next": "torch_chunk_gated_delta_rule",
+    "transformers.models.qwen3_5.modeling_qwen3_5": "torch_chunk_gated_delta_rule",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "torch_chunk_gated_delta_rule",
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": "torch_chunk_gated_delta_rule",
 }
 
 _REGISTERED: dict[str, object] = {}

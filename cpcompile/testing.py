@@ -109,6 +109,55 @@ HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
             "use_cache": False,
         },
     ),
+    # Qwen3.5 (text): the same gated delta-net layer and core before a gated attention layer, dense feed-forwards
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "use_cache": False,
+        },
+    ),
+    # Qwen3.5-MoE (text): the same layers, MoE feed-forwards (4 experts, 2 per token, a shared expert)
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "use_cache": False,
+        },
+    ),
+    # OLMo-Hybrid: the same gated delta-net core (beta doubled: negative eigenvalues allowed) before an attention
+    # layer, dense feed-forwards
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "use_cache": False,
+        },
+    ),
 }
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 

@@ -14,11 +14,13 @@ each rank's own tokens only (``cores._run_core`` replaced by a call per run of `
 contiguous layout are the ranks' chunks): the parity check must fail, on the logits.
 
 Fast tier: CP=2 contiguous (``inner="eager"``) with the control, on ranks {0, 1}. Slow tier: CP=2 balanced and
-CP=2 under ``aot_eager`` (the exchanges and the core traced by AOTAutograd), then CP=4 balanced (2 key heads for 4
-ranks: queries and keys are repeated to the value heads before the exchange), and one ``aot_eager`` compile at
-CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the core's 64-token chunk), with its control: the
-core's inputs in the exchange's layout must fail at T = 128 with torch's view error. Single process: outside a CP
-context the compiled core is the library's, and a CP size that divides no head count is refused while tracing.
+CP=2 under ``aot_eager`` (the exchanges and the core traced by AOTAutograd), the families with the same core at CP=2
+contiguous (Qwen3.5 and OLMo-Hybrid with dense feed-forwards, Qwen3.5-MoE; the same tiny sizes), then CP=4
+balanced (2 key heads for 4 ranks: queries and keys are repeated to the value heads before the exchange), and one
+``aot_eager`` compile at CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the core's 64-token
+chunk), with its control: the core's inputs in the exchange's layout must fail at T = 128 with torch's view error.
+Single process: outside a CP context the compiled core is the library's (every family's core is substituted), and
+a CP size that divides no head count is refused while tracing.
 """
 
 from __future__ import annotations
@@ -50,21 +52,32 @@ EXPECTED = (
 )
 
 
-def _case(inner: str = "eager", layout: str = "contiguous") -> ParityCase:
+#: the mixing of the families of the same core: Qwen3.5 and OLMo-Hybrid (dense feed-forwards), Qwen3.5-MoE (as
+#: Qwen3-Next)
+EXPECTED_BY_MODEL = {
+    "qwen3_next": EXPECTED,
+    "qwen3_5": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
+    "qwen3_5_moe": EXPECTED,
+    "olmo_hybrid": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
+}
+
+
+def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_next") -> ParityCase:
     balanced = layout == "balanced"
     return ParityCase(
-        model="qwen3_next",
+        model=model,
         doc_lens=DOCS,
         inner=inner,
         expected_sites=1,
         layout=layout,
-        expected_mixing=EXPECTED,
+        expected_mixing=EXPECTED_BY_MODEL[model],
         shard_kwargs=(("workload", Workload(block_size=4)),) if balanced else (),
     )
 
 
 FAST = [_case()]
 SLOW_CP2 = [_case(layout="balanced"), _case(inner="aot_eager")]
+SAME_CORE_CP2 = [_case(model="qwen3_5"), _case(model="qwen3_5_moe"), _case(model="olmo_hybrid")]
 CP4 = [_case(layout="balanced")]
 
 
@@ -122,6 +135,8 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
     if rank < 2:
         out["cp2"] = _run(FAST + SLOW_CP2 * with_slow, pair)
         out["control"] = _control(FAST[0], pair)
+        if with_slow:
+            out["same_core"] = _run(SAME_CORE_CP2, pair)
     if with_slow:
         out["cp4"] = _run(CP4, dist.group.WORLD)
     return out
@@ -162,6 +177,14 @@ def test_cp2_balanced_and_aot_eager(results):
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
+    summaries = results[0]["same_core"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SAME_CORE_CP2]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
 def test_cp4_balanced_repeated_key_heads(results):
     summaries = results[0]["cp4"]
     report(summaries)
@@ -182,12 +205,16 @@ def _core_inputs(seed: int = 0):
 
 def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_refused():
     import torch
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
     from cpcompile import cores
 
     cores.register_known_cores()
-    assert cores.registered_cores()[f"{qwen3_next.__name__}.torch_chunk_gated_delta_rule"] is not None
+    for module in (qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_olmo_hybrid):
+        assert cores.registered_cores()[f"{module.__name__}.torch_chunk_gated_delta_rule"] is not None
 
     def f(q, k, v, g, beta):
         return qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
