@@ -7,7 +7,9 @@ For the core functions listed in :data:`CORES`, cpcompile gives Dynamo a replace
 active, sends every per-head argument through ``cpcompile::heads_from_sequence`` (this rank's ``c`` tokens of
 all ``H`` heads -> all ``N * c`` tokens in global order, padding last, of heads ``[r * H/N, (r + 1) * H/N)``),
 runs the library's own function on the whole sequence, and brings the output back with
-``cpcompile::sequence_from_heads``. Dynamo traces the core at the symbolic length ``N * c``, with the guards the
+``cpcompile::sequence_from_heads``. The core's inputs get a layout whose ``[B, H, S, ...]`` transpose is contiguous
+(queries and keys first repeated to the value heads, as the core would), so that a graph traced at one length runs
+at every other one (:func:`_heads_major`). Dynamo traces the core at the symbolic length ``N * c``, with the guards the
 one-process model at that length would have. Outside a shard context (or with one rank) the replacement calls the
 original function unchanged; Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
@@ -123,6 +125,22 @@ def _to_sequence(y, order, group_name, site):
     return torch.ops.cpcompile.sequence_from_heads(y, order, 1, 2, group_name, site, y.requires_grad)
 
 
+def _heads_major(x):
+    """``x`` (``[B, S, H, ...]``) with the same values and strides that make ``x.transpose(1, 2)`` contiguous.
+
+    The torch core transposes its inputs to ``[B, H, S, ...]`` and asks for a contiguous float32 copy, which is no
+    copy for a float32 input (the transposed view is kept), then pads the sequence to a multiple of the chunk size
+    by ``pad_size = (chunk - S % chunk) % chunk``. Traced with a symbolic ``S``, the pad's fake tensor is
+    contiguous, but at run time a pad of 0 returns the input's (transposed) strides, and a ``view`` the graph took
+    from the traced strides fails (``view size is not compatible with input tensor's size and stride``) whenever
+    ``S`` is a multiple of the chunk size with two chunks or more (pytorch/pytorch#144187: the meta function of
+    ``constant_pad_nd`` is only fixed for static pads). With inputs already in this layout the transposed view is
+    contiguous, so the pad's output is contiguous for every ``S`` and the traced strides hold. The core's own
+    repeat of the key heads to the value heads would give a fresh sequence-major tensor, so the replacement does
+    that repeat (the same op) before this layout."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _run_core(original, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel):
     """The call of the library's core on the whole sequence of this rank's heads (a global of this module: the
     negative controls of the tests replace it)."""
@@ -171,6 +189,9 @@ def _gated_delta_rule_replacement(original, site: str):
             key = key.repeat_interleave(hv // hk, dim=2)
         order = torch.ops.cpcompile.heads_order(value.detach(), 1, n, site)
         q, k, v, gg, b = (_to_heads(t, order, group_name, site) for t in (query, key, value, g, beta))
+        if k.shape[2] != v.shape[2]:  # the core's own grouping, done here so that the layout below reaches it
+            q, k = (t.repeat_interleave(v.shape[2] // k.shape[2], dim=2) for t in (q, k))
+        q, k, v, gg, b = (_heads_major(t) for t in (q, k, v, gg, b))
         out, _ = _run_core(original, q, k, v, gg, b, chunk_size, use_qk_l2norm_in_kernel)
         return _to_sequence(out, order, group_name, site), None
 

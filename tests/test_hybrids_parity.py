@@ -16,9 +16,11 @@ contiguous layout are the ranks' chunks): the parity check must fail, on the log
 Fast tier: CP=2 contiguous (``inner="eager"``) with the control, on ranks {0, 1}. Slow tier: CP=2 balanced and
 CP=2 under ``aot_eager`` (the exchanges and the core traced by AOTAutograd), the families with the same core at CP=2
 contiguous (Qwen3.5 and OLMo-Hybrid with dense feed-forwards, Qwen3.5-MoE; the same tiny sizes), then CP=4
-balanced (2 key heads for 4 ranks: queries and keys are repeated to the value heads before the exchange). Single
-process: outside a CP context the compiled core is the library's (every family's core is substituted), and a CP
-size that divides no head count is refused while tracing.
+balanced (2 key heads for 4 ranks: queries and keys are repeated to the value heads before the exchange), and one
+``aot_eager`` compile at CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the core's 64-token
+chunk), with its control: the core's inputs in the exchange's layout must fail at T = 128 with torch's view error.
+Single process: outside a CP context the compiled core is the library's (every family's core is substituted), and
+a CP size that divides no head count is refused while tracing.
 """
 
 from __future__ import annotations
@@ -231,3 +233,73 @@ def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_re
     # the graph traced without CP is still the one used once the CP context is gone
     torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
     torch.compiler.reset()
+
+
+#: Global lengths run through ONE compiled model under ``aot_eager`` at CP=2: 37 and 130 pad the whole sequence of
+#: the head-parallel core (2 * c) to a multiple of its 64-token chunk, 128 and 256 (c = 64, 128) need no padding.
+LENGTHS = (37, 128, 130, 256)
+
+
+def _rows(T: int) -> tuple[tuple[int, ...], ...]:
+    return ((T // 3, T - T // 3 - 2, 2), (T,))
+
+
+def _lengths_worker(rank: int, world: int, lengths: tuple[int, ...], control: bool) -> list[dict]:
+    """One ``aot_eager`` compile of the model, one CP step per global length against the eager model at that
+    length. ``control``: the core's inputs keep the exchange's layout (``cores._heads_major`` an identity)."""
+    import dataclasses
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from cpcompile import cores
+    from cpcompile.testing import packed_batch
+    from tests.harness.parity import ParityRunner, assert_parity
+
+    torch.set_num_threads(1)
+    torch.compiler.reset()
+    saved = cores._heads_major
+    if control:
+        cores._heads_major = lambda x: x
+    out = []
+    try:
+        runner = ParityRunner(
+            dataclasses.replace(_case(inner="aot_eager"), doc_lens=_rows(lengths[0])), dist.group.WORLD
+        )
+        for T in lengths:
+            batch = packed_batch([list(r) for r in _rows(T)], seed=1)
+            try:
+                outcome = runner.run(batch=batch)
+            except RuntimeError as e:
+                out.append({"T": T, "error": str(e).splitlines()[0], "tb": traceback.format_exc()[-6000:]})
+                continue
+            try:
+                assert_parity(outcome)
+                out.append({"T": T, "exact": True, **outcome.errors()})
+            except AssertionError as e:
+                out.append({"T": T, "exact": False, "message": str(e).splitlines()[0], **outcome.errors()})
+    finally:
+        cores._heads_major = saved
+        torch.compiler.reset()
+    return out
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_one_aot_eager_compile_over_lengths_with_and_without_padding():
+    per_rank = run_distributed(_lengths_worker, 2, LENGTHS, False, timeout_s=TIMEOUT_S)
+    for rank, rows in enumerate(per_rank):
+        print(f"\nrank {rank}: {[{k: v for k, v in r.items() if k != 'tb'} for r in rows]}")
+        assert [r["T"] for r in rows] == list(LENGTHS), rows
+        assert all(r.get("exact") for r in rows), [r.get("tb", r) for r in rows]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_core_inputs_in_the_exchange_layout_fail_at_a_length_without_padding():
+    per_rank = run_distributed(_lengths_worker, 2, (37, 128), True, timeout_s=TIMEOUT_S)
+    for rank, rows in enumerate(per_rank):
+        print(f"\ncontrol rank {rank}: {[{k: v for k, v in r.items() if k != 'tb'} for r in rows]}")
+        assert rows[0].get("exact"), rows
+        assert "view size is not compatible" in rows[1].get("error", ""), rows
