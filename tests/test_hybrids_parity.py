@@ -31,6 +31,7 @@ from cpcompile.layouts import Workload
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, report
 from tests.harness.tiers import runs_slow, slow
+from tests.harness.tolerances import LOGITS_TOL
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 _MOE_LAYER = (
@@ -303,3 +304,60 @@ def test_core_inputs_in_the_exchange_layout_fail_at_a_length_without_padding():
         print(f"\ncontrol rank {rank}: {[{k: v for k, v in r.items() if k != 'tb'} for r in rows]}")
         assert rows[0].get("exact"), rows
         assert "view size is not compatible" in rows[1].get("error", ""), rows
+
+
+def _length_inputs(T: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, T, 2, 4, generator=gen) for _ in range(3))
+    return q, k, v, -torch.rand(1, T, 2, generator=gen), torch.rand(1, T, 2, generator=gen)
+
+
+#: Chunks of 8 tokens, two per call: 12 tokens padded by 4, then 16 padded by 0 (one graph serves both).
+CHUNK, SHORT_LENGTHS = 8, (12, 16)
+
+
+def _compiled_core_over_lengths(layout) -> dict[int, str]:
+    """The library's core on ``layout`` of its inputs, compiled ONCE (``aot_eager``, dynamic; forward only: the
+    failing view is in the forward, training runs under CP in the slow tier) and run at lengths
+    whose chunk padding is 4, then 0 (:data:`SHORT_LENGTHS`), against the eager core; ``{T: "exact" | the error's
+    first line}``."""
+    import torch
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    core = qwen3_next.torch_chunk_gated_delta_rule.__wrapped__  # the torch function itself, no substitution
+
+    def f(q, k, v, g, beta):
+        q, k, v, g, beta = (layout(t) for t in (q, k, v, g, beta))
+        return core(q, k, v, g=g, beta=beta, chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)[0]
+
+    torch.compiler.reset()
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True)
+    out = {}
+    try:
+        for T in SHORT_LENGTHS:
+            inputs = _length_inputs(T)
+            try:
+                got = compiled(*inputs)
+            except RuntimeError as e:
+                out[T] = str(e).splitlines()[0]
+                continue
+            torch.testing.assert_close(got, f(*inputs), **LOGITS_TOL)
+            out[T] = "exact"
+    finally:
+        torch.compiler.reset()
+    return out
+
+
+def test_core_inputs_laid_out_heads_major_compile_once_over_lengths():
+    """The layout the CP replacement gives the core's inputs (``cores._heads_major``) keeps one dynamic
+    ``aot_eager`` compile exact at a length the core pads (12) and one it does not (16, two chunks of 8); the
+    inputs as the model passes them (the control) fail at 16 with torch's view error (pytorch/pytorch#144187). In
+    one process; the same core and layouts run under CP at CP=2 in
+    ``test_one_aot_eager_compile_over_lengths_with_and_without_padding`` (slow)."""
+    from cpcompile import cores
+
+    assert _compiled_core_over_lengths(cores._heads_major) == {12: "exact", 16: "exact"}
+    control = _compiled_core_over_lengths(lambda t: t)  # the inputs as the model passes them
+    assert control[12] == "exact" and "view size is not compatible" in control[16], control
