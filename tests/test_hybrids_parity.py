@@ -319,8 +319,8 @@ CHUNK, SHORT_LENGTHS = 8, (12, 16)
 
 
 def _compiled_core_over_lengths(layout) -> dict[int, str]:
-    """The library's core on ``layout`` of its inputs, compiled ONCE (``aot_eager``, dynamic; forward only: the
-    failing view is in the forward, training runs under CP in the slow tier) and run at lengths
+    """The library's core on ``layout`` of its inputs, compiled ONCE (``aot_eager``, the sequence dim dynamic;
+    forward only: the failing view is in the forward, training runs under CP in the slow tier) and run at lengths
     whose chunk padding is 4, then 0 (:data:`SHORT_LENGTHS`), against the eager core; ``{T: "exact" | the error's
     first line}``."""
     import torch
@@ -333,11 +333,13 @@ def _compiled_core_over_lengths(layout) -> dict[int, str]:
         return core(q, k, v, g=g, beta=beta, chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)[0]
 
     torch.compiler.reset()
-    compiled = torch.compile(f, backend="aot_eager", dynamic=True)
+    compiled = torch.compile(f, backend="aot_eager")
     out = {}
     try:
         for T in SHORT_LENGTHS:
             inputs = _length_inputs(T)
+            for t in inputs:  # the sequence dim only, as cpcompile.shard marks it
+                torch._dynamo.mark_dynamic(t, 1)
             try:
                 got = compiled(*inputs)
             except RuntimeError as e:
