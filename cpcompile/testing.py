@@ -87,77 +87,37 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 
+#: A gated delta-net layer (2 key / 4 value heads of 16, conv kernel 4) before an attention layer, no cache (the
+#: recurrence runs on the sequence): what every family of :data:`HYBRID_FAMILIES` shares.
+_GATED_DELTA_NET = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "use_cache": False,
+}
+#: MoE feed-forwards of the Qwen hybrids: 4 experts, 2 per token, a shared expert.
+_HYBRID_EXPERTS = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+
 #: Hybrid families whose recurrent mixer runs head-parallel under CP (:mod:`cpcompile.cores`), checked in
 #: tests/test_hybrids_parity.py.
 HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
-    # hybrid: a gated delta-net layer (2 key / 4 value heads of 16, conv kernel 4) before a gated attention layer,
-    # MoE feed-forwards (4 experts, 2 per token, a shared expert); no cache (the recurrence runs on the sequence)
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        {
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-            "use_cache": False,
-        },
-    ),
-    # Qwen3.5 (text): the same gated delta-net layer and core before a gated attention layer, dense feed-forwards
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
-        {
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "use_cache": False,
-        },
-    ),
-    # Qwen3.5-MoE (text): the same layers, MoE feed-forwards (4 experts, 2 per token, a shared expert)
-    "qwen3_5_moe": (
-        "Qwen3_5MoeTextConfig",
-        {
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-            "use_cache": False,
-        },
-    ),
-    # OLMo-Hybrid: the same gated delta-net core (beta doubled: negative eigenvalues allowed) before an attention
-    # layer, dense feed-forwards
-    "olmo_hybrid": (
-        "OlmoHybridConfig",
-        {
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "pad_token_id": 0,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "use_cache": False,
-        },
-    ),
+    # the gated delta-net layer before a gated attention layer, MoE feed-forwards
+    "qwen3_next": ("Qwen3NextConfig", {**_GATED_DELTA_NET, **_HYBRID_EXPERTS, "head_dim": 16}),
+    # Qwen3.5 (text): the same layers, dense feed-forwards
+    "qwen3_5": ("Qwen3_5TextConfig", {**_GATED_DELTA_NET, "head_dim": 16}),
+    # Qwen3.5-MoE (text): the same layers, MoE feed-forwards
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {**_GATED_DELTA_NET, **_HYBRID_EXPERTS, "head_dim": 16}),
+    # OLMo-Hybrid: the same core (beta doubled: negative eigenvalues allowed), dense feed-forwards; its default
+    # special token ids exceed the tiny vocabulary
+    "olmo_hybrid": ("OlmoHybridConfig", {**_GATED_DELTA_NET, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 
