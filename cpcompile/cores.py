@@ -40,18 +40,24 @@ import torch
 
 from cpcompile import _compat
 
-__all__ = ["CORES", "HEADS_GROUP", "in_core", "register_known_cores", "registered_cores"]
+__all__ = ["CORES", "HEADS_GROUP", "in_core", "register_known_cores", "registered_cores", "traced_in_core"]
 
-#: ``(group_name, cp_size)`` of the active :func:`cpcompile.shard` context when its group has more than one rank,
-#: else ``None``. Read by the replacements while Dynamo traces them (Dynamo guards on its value).
-HEADS_GROUP: tuple[str, int] | None = None
+#: ``(group_name, cp_size, rank)`` of the active :func:`cpcompile.shard` context when its group has more than one
+#: rank, else ``None``. Read by the replacements while Dynamo traces them (Dynamo guards on its value).
+HEADS_GROUP: tuple[str, int, int] | None = None
 
-#: module path -> name of the core function in it: the cores :func:`register_known_cores` substitutes.
+_GDN = "transformers.models.{0}.modeling_{0}.torch_chunk_gated_delta_rule"
+_MAMBA2 = "transformers.models.{0}.modeling_{0}.mamba2_chunk_scan"
+
+#: ``"module.function"`` -> the form of that core: the cores :func:`register_known_cores` substitutes. Forms:
+#: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`), ``"mamba2_chunk_scan"``
+#: (:func:`_mamba2_chunk_scan_replacement`).
 CORES: dict[str, str] = {
-    "transformers.models.qwen3_next.modeling_qwen3_next": "torch_chunk_gated_delta_rule",
-    "transformers.models.qwen3_5.modeling_qwen3_5": "torch_chunk_gated_delta_rule",
-    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "torch_chunk_gated_delta_rule",
-    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": "torch_chunk_gated_delta_rule",
+    **{_GDN.format(m): "gated_delta_rule" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")},
+    **{
+        _MAMBA2.format(m): "mamba2_chunk_scan"
+        for m in ("mamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2")
+    },
 }
 
 _REGISTERED: dict[str, object] = {}
@@ -77,7 +83,14 @@ def in_core(where: str) -> bool:
     return False
 
 
-def set_heads_group(value: tuple[str, int] | None) -> None:
+def traced_in_core(n) -> bool:
+    """Whether the FX node ``n`` was traced inside a head-parallel replacement (its stack passes through this
+    module): it runs on the whole sequence of this rank's heads, at the padded length ``N * c``, in global token
+    order, so a size or position it derives from that length is a global one."""
+    return f'File "{__file__}"' in (n.meta.get("stack_trace") or "")
+
+
+def set_heads_group(value: tuple[str, int, int] | None) -> None:
     """Set :data:`HEADS_GROUP` (the shard context does, on entry and exit)."""
     global HEADS_GROUP
     HEADS_GROUP = value
@@ -98,8 +111,8 @@ def _torch_path(wrapped) -> object | None:
 
 def register_known_cores() -> None:
     """Substitute every core of :data:`CORES` whose module is imported and not substituted yet."""
-    for module_name, fn_name in CORES.items():
-        key = f"{module_name}.{fn_name}"
+    for key, form in CORES.items():
+        module_name, _, fn_name = key.rpartition(".")
         module = sys.modules.get(module_name)
         if key in _REGISTERED or module is None:
             continue
@@ -109,7 +122,7 @@ def register_known_cores() -> None:
             _REGISTERED[key] = None  # a fused kernel, or an unknown form: left alone
             continue
         if not _compat.substituted_in_graph(wrapped):  # once per process, even when this module's state is reset
-            torch.compiler.substitute_in_graph(wrapped)(_gated_delta_rule_replacement(original, key))
+            torch.compiler.substitute_in_graph(wrapped)(_FORMS[form](original, key))
         _REGISTERED[key] = wrapped
 
 
@@ -141,10 +154,10 @@ def _heads_major(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _run_core(original, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel):
+def _run_core(original, *args, **kwargs):
     """The call of the library's core on the whole sequence of this rank's heads (a global of this module: the
     negative controls of the tests replace it)."""
-    return original(query, key, value, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return original(*args, **kwargs)
 
 
 def _gated_delta_rule_replacement(original, site: str):
@@ -176,7 +189,7 @@ def _gated_delta_rule_replacement(original, site: str):
                 output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             )
-        group_name, n = heads
+        group_name, n, _ = heads
         if packed:
             _refuse(value, site, "got cu_seqlens", "pass no cu_seq_lens (the torch path does not keep documents apart)")
         if initial_state is not None or output_final_state:
@@ -192,7 +205,90 @@ def _gated_delta_rule_replacement(original, site: str):
         if k.shape[2] != v.shape[2]:  # the core's own grouping, done here so that the layout below reaches it
             q, k = (t.repeat_interleave(v.shape[2] // k.shape[2], dim=2) for t in (q, k))
         q, k, v, gg, b = (_heads_major(t) for t in (q, k, v, gg, b))
-        out, _ = _run_core(original, q, k, v, gg, b, chunk_size, use_qk_l2norm_in_kernel)
+        out, _ = _run_core(
+            original, q, k, v, gg, b, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+        )
         return _to_sequence(out, order, group_name, site), None
 
     return chunk_gated_delta_rule
+
+
+def _mamba2_chunk_scan_replacement(original, site: str):
+    def mamba2_chunk_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        dt_bias=None,
+        initial_states=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        **kwargs,
+    ):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        packed = kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None
+        if heads is None:
+            if packed:  # as the library's wrapper does on its torch path (Dynamo runs the wrapper, which raises)
+                raise ValueError(f"`{site}` can't keep packed sequences apart without `mamba-ssm`")
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size,
+                D=D,
+                dt_bias=dt_bias,
+                initial_states=initial_states,
+                dt_softplus=dt_softplus,
+                dt_limit=dt_limit,
+                return_final_states=return_final_states,
+                **kwargs,
+            )
+        group_name, n, rank = heads
+        if packed:
+            _refuse(
+                hidden_states,
+                site,
+                "got seq_idx or cu_seqlens",
+                "pass no seq_idx/cu_seq_lens (the torch path does not keep documents apart)",
+            )
+        if initial_states is not None or return_final_states:
+            _refuse(hidden_states, site, "got a recurrent state (a cache)", "train with use_cache=False")
+        h, groups = hidden_states.shape[2], B.shape[2]
+        if h % n != 0 or h % groups != 0:
+            _refuse(hidden_states, site, f"has {h} heads", f"use a CP size that divides {h}")
+        if groups % n != 0:  # groups cannot stay whole on a rank: every rank gets the groups of its heads
+            B = B.repeat_interleave(h // groups, dim=2)
+            C = C.repeat_interleave(h // groups, dim=2)
+        order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 1, n, site)
+        x, step, b, c = (_to_heads(t, order, group_name, site) for t in (hidden_states, dt, B, C))
+        per = h // n
+
+        def mine(p):  # this rank's heads of a per-head parameter (its gradient is summed over the CP group)
+            return None if p is None else p.narrow(0, rank * per, per)
+
+        out = _run_core(
+            original,
+            x,
+            step,
+            mine(A),
+            b,
+            c,
+            chunk_size,
+            D=mine(D),
+            dt_bias=mine(dt_bias),
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            **kwargs,
+        )
+        return _to_sequence(out, order, group_name, site)
+
+    return mamba2_chunk_scan
+
+
+_FORMS = {"gated_delta_rule": _gated_delta_rule_replacement, "mamba2_chunk_scan": _mamba2_chunk_scan_replacement}

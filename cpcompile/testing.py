@@ -119,6 +119,70 @@ HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
     # special token ids exceed the tiny vocabulary
     "olmo_hybrid": ("OlmoHybridConfig", {**_GATED_DELTA_NET, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
+#: A Mamba2 (SSD) mixer of 8 heads of 16 in 2 groups (heads x head dim = expand x hidden), state 8, conv kernel 4,
+#: chunks of 16 tokens, no cache: the Mamba2-core families of :data:`HYBRID_FAMILIES`.
+_SSD = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 8,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 16,
+    "use_cache": False,
+}
+HYBRID_FAMILIES.update(
+    {
+        # Bamba: a Mamba2 layer before an attention layer, dense feed-forwards
+        "bamba": ("BambaConfig", {**_SSD, "attn_layer_indices": [1]}),
+        # Granite-4 hybrid: the same layers, MoE feed-forwards with a shared expert
+        "granitemoehybrid": (
+            "GraniteMoeHybridConfig",
+            {
+                **_SSD,
+                "layer_types": ["mamba", "attention"],
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "shared_intermediate_size": 64,
+            },
+        ),  # fmt: skip
+        # Falcon-H1: attention and a Mamba2 mixer side by side in every layer
+        "falcon_h1": ("FalconH1Config", {**_SSD, "mamba_d_ssm": 128}),
+        # Mamba2: Mamba2 layers only (no attention)
+        "mamba2": (
+            "Mamba2Config",
+            {
+                "num_heads": 8,
+                "head_dim": 16,
+                "n_groups": 2,
+                "state_size": 8,
+                "expand": 2,
+                "conv_kernel": 4,
+                "chunk_size": 16,
+                "use_cache": False,
+            },
+        ),  # fmt: skip
+        # Nemotron-H: a Mamba2 layer, an attention layer and an MLP layer
+        "nemotron_h": (
+            "NemotronHConfig",
+            {
+                "mamba_num_heads": 8,
+                "mamba_head_dim": 16,
+                "n_groups": 2,
+                "ssm_state_size": 8,
+                "conv_kernel": 4,
+                "expand": 2,
+                "chunk_size": 16,
+                "use_cache": False,
+                "head_dim": 16,
+                "num_hidden_layers": 3,
+                "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+            },
+        ),  # fmt: skip
+    }
+)
+#: Families without attention layers: built without an attention implementation.
+NO_ATTENTION = frozenset({"mamba2"})
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 
 
@@ -135,7 +199,8 @@ def tiny_config(family: str, **overrides):
     cls_name, extra = _ALL_FAMILIES[family]
     fields = {**_COMMON, **extra, **overrides}
     config = getattr(transformers, cls_name)(**fields)
-    config._attn_implementation = overrides.get("attn_implementation", "sdpa")
+    if family not in NO_ATTENTION:
+        config._attn_implementation = overrides.get("attn_implementation", "sdpa")
     return config
 
 
@@ -145,5 +210,6 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    attention = {} if family in NO_ATTENTION else {"attn_implementation": config._attn_implementation}
+    model = transformers.AutoModelForCausalLM.from_config(config, **attention)
     return model.to(dtype).train()

@@ -187,7 +187,9 @@ def activated(context: Active) -> Iterator[Active]:
     the block (:mod:`cpcompile.cores`)."""
     cores.register_known_cores()
     group = context.group
-    heads = (_compat.group_name_of(group), group.size()) if group is not None and group.size() > 1 else None
+    heads = (
+        (_compat.group_name_of(group), group.size(), group.rank()) if group is not None and group.size() > 1 else None
+    )
     _STATE.active = context
     cores.set_heads_group(heads)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from cpcompile import _compat
+from cpcompile import _compat, cores
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import op_name
 from cpcompile.passes.common import arg as _arg
@@ -179,6 +179,8 @@ def find_position_sources(gm: fx.GraphModule, seq: SequenceLength) -> list[Posit
         facts = graph_facts(g, seq)
         for n in g.graph.nodes:
             if n.op in ("call_function", "call_method") and n in facts.live and is_tensorish(n):  # dead: no effect
+                if cores.traced_in_core(n):
+                    continue  # a head-parallel core's whole sequence: its sizes and positions are global
                 found = _classify(n, facts)
                 if found is not None:
                     sources.append(found)
