@@ -120,8 +120,12 @@ HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
     "olmo_hybrid": ("OlmoHybridConfig", {**_GATED_DELTA_NET, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 #: A Mamba2 (SSD) mixer of 8 heads of 16 in 2 groups (heads x head dim = expand x hidden), state 8, conv kernel 4,
-#: chunks of 16 tokens, no cache: the Mamba2-core families of :data:`HYBRID_FAMILIES`.
+#: chunks of 16 tokens, no cache: the Mamba2-core families of :data:`HYBRID_FAMILIES`. Weights are drawn with std
+#: 0.1: at transformers' 0.02 the state a token carries in from earlier ones moves the logits by ~1e-6, below what a
+#: parity check can tell apart from rounding.
+_SSD_INIT = {"initializer_range": 0.1}
 _SSD = {
+    **_SSD_INIT,
     "mamba_n_heads": 8,
     "mamba_d_head": 16,
     "mamba_n_groups": 2,
@@ -145,13 +149,14 @@ HYBRID_FAMILIES.update(
                 "num_experts_per_tok": 2,
                 "shared_intermediate_size": 64,
             },
-        ),  # fmt: skip
+        ),
         # Falcon-H1: attention and a Mamba2 mixer side by side in every layer
         "falcon_h1": ("FalconH1Config", {**_SSD, "mamba_d_ssm": 128}),
         # Mamba2: Mamba2 layers only (no attention)
         "mamba2": (
             "Mamba2Config",
             {
+                **_SSD_INIT,
                 "num_heads": 8,
                 "head_dim": 16,
                 "n_groups": 2,
@@ -161,11 +166,34 @@ HYBRID_FAMILIES.update(
                 "chunk_size": 16,
                 "use_cache": False,
             },
-        ),  # fmt: skip
+        ),
+        # Zamba2: a Mamba2 layer, then a hybrid layer (a shared attention block on the hidden states next to the
+        # embeddings, then a Mamba2 layer)
+        "zamba2": (
+            "Zamba2Config",
+            {
+                **_SSD_INIT,
+                "num_key_value_heads": 4,
+                "mamba_d_state": 8,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+                "mamba_ngroups": 2,
+                "mamba_headdim": 16,
+                "n_mamba_heads": 8,
+                "chunk_size": 16,
+                "layers_block_type": ["mamba", "hybrid"],
+                "hybrid_layer_ids": [1],
+                "use_shared_attention_adapter": False,
+                "num_mem_blocks": 1,
+                "attention_head_dim": 16,
+                "use_cache": False,
+            },
+        ),
         # Nemotron-H: a Mamba2 layer, an attention layer and an MLP layer
         "nemotron_h": (
             "NemotronHConfig",
             {
+                **_SSD_INIT,
                 "mamba_num_heads": 8,
                 "mamba_head_dim": 16,
                 "n_groups": 2,
@@ -178,7 +206,7 @@ HYBRID_FAMILIES.update(
                 "num_hidden_layers": 3,
                 "layers_block_type": ["linear_attention", "full_attention", "mlp"],
             },
-        ),  # fmt: skip
+        ),
     }
 )
 #: Families without attention layers: built without an attention implementation.

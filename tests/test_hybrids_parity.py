@@ -62,6 +62,22 @@ EXPECTED_BY_MODEL = {
     "olmo_hybrid": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
 }
 
+#: The Mamba2 (SSD) core's families: the conv gathered, the SSD core head-parallel, per Mamba2 layer.
+_SSD_LAYER = (("conv1d", "gathered"), ("mamba2_chunk_scan", "head_parallel"))
+EXPECTED_BY_MODEL.update(
+    {
+        "bamba": (*_SSD_LAYER, EXPECTED[-1]),
+        "granitemoehybrid": (*_SSD_LAYER, *_MOE_LAYER, *_MOE_LAYER, EXPECTED[-1]),
+        "falcon_h1": (*_SSD_LAYER, *_SSD_LAYER, EXPECTED[-1]),
+        "mamba2": (*_SSD_LAYER, *_SSD_LAYER, EXPECTED[-1]),
+        "nemotron_h": (*_SSD_LAYER, EXPECTED[-1]),
+        "zamba2": (*_SSD_LAYER, *_SSD_LAYER, EXPECTED[-1]),
+    }
+)
+#: SDPA sites per model: one attention layer, two in Falcon-H1 (attention beside the SSD in every layer), none in
+#: Mamba2.
+SITES = {"falcon_h1": 2, "mamba2": 0}
+
 
 def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_next") -> ParityCase:
     balanced = layout == "balanced"
@@ -69,7 +85,7 @@ def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_
         model=model,
         doc_lens=DOCS,
         inner=inner,
-        expected_sites=1,
+        expected_sites=SITES.get(model, 1),
         layout=layout,
         expected_mixing=EXPECTED_BY_MODEL[model],
         shard_kwargs=(("workload", Workload(block_size=4)),) if balanced else (),
@@ -80,17 +96,33 @@ FAST = [_case()]
 SLOW_CP2 = [_case(layout="balanced"), _case(inner="aot_eager")]
 SAME_CORE_CP2 = [_case(model="qwen3_5"), _case(model="qwen3_5_moe"), _case(model="olmo_hybrid")]
 CP4 = [_case(layout="balanced")]
+#: The Mamba2 core: Bamba in the fast tier (2 groups of 4 heads: a rank takes a whole group), the other families,
+#: Bamba balanced and under aot_eager at CP=2, and Bamba at CP=4 (a group's B and C repeated to its heads) slow.
+SSD_FAST = [_case(model="bamba")]
+SSD_SLOW_CP2 = [
+    _case(model="bamba", layout="balanced"),
+    _case(model="bamba", inner="aot_eager"),
+    *(_case(model=m) for m in ("granitemoehybrid", "falcon_h1", "mamba2", "nemotron_h", "zamba2")),
+]
+SSD_CP4 = [_case(model="bamba", layout="balanced")]
 
 
-def _local_core(original, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel):
-    """The negative control's core: each run of ``c`` tokens (a rank's chunk under the contiguous layout) alone."""
+def _local_core(original, *args, **kwargs):
+    """The negative control's core: each run of ``c`` tokens (a rank's chunk under the contiguous layout) alone.
+    Every tensor argument with the sequence dim (dim 1, the first argument's length) is split; per-head parameters
+    are passed whole."""
     import torch
     import torch.distributed as dist
 
-    n = dist.get_world_size()
-    runs = zip(*(t.chunk(n, dim=1) for t in (query, key, value, g, beta)), strict=True)
-    outs = [original(*r, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for r in runs]
-    return torch.cat(outs, dim=1), None
+    n, length = dist.get_world_size(), args[0].shape[1]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[1] == length]
+    outs = []
+    for piece in range(n):
+        part = [a.chunk(n, dim=1)[piece] if i in tensors else a for i, a in enumerate(args)]
+        out = original(*part, **kwargs)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    whole = torch.cat(outs, dim=1)
+    return (whole, None) if isinstance(out, tuple) else whole
 
 
 def _control(case, group) -> dict:
@@ -136,10 +168,12 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
     if rank < 2:
         out["cp2"] = _run(FAST + SLOW_CP2 * with_slow, pair)
         out["control"] = _control(FAST[0], pair)
+        out["ssd"] = _run(SSD_FAST + SSD_SLOW_CP2 * with_slow, pair)
+        out["ssd_control"] = _control(SSD_FAST[0], pair)
         if with_slow:
             out["same_core"] = _run(SAME_CORE_CP2, pair)
     if with_slow:
-        out["cp4"] = _run(CP4, dist.group.WORLD)
+        out["cp4"] = _run(CP4 + SSD_CP4, dist.group.WORLD)
     return out
 
 
@@ -168,6 +202,30 @@ def test_core_on_local_tokens_fails_parity(results):
         assert "logits" in control["failing"], control
 
 
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_mamba2_core_bamba(results):
+    summaries = results[0]["ssd"][: len(SSD_FAST)]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SSD_FAST]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_mamba2_core_on_local_tokens_fails_parity(results):
+    for per_rank in results[:2]:
+        control = per_rank["ssd_control"]
+        print(f"\ncontrol SSD core on local tokens: {control}")
+        assert control["caught"], f"the SSD core on each rank's tokens alone passed the parity check: {control}"
+        assert "logits" in control["failing"], control
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_mamba2_core_balanced_aot_eager_and_other_families(results):
+    summaries = results[0]["ssd"][len(SSD_FAST) :]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SSD_SLOW_CP2]
+
+
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_cp2_balanced_and_aot_eager(results):
@@ -186,10 +244,10 @@ def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp4_balanced_repeated_key_heads(results):
+def test_cp4_balanced_repeated_key_heads_and_repeated_ssd_groups(results):
     summaries = results[0]["cp4"]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP4]
+    assert [s["case"] for s in summaries] == [c.name for c in CP4 + SSD_CP4]
     assert all(s["runs"] > 1 for s in summaries), [s["runs"] for s in summaries]
 
 
@@ -204,8 +262,12 @@ def _core_inputs(seed: int = 0):
     return q, k, v, g, beta
 
 
-def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_refused():
+def test_outside_cp_the_compiled_cores_are_the_library_ones_and_bad_cp_sizes_are_refused():
     import torch
+    from transformers.models.bamba import modeling_bamba
+    from transformers.models.falcon_h1 import modeling_falcon_h1
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+    from transformers.models.mamba2 import modeling_mamba2
     from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
@@ -216,6 +278,8 @@ def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_re
     cores.register_known_cores()
     for module in (qwen3_next, modeling_qwen3_5, modeling_qwen3_5_moe, modeling_olmo_hybrid):
         assert cores.registered_cores()[f"{module.__name__}.torch_chunk_gated_delta_rule"] is not None
+    for module in (modeling_bamba, modeling_falcon_h1, modeling_granitemoehybrid, modeling_mamba2):
+        assert cores.registered_cores()[f"{module.__name__}.mamba2_chunk_scan"] is not None
 
     def f(q, k, v, g, beta):
         return qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
@@ -226,13 +290,27 @@ def test_outside_cp_the_compiled_core_is_the_library_one_and_bad_cp_sizes_are_re
     torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
     assert cores.HEADS_GROUP is None
     try:
-        cores.set_heads_group(("not-a-group", 3))  # 4 value heads over 3 ranks: the traced core refuses
+        cores.set_heads_group(("not-a-group", 3, 0))  # 4 value heads over 3 ranks: the traced core refuses
         with pytest.raises(RuntimeError, match="has 4 value heads.*use a CP size that divides 4"):
             compiled(*inputs)
     finally:
         cores.set_heads_group(None)
     # the graph traced without CP is still the one used once the CP context is gone
     torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
+
+    def ssd(x, dt, A, B, C):  # 6 heads in 2 groups, as Mamba2's mixer calls it
+        return modeling_mamba2.mamba2_chunk_scan(x, dt, A, B, C, chunk_size=8, dt_softplus=True)
+
+    gen = torch.Generator().manual_seed(1)
+    x, dt, B, C = (torch.randn(1, 10, *shape, generator=gen) for shape in ((6, 4), (6,), (2, 3), (2, 3)))
+    compiled_ssd = torch.compile(ssd, backend="eager")
+    torch.testing.assert_close(compiled_ssd(x, dt, -torch.ones(6), B, C), ssd(x, dt, -torch.ones(6), B, C))
+    try:
+        cores.set_heads_group(("not-a-group", 4, 0))  # 6 heads over 4 ranks
+        with pytest.raises(RuntimeError, match="has 6 heads.*use a CP size that divides 6"):
+            compiled_ssd(x, dt, -torch.ones(6), B, C)
+    finally:
+        cores.set_heads_group(None)
     torch.compiler.reset()
 
 
