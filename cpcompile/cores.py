@@ -146,6 +146,18 @@ def _to_sequence(y, order, group_name, site):
     return torch.ops.cpcompile.sequence_from_heads(y, order, 1, 2, group_name, site, y.requires_grad)
 
 
+def _padded(x, heads: int, dim: int = 2, fill: float = 0.0):
+    """``x`` with its head dim (2 for per-token inputs ``[B, S, H, ...]``, 0 for per-head parameters) extended to
+    ``heads`` by ``fill``: heads a CP size does not divide are padded to the next multiple. A padded head's inputs
+    are zeros, so the core gives it zero outputs, which are cut off after the exchange back."""
+    extra = heads - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_full(shape, fill)], dim=dim)
+
+
 def _heads_major(x):
     """``x`` (``[B, S, H, ...]``) with the same values and strides that make ``x.transpose(1, 2)`` contiguous.
 
@@ -203,20 +215,26 @@ def _gated_delta_rule_replacement(original, site: str):
         if initial_state is not None or output_final_state:
             _refuse(value, site, "got a recurrent state (a cache)", "train with use_cache=False")
         hk, hv = key.shape[2], value.shape[2]
-        if hv % n != 0 or hv % hk != 0:
-            _refuse(value, site, f"has {hv} value heads", f"use a CP size that divides {hv}")
+        if hv % hk != 0:
+            _refuse(
+                value, site, f"has {hk} key heads for {hv} value heads", "use key heads that divide the value heads"
+            )
         if hk % n != 0:  # groups cannot stay whole on a rank: every rank gets the key heads of its value heads
             query = query.repeat_interleave(hv // hk, dim=2)
             key = key.repeat_interleave(hv // hk, dim=2)
+        padded = -(-hv // n) * n  # heads a CP size does not divide: zero heads up to the next multiple
         order = torch.ops.cpcompile.heads_order(value.detach(), 1, n, site)
-        q, k, v, gg, b = (_to_heads(t, order, group_name, site) for t in (query, key, value, g, beta))
+        q, k, v, gg, b = (
+            _to_heads(_padded(t, padded) if t.shape[2] == hv else t, order, group_name, site)
+            for t in (query, key, value, g, beta)
+        )
         if k.shape[2] != v.shape[2]:  # the core's own grouping, done here so that the layout below reaches it
             q, k = (t.repeat_interleave(v.shape[2] // k.shape[2], dim=2) for t in (q, k))
         q, k, v, gg, b = (_heads_major(t) for t in (q, k, v, gg, b))
         out, _ = _run_core(
             original, q, k, v, gg, b, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
         )
-        return _to_sequence(out, order, group_name, site), None
+        return _to_sequence(out, order, group_name, site)[:, :, :hv], None
 
     return chunk_gated_delta_rule
 
@@ -268,23 +286,27 @@ def _mamba2_chunk_scan_replacement(original, site: str):
         if initial_states is not None or return_final_states:
             _refuse(hidden_states, site, "got a recurrent state (a cache)", "train with use_cache=False")
         h, groups = hidden_states.shape[2], B.shape[2]
-        if h % n != 0 or h % groups != 0:
-            _refuse(hidden_states, site, f"has {h} heads", f"use a CP size that divides {h}")
+        if h % groups != 0:
+            _refuse(hidden_states, site, f"has {groups} groups for {h} heads", "use groups that divide the heads")
         if groups % n != 0:  # groups cannot stay whole on a rank: every rank gets the groups of its heads
             B = B.repeat_interleave(h // groups, dim=2)
             C = C.repeat_interleave(h // groups, dim=2)
+        padded = -(-h // n) * n  # heads a CP size does not divide: zero heads up to the next multiple
         order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 1, n, site)
-        x, step, b, c = (_to_heads(t, order, group_name, site) for t in (hidden_states, dt, B, C))
-        per = h // n
+        x, step, b, c = (
+            _to_heads(_padded(t, padded) if t.shape[2] == h else t, order, group_name, site)
+            for t in (hidden_states, dt, B, C)
+        )
+        per = padded // n
 
-        def mine(p):  # this rank's heads of a per-head parameter (its gradient is summed over the CP group)
-            return None if p is None else p.narrow(0, rank * per, per)
+        def mine(p, fill=0.0):  # this rank's heads of a per-head parameter (its gradient is summed over the group)
+            return None if p is None else _padded(p, padded, 0, fill).narrow(0, rank * per, per)
 
         out = _run_core(
             original,
             x,
             step,
-            mine(A),
+            mine(A, -1.0),
             b,
             c,
             chunk_size,
@@ -294,7 +316,7 @@ def _mamba2_chunk_scan_replacement(original, site: str):
             dt_limit=dt_limit,
             **kwargs,
         )
-        return _to_sequence(out, order, group_name, site)
+        return _to_sequence(out, order, group_name, site)[:, :, :h]
 
     return mamba2_chunk_scan
 

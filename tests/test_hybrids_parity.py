@@ -1,26 +1,29 @@
 """Parity of hybrid models whose recurrent mixer runs head-parallel (:mod:`cpcompile.cores`), compiled with
-cpcompile at CP=2 and CP=4 (gloo processes), vs the same model run whole in one process on the same global batch.
+cpcompile at CP=2, 3 and 4 (gloo processes), vs the same model run whole in one process on the same global batch.
 
-Model: transformers Qwen3-Next (``qwen3_next`` of ``cpcompile.testing.HYBRID_FAMILIES``): a gated delta-net layer
-(2 key / 4 value heads, causal conv kernel 4, the torch chunked delta rule) before a gated attention layer, MoE
-feed-forwards. T = 37 is not a multiple of 2 or 4 and fits one chunk of the rule (64 tokens); documents cross rank
-edges. transformers' torch path does not keep packed documents apart in the recurrence or the conv, so the
-one-process model leaks state across documents and the CP run must do the same.
+Models (``cpcompile.testing.HYBRID_FAMILIES``): transformers Qwen3-Next, a gated delta-net layer (2 key / 4 value
+heads, causal conv kernel 4, the torch chunked delta rule) before a gated attention layer, MoE feed-forwards; and
+the Mamba2 (SSD) core's families, Bamba first (a Mamba2 layer of 8 heads in 2 groups, chunks of 16 tokens, before
+an attention layer). T = 37 is not a multiple of 2, 3 or 4, fits one chunk of the delta rule (64 tokens) and
+crosses the SSD's chunk edges; documents cross rank edges. transformers' torch paths do not keep packed documents
+apart in the recurrence or the conv, so the one-process model leaks state across documents and the CP run must do
+the same.
 
 Each case asserts the logits, the summed loss and every summed gradient (``tests.harness.parity`` tolerances), the
-SDPA site rewritten, the mixing ops reported (``EXPECTED``: the conv gathered, the delta rule head-parallel, MoE
-dispatch, the loss) and one sequence all-gather per gathered region. The negative control runs the delta rule on
-each rank's own tokens only (``cores._run_core`` replaced by a call per run of ``c`` tokens, which under the
-contiguous layout are the ranks' chunks): the parity check must fail, on the logits.
+SDPA sites rewritten, the mixing ops reported (``EXPECTED_BY_MODEL``: the conv gathered, the core head-parallel, MoE
+dispatch, the loss) and one sequence all-gather per gathered region. The negative controls run the core on each
+rank's own tokens only (``cores._run_core`` replaced by a call per run of ``c`` tokens, which under the contiguous
+layout are the ranks' chunks): the parity check must fail, on the logits.
 
-Fast tier: CP=2 contiguous (``inner="eager"``) with the control, on ranks {0, 1}. Slow tier: CP=2 balanced and
-CP=2 under ``aot_eager`` (the exchanges and the core traced by AOTAutograd), the families with the same core at CP=2
-contiguous (Qwen3.5 and OLMo-Hybrid with dense feed-forwards, Qwen3.5-MoE; the same tiny sizes), then CP=4
-balanced (2 key heads for 4 ranks: queries and keys are repeated to the value heads before the exchange), and one
-``aot_eager`` compile at CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the core's 64-token
+Fast tier: Qwen3-Next and Bamba at CP=2 contiguous (``inner="eager"``), each with its control, on ranks {0, 1}.
+Slow tier: CP=2 balanced and under ``aot_eager`` (the exchanges and the core traced by AOTAutograd) for both cores;
+the other families of each core at CP=2 contiguous (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid; Granite-4 hybrid, Falcon-H1,
+Mamba2, Nemotron-H, Zamba2); CP=3 balanced, which divides no head count (the heads are padded with zero heads);
+CP=4 balanced (2 key heads or 2 groups for 4 ranks: repeated to the heads before the exchange); and one
+``aot_eager`` compile at CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the delta rule's 64-token
 chunk), with its control: the core's inputs in the exchange's layout must fail at T = 128 with torch's view error.
-Single process: outside a CP context the compiled core is the library's (every family's core is substituted), and
-a CP size that divides no head count is refused while tracing.
+Single process: outside a CP context the compiled cores are the library's (every family's core is substituted),
+and a cache under CP is refused while tracing.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ SSD_SLOW_CP2 = [
     *(_case(model=m) for m in ("granitemoehybrid", "falcon_h1", "mamba2", "nemotron_h", "zamba2")),
 ]
 SSD_CP4 = [_case(model="bamba", layout="balanced")]
+#: CP=3 divides no head count: Qwen3-Next's 4 value heads (key heads repeated to them) and Bamba's 8 heads (B and C
+#: repeated to them) are padded with zero heads to 6 and 9.
+CP3 = [_case(layout="balanced"), _case(model="bamba", layout="balanced")]
 
 
 def _local_core(original, *args, **kwargs):
@@ -163,7 +169,8 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    pair = dist.new_group([0, 1])  # every rank takes part in creating the group
+    pair = dist.new_group([0, 1])  # every rank takes part in creating the groups
+    triple = dist.new_group([0, 1, 2]) if with_slow else None
     out = {}
     if rank < 2:
         out["cp2"] = _run(FAST + SLOW_CP2 * with_slow, pair)
@@ -172,6 +179,8 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
         out["ssd_control"] = _control(SSD_FAST[0], pair)
         if with_slow:
             out["same_core"] = _run(SAME_CORE_CP2, pair)
+    if with_slow and rank < 3:
+        out["cp3"] = _run(CP3, triple)
     if with_slow:
         out["cp4"] = _run(CP4 + SSD_CP4, dist.group.WORLD)
     return out
@@ -244,6 +253,14 @@ def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp3_heads_padded_to_a_multiple_of_the_cp_size(results):
+    summaries = results[0]["cp3"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in CP3]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
 def test_cp4_balanced_repeated_key_heads_and_repeated_ssd_groups(results):
     summaries = results[0]["cp4"]
     report(summaries)
@@ -262,7 +279,7 @@ def _core_inputs(seed: int = 0):
     return q, k, v, g, beta
 
 
-def test_outside_cp_the_compiled_cores_are_the_library_ones_and_bad_cp_sizes_are_refused():
+def test_outside_cp_the_compiled_cores_are_the_library_ones_and_a_cache_under_cp_is_refused():
     import torch
     from transformers.models.bamba import modeling_bamba
     from transformers.models.falcon_h1 import modeling_falcon_h1
@@ -281,8 +298,10 @@ def test_outside_cp_the_compiled_cores_are_the_library_ones_and_bad_cp_sizes_are
     for module in (modeling_bamba, modeling_falcon_h1, modeling_granitemoehybrid, modeling_mamba2):
         assert cores.registered_cores()[f"{module.__name__}.mamba2_chunk_scan"] is not None
 
-    def f(q, k, v, g, beta):
-        return qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    def f(q, k, v, g, beta, cache=False):
+        return qwen3_next.torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, output_final_state=cache
+        )[0]
 
     inputs = _core_inputs()
     torch.compiler.reset()
@@ -290,25 +309,28 @@ def test_outside_cp_the_compiled_cores_are_the_library_ones_and_bad_cp_sizes_are
     torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
     assert cores.HEADS_GROUP is None
     try:
-        cores.set_heads_group(("not-a-group", 3, 0))  # 4 value heads over 3 ranks: the traced core refuses
-        with pytest.raises(RuntimeError, match="has 4 value heads.*use a CP size that divides 4"):
-            compiled(*inputs)
+        cores.set_heads_group(("not-a-group", 3, 0))  # a cache under CP: the traced core refuses
+        with pytest.raises(RuntimeError, match="got a recurrent state.*train with use_cache=False"):
+            compiled(*inputs, cache=True)
     finally:
         cores.set_heads_group(None)
     # the graph traced without CP is still the one used once the CP context is gone
     torch.testing.assert_close(compiled(*inputs), f(*inputs), rtol=0, atol=0)
 
-    def ssd(x, dt, A, B, C):  # 6 heads in 2 groups, as Mamba2's mixer calls it
-        return modeling_mamba2.mamba2_chunk_scan(x, dt, A, B, C, chunk_size=8, dt_softplus=True)
+    def ssd(x, dt, A, B, C, cache=False):  # 6 heads in 2 groups, as Mamba2's mixer calls it
+        out = modeling_mamba2.mamba2_chunk_scan(
+            x, dt, A, B, C, chunk_size=8, dt_softplus=True, return_final_states=cache
+        )
+        return out[0] if cache else out
 
     gen = torch.Generator().manual_seed(1)
     x, dt, B, C = (torch.randn(1, 10, *shape, generator=gen) for shape in ((6, 4), (6,), (2, 3), (2, 3)))
     compiled_ssd = torch.compile(ssd, backend="eager")
     torch.testing.assert_close(compiled_ssd(x, dt, -torch.ones(6), B, C), ssd(x, dt, -torch.ones(6), B, C))
     try:
-        cores.set_heads_group(("not-a-group", 4, 0))  # 6 heads over 4 ranks
-        with pytest.raises(RuntimeError, match="has 6 heads.*use a CP size that divides 6"):
-            compiled_ssd(x, dt, -torch.ones(6), B, C)
+        cores.set_heads_group(("not-a-group", 4, 0))
+        with pytest.raises(RuntimeError, match="got a recurrent state.*train with use_cache=False"):
+            compiled_ssd(x, dt, -torch.ones(6), B, C, cache=True)
     finally:
         cores.set_heads_group(None)
     torch.compiler.reset()
