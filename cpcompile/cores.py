@@ -22,16 +22,17 @@ its torch fallback path only (not when transformers resolved it to flash-linear-
 function: ``hidden_states`` ``[B, S, H, P]``, ``dt`` ``[B, S, H]``, ``A`` ``[H]``, ``B``, ``C`` ``[B, S, G, N]``,
 ``D``, ``dt_bias`` ``[H]``), on its torch path (not when ``mamba-ssm`` is installed).
 Gated delta rule: key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole
-groups (its key heads and their value heads); otherwise, when ``N`` divides ``Hv``, queries and keys are repeated to
-the value heads first (as the core does itself). Refused while Dynamo traces, on every rank, by the op
-``cpcompile::heads_refusal`` (Dynamo raises its ``TorchRuntimeError`` with the message, which names the core and the
-fix): ``N`` not dividing ``Hv`` (or ``Hk`` not dividing ``Hv``), an ``initial_state`` or ``output_final_state`` (a
-cache), ``cu_seqlens``. SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)``
-serving head ``j`` (whole groups on a rank when ``N`` divides ``G``, else ``B`` and ``C`` repeated to the heads
-first); ``A``, ``D`` and ``dt_bias`` are narrowed to the rank's heads (``HEADS_GROUP``'s rank), so each rank's
-gradient of them covers its heads and the sum over the CP group, which every parameter's gradient gets, is the
-whole. Refused: ``N`` not dividing ``H`` (or ``G`` not dividing ``H``), ``initial_states`` or
-``return_final_states`` (a cache), ``seq_idx``/``cu_seqlens``.
+groups (its key heads and their value heads); otherwise queries and keys are repeated to the value heads first (as
+the core does itself). SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)`` serving
+head ``j`` (whole groups on a rank when ``N`` divides ``G``, else ``B`` and ``C`` repeated to the heads first);
+``A``, ``D`` and ``dt_bias`` are narrowed to the rank's heads (``HEADS_GROUP``'s rank), so each rank's gradient of
+them covers its heads and the sum over the CP group, which every parameter's gradient gets, is the whole. Heads that
+``N`` does not divide are padded with zero heads to the next multiple of ``N`` (per-head parameters too), which the
+core maps to zero outputs that are cut off after the exchange back: exact, at ``ceil(H / N) * N / H`` of the core's
+work. Refused while Dynamo traces, on every rank, by the op ``cpcompile::heads_refusal`` (Dynamo raises its
+``TorchRuntimeError`` with the message, which names the core and the fix): ``Hk`` not dividing ``Hv`` (``G`` not
+dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``output_final_state``,
+``return_final_states``), ``cu_seqlens``/``seq_idx``.
 
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
