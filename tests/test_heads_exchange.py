@@ -110,7 +110,12 @@ def _exchange_worker(rank, world_size, cases):
             (weight[:, :, heads] * y).sum().backward()
             back = sequence_from_heads(y.detach(), order, 1, 2, name, SITE, False)
             comm = cpcompile.comm_stats()
-            counted = (comm.heads_exchanges, comm.heads_bytes, comm.heads_backward_bytes)
+            counted = (
+                comm.heads_exchanges,
+                comm.heads_bytes,
+                comm.heads_backward_bytes,
+                dict(comm.heads_bytes_by_site),
+            )
             # negative control: the all-to-all's chunks left rank-major (identity order), not in token order
             rank_major = heads_from_sequence(x_local.detach(), torch.arange(n * c), 1, 2, name, SITE, False)
 
@@ -129,7 +134,7 @@ def _exchange_worker(rank, world_size, cases):
             "grad_expected": whole.grad[:, plan.token_indices()],
             "rank_major": rank_major,
             # the forward and the way back; the gradient's all-to-all counted with the forward, not again
-            "bytes": (counted, (2, 2 * per_exchange, per_exchange)),
+            "bytes": (counted, (2, 2 * per_exchange, per_exchange, {SITE: 2 * per_exchange})),
             "emitted": (emitted_y, emitted_back),
         }
     return out
@@ -170,7 +175,7 @@ def _check_grads(results):
 def _check_bytes(results):
     for where, _, r in _each(results):
         got, expected = r["bytes"]
-        assert got == expected, f"{where}: (exchanges, bytes, backward bytes) {got}, expected {expected}"
+        assert got == expected, f"{where}: (exchanges, bytes, backward bytes, bytes by site) {got}, expected {expected}"
 
 
 def _check_rank_major_control(results):

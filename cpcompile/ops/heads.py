@@ -59,8 +59,8 @@ def _heads_per_rank(heads: int, cp_size: int, site: str) -> int:
     if heads % cp_size != 0:
         raise ValueError(
             f"{_what(site)} got {heads} heads, but a CP group of {cp_size} ranks needs a number of heads that is a "
-            f"multiple of {cp_size} (every rank takes H / {cp_size} of them); use a CP size that divides {heads} "
-            "(uneven head splits are not supported)"
+            f"multiple of {cp_size} (every rank takes H / {cp_size} of them); pad the heads to a multiple of "
+            f"{cp_size} before the exchange (as cpcompile.cores does) or use a CP size that divides {heads}"
         )
     return heads // cp_size
 
@@ -82,7 +82,7 @@ def _count(recv: torch.Tensor, cp_size: int, needs_grad: bool, site: str) -> Non
     if in_backward and not needs_grad:
         return
     nbytes = (cp_size - 1) * recv[0].numel() * recv.element_size()
-    active_context(_what(site)).comm.record_heads(nbytes, needs_grad and not in_backward)
+    active_context(_what(site)).comm.record_heads(nbytes, needs_grad and not in_backward, site)
 
 
 @torch.library.custom_op("cpcompile::heads_order", mutates_args=())

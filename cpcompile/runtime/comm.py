@@ -66,6 +66,9 @@ class CommStats:
     heads_exchanges: int = 0
     heads_bytes: int = 0
     heads_backward_bytes: int = 0
+    #: ``heads_bytes`` by the core that exchanged them (``"module.function"`` of :data:`cpcompile.cores.CORES`,
+    #: or the ``site`` a caller of the ops named): what each head-parallel region costs in forward.
+    heads_bytes_by_site: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def record_sequence_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
@@ -80,9 +83,10 @@ class CommStats:
         if needs_grad:
             self.halo_backward_bytes += nbytes
 
-    def record_heads(self, nbytes: int, needs_grad: bool) -> None:
+    def record_heads(self, nbytes: int, needs_grad: bool, site: str = "") -> None:
         self.heads_exchanges += 1
         self.heads_bytes += nbytes
+        self.heads_bytes_by_site[site] = self.heads_bytes_by_site.get(site, 0) + nbytes
         if needs_grad:
             self.heads_backward_bytes += nbytes
 
