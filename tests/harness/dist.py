@@ -84,14 +84,22 @@ _SCALAR_TYPES = (type(None), bool, int, float, str)
 
 
 def _snapshot(module) -> dict:
-    """The module-level containers and private scalars of one cpcompile module (registries, warned-once sets)."""
+    """The module-level containers, id counters and private scalars of one cpcompile module (registries,
+    warned-once sets, backend numbers)."""
     state = {}
     for attr, value in vars(module).items():
         if attr.startswith("__"):
             continue
-        if isinstance(value, _STATE_TYPES) or (attr.startswith("_") and isinstance(value, _SCALAR_TYPES)):
+        if isinstance(value, itertools.count):  # id counters (backend names): a pooled call numbers from the start
+            state[module.__name__, attr] = (value, _next_of(value))
+        elif isinstance(value, _STATE_TYPES) or (attr.startswith("_") and isinstance(value, _SCALAR_TYPES)):
             state[module.__name__, attr] = (value, copy.copy(value))
     return state
+
+
+def _next_of(counter: itertools.count) -> int:
+    """The value ``counter`` yields next, without advancing it (its repr is ``count(n)``)."""
+    return int(repr(counter)[len("count(") : -1])
 
 
 def _is_cpcompile(name: str) -> bool:
@@ -144,7 +152,9 @@ def _restore_module_state(state: dict) -> None:
     """Put cpcompile's module state back as :func:`_module_state` found it: a pooled call starts like a new process."""
     for (name, attr), (obj, saved) in list(state.items()):
         module = sys.modules[name]
-        if isinstance(obj, _STATE_TYPES):
+        if isinstance(obj, itertools.count):
+            obj = itertools.count(saved)
+        elif isinstance(obj, _STATE_TYPES):
             obj.clear()
             obj.update(saved) if not isinstance(obj, list) else obj.extend(saved)
         setattr(module, attr, obj)
