@@ -53,7 +53,7 @@ class BackendOptions:
     #: pairs and never builds more than a block of the mask (with a CP group of size 1, ``"block"`` also
     #: replaces the model's SDPA). ``"dense"``: SDPA under the plan's whole ``[c, N*c]`` mask (the reference;
     #: memory grows with ``c x T``). ``"flex"`` and ``"flash_varlen"``: ``cp_attention`` through flex_attention
-    #: or flash-attn's varlen kernel, CUDA only, not yet validated on a GPU (``benchmarks/gpu_attention.py``).
+    #: or flash-attn's varlen kernel, CUDA only (``benchmarks/gpu_attention.py`` checks them on the GPU at hand).
     attention: Literal["auto", "block", "dense", "flex", "flash_varlen"] = "auto"
     #: Query and key block size of the block kernel, and the block the balanced layout counts work in.
     block_size: int = DEFAULT_BLOCK_SIZE

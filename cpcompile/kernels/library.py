@@ -3,7 +3,8 @@
 Both take the keys sorted by global index (:func:`cpcompile.kernels.attention.cp_attention` sorts them) and give
 the plan's mask exactly: flex through a ``BlockMask`` whose ``mask_mod`` is :func:`cpcompile.mask.visible`,
 flash-attn through one varlen segment per run of local queries of one document (:func:`varlen_layout`). Each
-logs a warning on its first use until it is validated on a GPU (``benchmarks/gpu_attention.py``).
+logs a warning on its first use naming ``benchmarks/gpu_attention.py``, which checks it against dense SDPA on the
+GPU at hand.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def _warn_unvalidated(path: str) -> None:
     if path not in _WARNED:
         _WARNED.add(path)
         log.warning(
-            "cpcompile: the CUDA %s path of cp_attention has not been validated on a GPU yet; run "
-            "benchmarks/gpu_attention.py (it checks it against dense SDPA) or use cpcompile.backend(..., "
-            "attention='dense')",
+            "cpcompile: the CUDA %s path of cp_attention is checked against dense SDPA on one GPU and torch "
+            "version only (BENCHMARKS.md, 'GPU'); run benchmarks/gpu_attention.py on yours, or use "
+            "cpcompile.backend(..., attention='dense')",
             path,
         )
 
