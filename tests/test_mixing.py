@@ -88,6 +88,17 @@ def test_rewritten_region_reads_the_plan(world, tmp_path):
     assert found == [("conv1d", "gathered"), ("cross_entropy", "partial_sum")]
 
 
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_squeezed_dim_before_a_conv_keeps_its_sequence_dim(world, dynamic):
+    """Zamba's Mamba mixer: ``view(B, C, 1, T).squeeze(2)`` in front of the conv. In a static graph the sequence
+    dim is known only by following it from the inputs; it must survive the squeeze, or the conv is not found and
+    runs on this rank's tokens."""
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard(packed_batch(DOCS), world, dynamic=dynamic) as local:
+        torch.compile(mixer_lm(mixer="squeezed_conv"), backend=backend)(**local)
+    assert _actions(backend) == [("mixer.conv", "conv1d", "convolution", "gathered"), LOSS]
+
+
 def test_static_graph_region_trims_to_the_gathered_length(world):
     """shard(dynamic=False): the conv's trim [..., :16] is a constant; rewritten, it stops at the gathered length."""
     model = mixer_lm(mixer="conv")

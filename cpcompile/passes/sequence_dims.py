@@ -121,6 +121,15 @@ def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLen
         t = list(tags)
         t.insert(n.args[2] % ndim, t.pop(n.args[1] % ndim))
         return tuple(t)
+    if name == "squeeze":  # only dims of size 1 go: a sequence dim after them keeps its tag
+        shape = shape_of(n.args[0])
+        dims = n.args[1:] if len(n.args) > 1 else tuple(v for k, v in n.kwargs.items() if k == "dim")
+        dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else tuple(dims)
+        if shape is None or not all(isinstance(d, int) for d in dims):
+            return None
+        picked = range(ndim) if not dims else {d % ndim for d in dims}
+        gone = {d for d in picked if size_hint(shape[d]) == 1}
+        return tuple(t for d, t in enumerate(tags) if d not in gone)
     if name == "unsqueeze":
         d = arg(n, 1, "dim")
         t = list(tags)

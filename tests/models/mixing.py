@@ -5,6 +5,9 @@ attention block (``layers.0``, the ``packed_docs`` mask of :mod:`tests.models.at
 (``MIXERS``):
 
 * ``conv``: LFM2's short conv: depthwise ``conv1d(padding=k-1, groups=C)`` over ``[B, C, T]``, then ``[..., :T]``;
+* ``squeezed_conv``: the same conv on channels that reach it as Zamba's Mamba mixer hands them on: a
+  ``view(B, C, 1, T)`` then ``squeeze(2)`` in front of the conv (the sequence dim must stay tagged through the
+  squeeze, or the conv would run on this rank's tokens only);
 * ``shift``: token shift, ``F.pad(x, (0, 0, 1, 0))[:, :-1]`` mixed into ``x`` (RWKV-style);
 * ``first_diff``: the change from the previous token, the first token's from itself minus one,
   ``torch.diff(x, dim=1, prepend=x[:, :1] - 1)`` (transformers' packed-sequence detection on ``position_ids``);
@@ -43,7 +46,7 @@ from tests.models.tiny import TinyLM, seeded
 MIXERS = (
     "conv", "shift", "first_diff", "next_diff", "mask_cumsum", "mean_pool", "last_token", "chunked_scan",
     "custom_per_token", "custom_scan", "norm_pool", "sort_tokens", "tril_tokens", "token_norm", "feature_setitem",
-    "token_setitem", "head_repeat", "token_repeat",
+    "token_setitem", "head_repeat", "token_repeat", "squeezed_conv",
 )  # fmt: skip
 KERNEL = 3
 CHUNK = 4
@@ -112,6 +115,9 @@ class Mixer(nn.Module):
         input_ids = batch["input_ids"]
         if self.form == "conv":
             y = self.conv(self.mix(x).transpose(1, 2))[..., :T]
+            return x + y.transpose(1, 2)
+        if self.form == "squeezed_conv":
+            y = self.conv(self.mix(x).transpose(1, 2).reshape(B, H, 1, T).squeeze(2))[..., :T]
             return x + y.transpose(1, 2)
         if self.form == "shift":
             shifted = F.pad(x, (0, 0, 1, 0))[:, :-1]
