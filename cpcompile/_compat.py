@@ -410,15 +410,29 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def current_shape_env():
+    """The ``ShapeEnv`` of the frame Dynamo is compiling, or ``None`` outside a compilation (torch 2.11-2.13:
+    ``TracingContext.try_get().fake_mode.shape_env``)."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    return None if ctx is None or ctx.fake_mode is None else ctx.fake_mode.shape_env
+
+
+def at_trace_time(fn) -> None:
+    """Call ``fn(ctx)`` while Dynamo traces this line (``torch._dynamo.comptime``; ``fn`` a module-level function:
+    Dynamo cannot call a closure made while tracing); nothing enters the graph."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(fn)
+
+
 def shape_guards() -> list[tuple[object, str]]:
     """The shape guards recorded so far for the frame Dynamo is compiling, as ``(sympy boolean, the model's source
     line or "")``: every decision the traced code took on a dynamic size (``if T > 24:`` not taken is ``T <= 24``).
     Empty outside a compilation. torch 2.11-2.13: ``TracingContext.try_get().fake_mode.shape_env.guards`` of
     ``ShapeGuard(expr, sloc, ...)``, ``sloc.maybe_user_loc`` (the source text, ``# file:line in function``)."""
-    from torch._guards import TracingContext
-
-    ctx = TracingContext.try_get()
-    env = None if ctx is None or ctx.fake_mode is None else ctx.fake_mode.shape_env
+    env = current_shape_env()
     if env is None:
         return []
     return [(g.expr, getattr(g.sloc, "maybe_user_loc", None) or "") for g in env.guards]

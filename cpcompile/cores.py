@@ -20,7 +20,14 @@ Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid (one function, defined in each model's modu
 its torch fallback path only (not when transformers resolved it to flash-linear-attention); and transformers'
 ``mamba2_chunk_scan`` (Mamba2's SSD) of Mamba2, Bamba, Granite-4 hybrid, Falcon-H1, Nemotron-H and Zamba2 (one
 function: ``hidden_states`` ``[B, S, H, P]``, ``dt`` ``[B, S, H]``, ``A`` ``[H]``, ``B``, ``C`` ``[B, S, G, N]``,
-``D``, ``dt_bias`` ``[H]``), on its torch path (not when ``mamba-ssm`` is installed).
+``D``, ``dt_bias`` ``[H]``), on its torch path (not when ``mamba-ssm`` is installed); and transformers'
+``mamba_selective_scan`` (Mamba's selective scan) of Mamba, FalconMamba, Jamba and Zamba (``hidden_states``,
+``dt``, ``z`` ``[B, I, S]``, ``A`` ``[I, N]``, ``B``, ``C`` ``[B, N, S]``, ``D``, ``delta_bias`` ``[I]``), on its
+torch path. The scan is diagonal, so every channel is a head of its own: ``hidden_states``, ``dt`` and ``z`` are
+exchanged by channels, ``B`` and ``C`` (shared by every channel) reach every rank whole (the heads exchange of
+``N`` copies: an all-gather), ``A``, ``D`` and ``delta_bias`` are narrowed to the rank's channels. Its torch path
+needs a concrete length (transformers' associative scan, or its loop over tokens), so Dynamo specialises the
+graph to the local length: one compile per chunk length.
 Gated delta rule: key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole
 groups (its key heads and their value heads); otherwise queries and keys are repeated to the value heads first (as
 the core does itself). SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)`` serving
@@ -32,7 +39,7 @@ core maps to zero outputs that are cut off after the exchange back: exact, at ``
 work. Refused while Dynamo traces, on every rank, by the op ``cpcompile::heads_refusal`` (Dynamo raises its
 ``TorchRuntimeError`` with the message, which names the core and the fix): ``Hk`` not dividing ``Hv`` (``G`` not
 dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``output_final_state``,
-``return_final_states``), ``cu_seqlens``/``seq_idx``.
+``return_final_states``, ``return_last_state``), ``cu_seqlens``/``seq_idx``.
 
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
@@ -43,7 +50,9 @@ the library's core and no guard on :data:`HEADS_GROUP`.
 
 from __future__ import annotations
 
+import inspect
 import sys
+import weakref
 
 import torch
 
@@ -57,16 +66,18 @@ HEADS_GROUP: tuple[str, int, int] | None = None
 
 _GDN = "transformers.models.{0}.modeling_{0}.torch_chunk_gated_delta_rule"
 _MAMBA2 = "transformers.models.{0}.modeling_{0}.mamba2_chunk_scan"
+_SELECTIVE = "transformers.models.{0}.modeling_{0}.mamba_selective_scan"
 
 #: ``"module.function"`` -> the form of that core: the cores :func:`register_known_cores` substitutes. Forms:
 #: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`), ``"mamba2_chunk_scan"``
-#: (:func:`_mamba2_chunk_scan_replacement`).
+#: (:func:`_mamba2_chunk_scan_replacement`), ``"selective_scan"`` (:func:`_selective_scan_replacement`).
 CORES: dict[str, str] = {
     **{_GDN.format(m): "gated_delta_rule" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")},
     **{
         _MAMBA2.format(m): "mamba2_chunk_scan"
         for m in ("mamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2")
     },
+    **{_SELECTIVE.format(m): "selective_scan" for m in ("mamba", "falcon_mamba", "jamba", "zamba")},
 }
 
 _REGISTERED: dict[str, object] = {}
@@ -79,17 +90,60 @@ def registered_cores() -> dict[str, object]:
 
 def in_core(where: str) -> bool:
     """Whether ``where`` (Dynamo's ``code  # path/file.py:line in function`` of a shape guard) is a line of a
-    substituted core's function. Such a decision was taken on the whole sequence's padded length ``N * c`` of the
-    head-parallel call, not on the local one: the core is causal and the padding comes last, so a branch the
-    padded length takes (one more chunk of padding) changes no value of a real token."""
+    substituted core's function (or of a function defined inside it). Such a decision was taken on the whole
+    sequence's padded length ``N * c`` of the head-parallel call, not on the local one: the core is causal and the
+    padding comes last, so a branch the padded length takes (one more chunk of padding) changes no value of a real
+    token."""
     place = where.rpartition("  # ")[2].strip()
+    path, _, rest = place.partition(".py:")
+    line = rest.split(" ", 1)[0]
+    if not line.isdigit():
+        return False
     for key, fn in _REGISTERED.items():
         if fn is None:
             continue
-        module_name, _, name = key.rpartition(".")
-        if place.endswith(f" in {name}") and module_name.replace(".", "/") + ".py:" in place:
-            return True
+        module_name = key.rpartition(".")[0]
+        first, last = _source_lines(fn)
+        if path.endswith(module_name.replace(".", "/")) and first <= int(line) <= last:
+            return True  # the core's own lines and those of functions defined in it (a scan's combine_fn)
     return False
+
+
+def _source_lines(wrapped) -> tuple[int, int]:
+    """The first and last line of the library function behind ``wrapped`` in its module (0, -1 if unknown)."""
+    original = getattr(wrapped, "__wrapped__", wrapped)
+    try:
+        lines, first = inspect.getsourcelines(original)
+    except (OSError, TypeError):
+        return 0, -1
+    return first, first + len(lines) - 1
+
+
+#: ``ShapeEnv`` -> the ``(first, end)`` index ranges of its guards recorded while Dynamo traced a head-parallel
+#: core (:func:`guard_in_core`), and the start of the core being traced.
+_CORE_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CORE_START: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _enter_core(ctx=None) -> None:
+    env = _compat.current_shape_env()
+    if env is not None:
+        _CORE_START[env] = len(env.guards)
+
+
+def _leave_core(ctx=None) -> None:
+    env = _compat.current_shape_env()
+    if env is not None and env in _CORE_START:
+        _CORE_GUARDS.setdefault(env, []).append((_CORE_START.pop(env), len(env.guards)))
+
+
+def guard_in_core(index: int) -> bool:
+    """Whether guard ``index`` of the frame Dynamo is compiling (:func:`cpcompile._compat.shape_guards`) was
+    recorded while it traced a head-parallel core, in any function the core calls (a scan's ``combine_fn``,
+    torch's own ``vmap``): such a decision was taken on the whole sequence, as :func:`in_core` says of the core's
+    lines."""
+    env = _compat.current_shape_env()
+    return env is not None and any(a <= index < b for a, b in _CORE_GUARDS.get(env, ()))
 
 
 def traced_in_core(n) -> bool:
@@ -139,12 +193,12 @@ def _refuse(like, site: str, what: str, fix: str) -> None:
     torch.ops.cpcompile.heads_refusal(like, f"the head-parallel core {site} under context parallelism {what}; {fix}")
 
 
-def _to_heads(x, order, group_name, site):
-    return torch.ops.cpcompile.heads_from_sequence(x, order, 1, 2, group_name, site, x.requires_grad)
+def _to_heads(x, order, group_name, site, seq_dim=1, head_dim=2):
+    return torch.ops.cpcompile.heads_from_sequence(x, order, seq_dim, head_dim, group_name, site, x.requires_grad)
 
 
-def _to_sequence(y, order, group_name, site):
-    return torch.ops.cpcompile.sequence_from_heads(y, order, 1, 2, group_name, site, y.requires_grad)
+def _to_sequence(y, order, group_name, site, seq_dim=1, head_dim=2):
+    return torch.ops.cpcompile.sequence_from_heads(y, order, seq_dim, head_dim, group_name, site, y.requires_grad)
 
 
 def _padded(x, heads: int, dim: int = 2, fill: float = 0.0):
@@ -179,6 +233,19 @@ def _run_core(original, *args, **kwargs):
     """The call of the library's core on the whole sequence of this rank's heads (a global of this module: the
     negative controls of the tests replace it)."""
     return original(*args, **kwargs)
+
+
+def _core_call(original, *args, seq_dim=None, **kwargs):
+    """:func:`_run_core`, with the shape guards Dynamo records while tracing it marked as the core's
+    (:func:`guard_in_core`). ``seq_dim``: the core's traced shape arithmetic gives its output a length that
+    Dynamo cannot prove equal to its input's (transformers' associative scan on CPU), so the output is cut to the
+    input's length along ``seq_dim`` while the core's guards are recorded (a no-op at run time)."""
+    _compat.at_trace_time(_enter_core)
+    out = _run_core(original, *args, **kwargs)
+    if seq_dim is not None:
+        out = out.narrow(seq_dim, 0, args[0].shape[seq_dim])
+    _compat.at_trace_time(_leave_core)
+    return out
 
 
 def _gated_delta_rule_replacement(original, site: str):
@@ -232,7 +299,7 @@ def _gated_delta_rule_replacement(original, site: str):
         if k.shape[2] != v.shape[2]:  # the core's own grouping, done here so that the layout below reaches it
             q, k = (t.repeat_interleave(v.shape[2] // k.shape[2], dim=2) for t in (q, k))
         q, k, v, gg, b = (_heads_major(t) for t in (q, k, v, gg, b))
-        out, _ = _run_core(
+        out, _ = _core_call(
             original, q, k, v, gg, b, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
         )
         return _to_sequence(out, order, group_name, site)[:, :, :hv], None
@@ -303,7 +370,7 @@ def _mamba2_chunk_scan_replacement(original, site: str):
         def mine(p, fill=0.0):  # this rank's heads of a per-head parameter (its gradient is summed over the group)
             return None if p is None else _padded(p, padded, 0, fill).narrow(0, rank * per, per)
 
-        out = _run_core(
+        out = _core_call(
             original,
             x,
             step,
@@ -322,4 +389,80 @@ def _mamba2_chunk_scan_replacement(original, site: str):
     return mamba2_chunk_scan
 
 
-_FORMS = {"gated_delta_rule": _gated_delta_rule_replacement, "mamba2_chunk_scan": _mamba2_chunk_scan_replacement}
+def _selective_scan_replacement(original, site: str):
+    def mamba_selective_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        D=None,
+        z=None,
+        delta_bias=None,
+        delta_softplus=False,
+        return_last_state=False,
+        use_mambapy=False,
+        use_associative_scan=False,
+        **kwargs,
+    ):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        flags = {"delta_softplus": delta_softplus, "use_mambapy": use_mambapy}
+        flags["use_associative_scan"] = use_associative_scan
+        if heads is None:
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                D=D,
+                z=z,
+                delta_bias=delta_bias,
+                return_last_state=return_last_state,
+                **flags,
+                **kwargs,
+            )
+        group_name, n, rank = heads
+        if return_last_state:
+            _refuse(hidden_states, site, "returns its recurrent state (a cache)", "train with use_cache=False")
+        # [B, I, S]: channels on dim 1, tokens on dim 2; a diagonal scan, so every channel is a head of its own
+        channels = hidden_states.shape[1]
+        padded = -(-channels // n) * n  # channels a CP size does not divide: zero channels up to the next multiple
+        order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 2, n, site)
+
+        def split(t):  # this rank's channels of every token
+            return None if t is None else _to_heads(_padded(t, padded, 1), order, group_name, site, 2, 1)
+
+        def whole(t):  # B and C ([B, N, S], shared by every channel): every token on every rank (an all-gather)
+            shape = (t.shape[0], n, *t.shape[1:])
+            return _to_heads(t.unsqueeze(1).expand(shape), order, group_name, site, 3, 1).squeeze(1)
+
+        per = padded // n
+
+        def mine(p, fill=0.0):  # this rank's channels of a per-channel parameter (gradient summed over the group)
+            return None if p is None else _padded(p, padded, 0, fill).narrow(0, rank * per, per)
+
+        out = _core_call(
+            original,
+            split(hidden_states),
+            split(dt),
+            mine(A, -1.0),
+            whole(B),
+            whole(C),
+            D=mine(D),
+            z=split(z),
+            delta_bias=mine(delta_bias),
+            seq_dim=2,
+            **flags,
+            **kwargs,
+        )
+        return _to_sequence(out, order, group_name, site, 2, 1)[:, :channels]
+
+    return mamba_selective_scan
+
+
+_FORMS = {
+    "gated_delta_rule": _gated_delta_rule_replacement,
+    "mamba2_chunk_scan": _mamba2_chunk_scan_replacement,
+    "selective_scan": _selective_scan_replacement,
+}

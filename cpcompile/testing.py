@@ -209,8 +209,55 @@ HYBRID_FAMILIES.update(
         ),
     }
 )
+#: A Mamba (selective scan) mixer of 128 channels (expand 2 x hidden), state 8, conv kernel 4, time-step rank 8,
+#: no cache: the selective-scan families of :data:`HYBRID_FAMILIES`. Weights drawn with std 0.1, as for the SSD.
+_SELECTIVE = {**_SSD_INIT, "use_cache": False, "use_mambapy": False}
+HYBRID_FAMILIES.update(
+    {
+        # Mamba: Mamba layers only (no attention)
+        "mamba": ("MambaConfig", {**_SELECTIVE, "state_size": 8, "expand": 2, "conv_kernel": 4, "time_step_rank": 8}),
+        # FalconMamba: the same layers, RMS-normalised B, C and dt
+        "falcon_mamba": (
+            "FalconMambaConfig",
+            {**_SELECTIVE, "state_size": 8, "expand": 2, "conv_kernel": 4, "time_step_rank": 8},
+        ),
+        # Jamba: a Mamba layer with a dense feed-forward, then an attention layer with MoE feed-forwards
+        "jamba": (
+            "JambaConfig",
+            {
+                **_SELECTIVE,
+                "mamba_d_state": 8,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+                "mamba_dt_rank": 8,
+                "attn_layer_period": 2,
+                "attn_layer_offset": 1,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "expert_layer_period": 2,
+                "expert_layer_offset": 1,
+            },
+        ),
+        # Zamba: a Mamba layer of 2 Mamba heads (one scan call per head), then a hybrid layer (a shared attention
+        # block, then a Mamba layer)
+        "zamba": (
+            "ZambaConfig",
+            {
+                **_SELECTIVE,
+                "n_mamba_heads": 2,
+                "mamba_d_state": 8,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+                "mamba_dt_rank": 8,
+                "attention_head_dim": 16,
+                "num_key_value_heads": 4,
+                "layers_block_type": ["linear_attention", "hybrid"],
+            },
+        ),
+    }
+)
 #: Families without attention layers: built without an attention implementation.
-NO_ATTENTION = frozenset({"mamba2"})
+NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba"})
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 
 

@@ -77,9 +77,20 @@ EXPECTED_BY_MODEL.update(
         "zamba2": (*_SSD_LAYER, *_SSD_LAYER, EXPECTED[-1]),
     }
 )
+#: The selective scan's families: the conv gathered, the scan head-parallel (channel-parallel), per Mamba layer;
+#: Zamba's mixer calls the scan once per Mamba head (2).
+_SCAN_LAYER = (("conv1d", "gathered"), ("mamba_selective_scan", "head_parallel"))
+EXPECTED_BY_MODEL.update(
+    {
+        "jamba": (*_SCAN_LAYER, *_MOE_LAYER, EXPECTED[-1]),
+        "mamba": (*_SCAN_LAYER, *_SCAN_LAYER, EXPECTED[-1]),
+        "falcon_mamba": (*_SCAN_LAYER, *_SCAN_LAYER, EXPECTED[-1]),
+        "zamba": (*_SCAN_LAYER, _SCAN_LAYER[1], *_SCAN_LAYER, _SCAN_LAYER[1], EXPECTED[-1]),
+    }
+)
 #: SDPA sites per model: one attention layer, two in Falcon-H1 (attention beside the SSD in every layer), none in
-#: Mamba2.
-SITES = {"falcon_h1": 2, "mamba2": 0}
+#: Mamba2, Mamba and FalconMamba.
+SITES = {"falcon_h1": 2, "mamba2": 0, "mamba": 0, "falcon_mamba": 0}
 
 
 def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_next") -> ParityCase:
@@ -111,6 +122,17 @@ SSD_CP4 = [_case(model="bamba", layout="balanced")]
 #: CP=3 divides no head count: Qwen3-Next's 4 value heads (key heads repeated to them) and Bamba's 8 heads (B and C
 #: repeated to them) are padded with zero heads to 6 and 9.
 CP3 = [_case(layout="balanced"), _case(model="bamba", layout="balanced")]
+#: The selective scan: Jamba in the fast tier (a Mamba layer, then attention with MoE feed-forwards), the other
+#: families, Jamba balanced and under aot_eager at CP=2, Mamba at CP=3 (128 channels padded to 129) and Jamba at
+#: CP=4 slow.
+SCAN_FAST = [_case(model="jamba")]
+SCAN_SLOW_CP2 = [
+    _case(model="jamba", layout="balanced"),
+    _case(model="jamba", inner="aot_eager"),
+    *(_case(model=m) for m in ("mamba", "falcon_mamba", "zamba")),
+]
+SCAN_CP3 = [_case(model="mamba", layout="balanced")]
+SCAN_CP4 = [_case(model="jamba", layout="balanced")]
 
 
 def _local_core(original, *args, **kwargs):
@@ -131,7 +153,24 @@ def _local_core(original, *args, **kwargs):
     return (whole, None) if isinstance(out, tuple) else whole
 
 
-def _control(case, group) -> dict:
+def _local_scan(original, *args, **kwargs):
+    """The selective scan's negative control: as :func:`_local_core`, along the scan's sequence dim (2 of
+    ``[B, channels, S]``), the gate ``z`` too."""
+    import torch
+    import torch.distributed as dist
+
+    n, length = dist.get_world_size(), args[0].shape[2]
+
+    def piece(a, i):
+        if isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[2] == length:
+            return a.chunk(n, dim=2)[i]
+        return a
+
+    outs = [original(*(piece(a, i) for a in args), **{k: piece(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    return torch.cat(outs, dim=2)
+
+
+def _control(case, group, local=_local_core) -> dict:
     import torch
 
     from cpcompile import cores
@@ -139,7 +178,7 @@ def _control(case, group) -> dict:
 
     torch.compiler.reset()
     saved = cores._run_core
-    cores._run_core = _local_core
+    cores._run_core = local
     try:
         bad = ParityRunner(case, group).run()
     finally:
@@ -177,12 +216,14 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
         out["control"] = _control(FAST[0], pair)
         out["ssd"] = _run(SSD_FAST + SSD_SLOW_CP2 * with_slow, pair)
         out["ssd_control"] = _control(SSD_FAST[0], pair)
+        out["scan"] = _run(SCAN_FAST + SCAN_SLOW_CP2 * with_slow, pair)
+        out["scan_control"] = _control(SCAN_FAST[0], pair, _local_scan)
         if with_slow:
             out["same_core"] = _run(SAME_CORE_CP2, pair)
     if with_slow and rank < 3:
-        out["cp3"] = _run(CP3, triple)
+        out["cp3"] = _run(CP3 + SCAN_CP3, triple)
     if with_slow:
-        out["cp4"] = _run(CP4 + SSD_CP4, dist.group.WORLD)
+        out["cp4"] = _run(CP4 + SSD_CP4 + SCAN_CP4, dist.group.WORLD)
     return out
 
 
@@ -227,6 +268,30 @@ def test_mamba2_core_on_local_tokens_fails_parity(results):
         assert "logits" in control["failing"], control
 
 
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_selective_scan_jamba(results):
+    summaries = results[0]["scan"][: len(SCAN_FAST)]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SCAN_FAST]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_selective_scan_on_local_tokens_fails_parity(results):
+    for per_rank in results[:2]:
+        control = per_rank["scan_control"]
+        print(f"\ncontrol selective scan on local tokens: {control}")
+        assert control["caught"], f"the selective scan on each rank's tokens alone passed the parity check: {control}"
+        assert "logits" in control["failing"], control
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_cp2_selective_scan_balanced_aot_eager_and_other_families(results):
+    summaries = results[0]["scan"][len(SCAN_FAST) :]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SCAN_SLOW_CP2]
+
+
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_cp2_mamba2_core_balanced_aot_eager_and_other_families(results):
@@ -256,7 +321,7 @@ def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
 def test_cp3_heads_padded_to_a_multiple_of_the_cp_size(results):
     summaries = results[0]["cp3"]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP3]
+    assert [s["case"] for s in summaries] == [c.name for c in CP3 + SCAN_CP3]
 
 
 @slow
@@ -264,7 +329,7 @@ def test_cp3_heads_padded_to_a_multiple_of_the_cp_size(results):
 def test_cp4_balanced_repeated_key_heads_and_repeated_ssd_groups(results):
     summaries = results[0]["cp4"]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP4 + SSD_CP4]
+    assert [s["case"] for s in summaries] == [c.name for c in CP4 + SSD_CP4 + SCAN_CP4]
     assert all(s["runs"] > 1 for s in summaries), [s["runs"] for s in summaries]
 
 
@@ -283,12 +348,16 @@ def test_outside_cp_the_compiled_cores_are_the_library_ones_and_a_cache_under_cp
     import torch
     from transformers.models.bamba import modeling_bamba
     from transformers.models.falcon_h1 import modeling_falcon_h1
+    from transformers.models.falcon_mamba import modeling_falcon_mamba
     from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+    from transformers.models.jamba import modeling_jamba
+    from transformers.models.mamba import modeling_mamba
     from transformers.models.mamba2 import modeling_mamba2
     from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    from transformers.models.zamba import modeling_zamba
 
     from cpcompile import cores
 
@@ -297,6 +366,8 @@ def test_outside_cp_the_compiled_cores_are_the_library_ones_and_a_cache_under_cp
         assert cores.registered_cores()[f"{module.__name__}.torch_chunk_gated_delta_rule"] is not None
     for module in (modeling_bamba, modeling_falcon_h1, modeling_granitemoehybrid, modeling_mamba2):
         assert cores.registered_cores()[f"{module.__name__}.mamba2_chunk_scan"] is not None
+    for module in (modeling_mamba, modeling_falcon_mamba, modeling_jamba, modeling_zamba):
+        assert cores.registered_cores()[f"{module.__name__}.mamba_selective_scan"] is not None
 
     def f(q, k, v, g, beta, cache=False):
         return qwen3_next.torch_chunk_gated_delta_rule(
@@ -331,6 +402,21 @@ def test_outside_cp_the_compiled_cores_are_the_library_ones_and_a_cache_under_cp
         cores.set_heads_group(("not-a-group", 4, 0))
         with pytest.raises(RuntimeError, match="got a recurrent state.*train with use_cache=False"):
             compiled_ssd(x, dt, -torch.ones(6), B, C, cache=True)
+    finally:
+        cores.set_heads_group(None)
+
+    def scan(x, dt, A, B, C, cache=False):  # 6 channels, state 3, as Mamba's mixer calls it
+        out = modeling_mamba.mamba_selective_scan(x, dt, A, B, C, delta_softplus=True, return_last_state=cache)
+        return out[0] if cache else out
+
+    x, dt, B, C = (torch.randn(1, *shape, 10, generator=gen) for shape in ((6,), (6,), (3,), (3,)))
+    A = -torch.rand(6, 3, generator=gen)
+    compiled_scan = torch.compile(scan, backend="eager")
+    torch.testing.assert_close(compiled_scan(x, dt, A, B, C), scan(x, dt, A, B, C))
+    try:
+        cores.set_heads_group(("not-a-group", 2, 0))
+        with pytest.raises(RuntimeError, match="returns its recurrent state.*train with use_cache=False"):
+            compiled_scan(x, dt, A, B, C, cache=True)
     finally:
         cores.set_heads_group(None)
     torch.compiler.reset()

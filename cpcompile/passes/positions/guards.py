@@ -71,14 +71,14 @@ class LengthGuards:
 def length_guards(seq: SequenceLength | None) -> LengthGuards:
     """The shape guards recorded so far for the frame being compiled that involve only the local length's symbols,
     written in one length ``T``; those that hold for every ``T`` (``Eq(s0, s1)`` of two inputs of the local
-    length) are dropped, and so are those of a head-parallel core (:func:`cpcompile.cores.in_core`), which
-    decided on the whole sequence."""
+    length) are dropped, and so are those of a head-parallel core (taken at its lines, :func:`cpcompile.cores.in_core`,
+    or while Dynamo traced it, :func:`cpcompile.cores.guard_in_core`), which decided on the whole sequence."""
     if seq is None or seq.static:
         return LengthGuards(())
     kept = []
-    for expr, where in _compat.shape_guards():
+    for i, (expr, where) in enumerate(_compat.shape_guards()):
         symbols = getattr(expr, "free_symbols", set())
-        if not symbols or not symbols <= seq.symbols or cores.in_core(where):
+        if not symbols or not symbols <= seq.symbols or cores.in_core(where) or cores.guard_in_core(i):
             continue
         in_t = expr.xreplace({s: _T for s in symbols})
         if in_t is not sympy.true:

@@ -124,10 +124,12 @@ class SequenceLength:
 
     def is_chunk_constant(self, size: object) -> bool:
         """Whether a constant size stands for the local length: it equals ``chunk_len`` in a static or mixed
-        graph. In a graph with symbols a constant dim is a SymInt without free symbols."""
+        graph. A constant dim may be a SymInt without free symbols: in a graph with symbols, and in a graph traced
+        with a symbolic length that Dynamo then specialised (an op that needs a concrete length, such as a scan
+        over a head-parallel core's whole sequence, fixes the symbol to its value)."""
         if not self.by_size or self.chunk_len is None:
             return False
-        if isinstance(size, torch.SymInt) and self.mixed and not _compat.free_symbols(size):
+        if isinstance(size, torch.SymInt) and not _compat.free_symbols(size):
             return _compat.sym_hint(size) == self.chunk_len
         return type(size) is int and size == self.chunk_len
 
