@@ -236,76 +236,42 @@ def results(request):
     return run_distributed(_worker, world, runs_slow(request), timeout_s=TIMEOUT_S)
 
 
+#: Each core's CP=2 results (``_worker``'s key), its fast and slow cases there, and its negative control's key.
+CORE_RUNS = {
+    "gated delta rule": ("cp2", FAST, SLOW_CP2, "control"),
+    "Mamba2 SSD": ("ssd", SSD_FAST, SSD_SLOW_CP2, "ssd_control"),
+    "selective scan": ("scan", SCAN_FAST, SCAN_SLOW_CP2, "scan_control"),
+}
+
+
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_contiguous(results):
-    summaries = results[0]["cp2"][: len(FAST)]
+@pytest.mark.parametrize("core", list(CORE_RUNS))
+def test_cp2_contiguous(results, core):
+    key, fast, _, _ = CORE_RUNS[core]
+    summaries = results[0][key][: len(fast)]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in FAST]
+    assert [s["case"] for s in summaries] == [c.name for c in fast]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_core_on_local_tokens_fails_parity(results):
+@pytest.mark.parametrize("core", list(CORE_RUNS))
+def test_core_on_local_tokens_fails_parity(results, core):
+    control_key = CORE_RUNS[core][3]
     for per_rank in results[:2]:
-        control = per_rank["control"]
-        print(f"\ncontrol core on local tokens: {control}")
-        assert control["caught"], f"the delta rule on each rank's tokens alone passed the parity check: {control}"
-        assert "logits" in control["failing"], control
-
-
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_mamba2_core_bamba(results):
-    summaries = results[0]["ssd"][: len(SSD_FAST)]
-    report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in SSD_FAST]
-
-
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_mamba2_core_on_local_tokens_fails_parity(results):
-    for per_rank in results[:2]:
-        control = per_rank["ssd_control"]
-        print(f"\ncontrol SSD core on local tokens: {control}")
-        assert control["caught"], f"the SSD core on each rank's tokens alone passed the parity check: {control}"
-        assert "logits" in control["failing"], control
-
-
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_selective_scan_jamba(results):
-    summaries = results[0]["scan"][: len(SCAN_FAST)]
-    report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in SCAN_FAST]
-
-
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_selective_scan_on_local_tokens_fails_parity(results):
-    for per_rank in results[:2]:
-        control = per_rank["scan_control"]
-        print(f"\ncontrol selective scan on local tokens: {control}")
-        assert control["caught"], f"the selective scan on each rank's tokens alone passed the parity check: {control}"
+        control = per_rank[control_key]
+        print(f"\ncontrol: the {core} on local tokens: {control}")
+        assert control["caught"], f"the {core} on each rank's tokens alone passed the parity check: {control}"
         assert "logits" in control["failing"], control
 
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_selective_scan_balanced_aot_eager_and_other_families(results):
-    summaries = results[0]["scan"][len(SCAN_FAST) :]
+@pytest.mark.parametrize("core", list(CORE_RUNS))
+def test_cp2_balanced_aot_eager_and_other_families(results, core):
+    key, fast, slow_cases, _ = CORE_RUNS[core]
+    summaries = results[0][key][len(fast) :]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in SCAN_SLOW_CP2]
-
-
-@slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_mamba2_core_balanced_aot_eager_and_other_families(results):
-    summaries = results[0]["ssd"][len(SSD_FAST) :]
-    report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in SSD_SLOW_CP2]
-
-
-@slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp2_balanced_and_aot_eager(results):
-    summaries = results[0]["cp2"][len(FAST) :]
-    report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in SLOW_CP2]
+    assert [s["case"] for s in summaries] == [c.name for c in slow_cases]
 
 
 @slow
