@@ -88,7 +88,7 @@ def _mixer_channels(config) -> tuple[int, int, int]:
         key = config.linear_num_key_heads * config.linear_key_head_dim
         value = config.linear_num_value_heads * config.linear_value_head_dim
         return layers, config.hidden_size, 2 * key + value + 2 * config.linear_num_value_heads  # q, k, v, g, beta
-    layers = sum(t == "mamba" for t in types)
+    layers = sum(t in ("mamba", "linear_attention") for t in types)  # Bamba names its Mamba2 layers linear_attention
     inner = config.mamba_n_heads * config.mamba_d_head
     groups = 2 * config.mamba_n_groups * config.mamba_d_state
     return layers, config.hidden_size, inner + config.mamba_n_heads + groups  # x, dt, B, C
