@@ -24,8 +24,9 @@ Falcon-H1, Mamba2, Nemotron-H, Zamba2; Mamba, FalconMamba, Zamba); CP=3 balanced
 count (padded with zero heads); CP=4 balanced (2 key heads or 2 groups for 4 ranks: repeated to the heads before
 the exchange); and one ``aot_eager`` compile at CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the
 delta rule's 64-token chunk), with its control: the core's inputs in the exchange's layout must fail at T = 128
-with torch's view error. Single process (fast): outside a CP context the compiled cores are the library's (every
-family's core is substituted), and a cache under CP is refused while tracing.
+with torch's view error, and the same in one process (the core's inputs laid out heads-major compile once over a
+padded and an unpadded length). Single process (fast): outside a CP context the compiled cores are the library's
+(every family's core is substituted), and a cache under CP is refused while tracing.
 """
 
 from __future__ import annotations
@@ -511,6 +512,7 @@ def _compiled_core_over_lengths(layout) -> dict[int, str]:
     return out
 
 
+@slow
 def test_core_inputs_laid_out_heads_major_compile_once_over_lengths():
     """The layout the CP replacement gives the core's inputs (``cores._heads_major``) keeps one dynamic
     ``aot_eager`` compile exact at a length the core pads (12) and one it does not (16, two chunks of 8); the
