@@ -62,3 +62,14 @@ def lognormal_doc_lens(total: int, mean: float, seed: int, sigma: float = 1.0) -
         out.append(max(1, int(rng.lognormvariate(mu, sigma))))
     out[-1] -= sum(out) - total
     return [n for n in out if n > 0]
+
+
+def row_doc_lens(total: int, docs: str, lognormal_mean: int | None) -> tuple[list[list[int]], str]:
+    """One packed row of ``total`` tokens and its description: documents of uniform lengths in ``docs``
+    (``"lo,hi"``), or of log-normal lengths with mean ``lognormal_mean`` (sigma 1.0 of the log, seed 0) when given."""
+    if lognormal_mean:
+        return [lognormal_doc_lens(total, lognormal_mean, 0)], (
+            f"log-normal documents of mean {lognormal_mean} (sigma 1.0, seed 0)"
+        )
+    lo, hi = (int(x) for x in docs.split(","))
+    return packed_doc_lens(total, 1, lo, hi), f"documents {lo}..{hi} tokens"

@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 
-from benchmarks._common import lognormal_doc_lens, packed_doc_lens, print_table
+from benchmarks._common import print_table, row_doc_lens
 
 
 def _status_kib(field: str) -> int:
@@ -177,12 +177,7 @@ def main() -> None:
     from cpcompile.testing import tiny_config
     from tests.harness.dist import run_distributed
 
-    lo, hi = (int(x) for x in args.docs.split(","))
-    doc_lens = packed_doc_lens(args.seq, 1, lo, hi)
-    docs_text = f"documents {lo}..{hi} tokens"
-    if args.lognormal_mean:
-        doc_lens = [lognormal_doc_lens(args.seq, args.lognormal_mean, 0)]
-        docs_text = f"log-normal documents of mean {args.lognormal_mean} (sigma 1.0, seed 0)"
+    doc_lens, docs_text = row_doc_lens(args.seq, args.docs, args.lognormal_mean)
     overrides = _overrides(args.family, args.hidden, args.layers)
     mixers, hidden_ch, core_ch = _mixer_channels(tiny_config(args.family, **overrides))
     dtype_bytes = 4

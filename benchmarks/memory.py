@@ -20,7 +20,7 @@ import argparse
 import gc
 import os
 
-from benchmarks._common import lognormal_doc_lens, packed_doc_lens, print_table
+from benchmarks._common import print_table, row_doc_lens
 
 
 def _status_kib(field: str) -> int:
@@ -121,12 +121,7 @@ def main() -> None:
     os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
     from tests.harness.dist import run_distributed
 
-    lo, hi = (int(x) for x in args.docs.split(","))
-    doc_lens = packed_doc_lens(args.seq, 1, lo, hi)
-    docs_text = f"documents {lo}..{hi} tokens"
-    if args.lognormal_mean:
-        doc_lens = [lognormal_doc_lens(args.seq, args.lognormal_mean, 0)]
-        docs_text = f"log-normal documents of mean {args.lognormal_mean} (sigma 1.0, seed 0)"
+    doc_lens, docs_text = row_doc_lens(args.seq, args.docs, args.lognormal_mean)
     window = args.sliding_window
     if args.selective:
         variants, column = ("all-gather", "selective"), "full-attention exchange"
