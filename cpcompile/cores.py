@@ -50,6 +50,7 @@ the library's core and no guard on :data:`HEADS_GROUP`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import weakref
@@ -109,6 +110,7 @@ def in_core(where: str) -> bool:
     return False
 
 
+@functools.cache
 def _source_lines(wrapped) -> tuple[int, int]:
     """The first and last line of the library function behind ``wrapped`` in its module (0, -1 if unknown)."""
     original = getattr(wrapped, "__wrapped__", wrapped)

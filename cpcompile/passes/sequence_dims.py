@@ -58,6 +58,31 @@ def _same_size(a: object, b: object) -> bool:
     return a == b if isinstance(a, int) and isinstance(b, int) else _compat.statically_true(a == b)
 
 
+#: Values given to a ratio's free symbols to show that it varies (:func:`_depends_on_length`).
+_PROBES = (3, 17, 64, 130)
+
+
+def _depends_on_length(ratio) -> bool:
+    """Whether a ratio of sizes still has a free symbol once simplified. ``sympy.simplify`` is slow on the sizes a
+    padded length gives (``Mod``, ``FloorDiv``), so a ratio that takes two different values at the probe lengths
+    depends on them without it; ``sympy.cancel`` and then ``simplify`` decide the others."""
+    ratio = sympy.cancel(ratio)
+    symbols = ratio.free_symbols
+    if not symbols:
+        return False
+    values = set()
+    for probe in _PROBES:
+        try:
+            value = ratio.subs({s: probe for s in symbols})
+        except (ZeroDivisionError, TypeError, ValueError):
+            continue
+        if value.is_number and value.is_finite:
+            values.add(value)
+        if len(values) > 1:
+            return True
+    return bool(sympy.simplify(ratio).free_symbols)
+
+
 def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Tags:
     """Tags of a reshape's output: dims are grouped by equal element counts; in a group holding a sequence dim,
     an output dim is a sequence dim when its size involves the local length, and a piece of constant size is
@@ -98,8 +123,9 @@ def _reshape_tags(src: tuple, tags: Tags, out: tuple, seq: SequenceLength) -> Ta
                 res[k] = b[k] != 1 and (k in whole or not whole)
             continue
         symbolic = [k for k in gj if _size_is_seq(out[k], seq)]
-        ratio = sympy.simplify(math.prod(_expr(src[k]) for k in gi) / math.prod(_expr(out[k]) for k in symbolic))
-        pieces_are_seq = not symbolic or bool(ratio.free_symbols)
+        pieces_are_seq = not symbolic or _depends_on_length(
+            math.prod(_expr(src[k]) for k in gi) / math.prod(_expr(out[k]) for k in symbolic)
+        )
         for k in gj:
             res[k] = k in symbolic or (pieces_are_seq and b[k] != 1)
     return tuple(res)
