@@ -16,17 +16,17 @@ dispatch, the loss) and one sequence all-gather per gathered region. The negativ
 rank's own tokens only (``cores._run_core`` replaced by a call per run of ``c`` tokens, which under the contiguous
 layout are the ranks' chunks): the parity check must fail, on the logits.
 
-Fast tier: Qwen3-Next at CP=2 contiguous (``inner="eager"``) with its control, on ranks {0, 1} (the mechanism every
-core shares; the other cores' cases cost the fast tier's budget). Slow tier: Bamba and Jamba at CP=2 contiguous,
-each with its control; CP=2 balanced and under ``aot_eager`` (the exchanges and the core traced by AOTAutograd) for
-each core; the other families of each core at CP=2 contiguous (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid; Granite-4 hybrid,
-Falcon-H1, Mamba2, Nemotron-H, Zamba2; Mamba, FalconMamba, Zamba); CP=3 balanced, which divides no head or channel
-count (padded with zero heads); CP=4 balanced (2 key heads or 2 groups for 4 ranks: repeated to the heads before
-the exchange); and one ``aot_eager`` compile at CP=2 over T = 37, 128, 130, 256 (128 and 256 need no padding to the
-delta rule's 64-token chunk), with its control: the core's inputs in the exchange's layout must fail at T = 128
-with torch's view error, and the same in one process (the core's inputs laid out heads-major compile once over a
-padded and an unpadded length). Single process (fast): outside a CP context the compiled cores are the library's
-(every family's core is substituted), and a cache under CP is refused while tracing.
+Fast tier: Qwen3-Next at CP=2 contiguous (``inner="eager"``) with its control (the mechanism every core shares).
+Slow tier, in four jobs so that none idles ranks or runs past its limit on 2 cores: at CP=2, Qwen3-Next under
+``aot_eager`` (the exchanges and the core traced by AOTAutograd), Bamba and Jamba contiguous, each with its control,
+and the other families of each core contiguous (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid; Granite-4 hybrid, Falcon-H1,
+Mamba2, Nemotron-H, Zamba2; Mamba, FalconMamba, Zamba); CP=3 balanced, which divides no head or channel count
+(padded with zero heads), for one family of each core; CP=4 balanced (2 key heads or 2 groups for 4 ranks: repeated
+to the heads before the exchange) for Qwen3-Next and Bamba; and one ``aot_eager`` compile at CP=2 over T = 37 and
+128 (128 needs no padding to the delta rule's 64-token chunk), with its control: the core's inputs in the
+exchange's layout must fail at T = 128 with torch's view error (pytorch/pytorch#144187). Single process (fast):
+outside a CP context the compiled cores are the library's (every family's core is substituted), and a cache under
+CP is refused while tracing.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from cpcompile.layouts import Workload
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, report
 from tests.harness.tiers import runs_slow, slow
-from tests.harness.tolerances import LOGITS_TOL
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 _MOE_LAYER = (
@@ -110,32 +109,25 @@ def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_
 
 
 FAST = [_case()]
-SLOW_CP2 = [_case(layout="balanced"), _case(inner="aot_eager")]
+#: The gated delta rule's slow case: the exchanges and the core traced by AOTAutograd (the balanced layout runs at
+#: CP=3 and 4 below).
+SLOW_CP2 = [_case(inner="aot_eager")]
 SAME_CORE_CP2 = [_case(model="qwen3_5"), _case(model="qwen3_5_moe"), _case(model="olmo_hybrid")]
-CP4 = [_case(layout="balanced")]
-#: The Mamba2 core: Bamba in the fast tier (2 groups of 4 heads: a rank takes a whole group), the other families,
-#: Bamba balanced and under aot_eager at CP=2, and Bamba at CP=4 (a group's B and C repeated to its heads) slow.
+#: The Mamba2 core: Bamba at CP=2 contiguous (2 groups of 4 heads: a rank takes a whole group) with its control,
+#: and the other families.
 SSD_FAST = [_case(model="bamba")]
-SSD_SLOW_CP2 = [
-    _case(model="bamba", layout="balanced"),
-    _case(model="bamba", inner="aot_eager"),
-    *(_case(model=m) for m in ("granitemoehybrid", "falcon_h1", "mamba2", "nemotron_h", "zamba2")),
-]
-SSD_CP4 = [_case(model="bamba", layout="balanced")]
-#: CP=3 divides no head count: Qwen3-Next's 4 value heads (key heads repeated to them) and Bamba's 8 heads (B and C
-#: repeated to them) are padded with zero heads to 6 and 9.
-CP3 = [_case(layout="balanced"), _case(model="bamba", layout="balanced")]
-#: The selective scan: Jamba in the fast tier (a Mamba layer, then attention with MoE feed-forwards), the other
-#: families, Jamba balanced and under aot_eager at CP=2, Mamba at CP=3 (128 channels padded to 129) and Jamba at
-#: CP=4 slow.
+SSD_SLOW_CP2 = [_case(model=m) for m in ("granitemoehybrid", "falcon_h1", "mamba2", "nemotron_h", "zamba2")]
+#: The selective scan: Jamba at CP=2 contiguous (a Mamba layer, then attention with MoE feed-forwards) with its
+#: control, and the other families.
 SCAN_FAST = [_case(model="jamba")]
-SCAN_SLOW_CP2 = [
-    _case(model="jamba", layout="balanced"),
-    _case(model="jamba", inner="aot_eager"),
-    *(_case(model=m) for m in ("mamba", "falcon_mamba", "zamba")),
-]
-SCAN_CP3 = [_case(model="mamba", layout="balanced")]
-SCAN_CP4 = [_case(model="jamba", layout="balanced")]
+SCAN_SLOW_CP2 = [_case(model=m) for m in ("mamba", "falcon_mamba", "zamba")]
+#: CP=3 divides no head or channel count, under the balanced layout: Qwen3-Next's 4 value heads (key heads repeated
+#: to them), Bamba's 8 heads (B and C repeated to them) and Mamba's 128 channels are padded with zero heads to 6, 9
+#: and 129.
+CP3 = [_case(layout="balanced"), _case(model="bamba", layout="balanced"), _case(model="mamba", layout="balanced")]
+#: CP=4 balanced: Qwen3-Next's 2 key heads and Bamba's 2 groups for 4 ranks, repeated to the heads before the
+#: exchange.
+CP4 = [_case(layout="balanced"), _case(model="bamba", layout="balanced")]
 
 
 def _local_core(original, *args, **kwargs):
@@ -207,36 +199,54 @@ def _run(cases, group):
 
 
 def _worker(rank: int, world: int, with_slow: bool) -> dict:
+    """The CP=2 cases: Qwen3-Next and its control (fast), then the other cases of the gated delta rule and the
+    Mamba2 core (slow)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    pair = dist.new_group([0, 1])  # every rank takes part in creating the groups
-    triple = dist.new_group([0, 1, 2]) if with_slow else None
-    out = {}
-    if rank < 2:
-        out["cp2"] = _run(FAST + SLOW_CP2 * with_slow, pair)
-        out["control"] = _control(FAST[0], pair)
-        if with_slow:  # the fast tier's head-parallel claim is Qwen3-Next's (the make test budget)
-            out["ssd"] = _run(SSD_FAST + SSD_SLOW_CP2, pair)
-            out["ssd_control"] = _control(SSD_FAST[0], pair)
-            out["scan"] = _run(SCAN_FAST + SCAN_SLOW_CP2, pair)
-            out["scan_control"] = _control(SCAN_FAST[0], pair, _local_scan)
-            out["same_core"] = _run(SAME_CORE_CP2, pair)
-    if with_slow and rank < 3:
-        out["cp3"] = _run(CP3 + SCAN_CP3, triple)
+    group = dist.group.WORLD
+    out = {"cp2": _run(FAST + SLOW_CP2 * with_slow, group), "control": _control(FAST[0], group)}
     if with_slow:
-        out["cp4"] = _run(CP4 + SSD_CP4 + SCAN_CP4, dist.group.WORLD)
+        out["ssd"] = _run(SSD_FAST + SSD_SLOW_CP2, group)
+        out["ssd_control"] = _control(SSD_FAST[0], group)
+        out["same_core"] = _run(SAME_CORE_CP2, group)
     return out
 
 
+def _scan_worker(rank: int, world: int) -> dict:
+    """The selective scan's CP=2 cases and control (slow)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    return {"scan": _run(SCAN_FAST + SCAN_SLOW_CP2, group), "scan_control": _control(SCAN_FAST[0], group, _local_scan)}
+
+
+def _cases_worker(rank: int, world: int, cases: list) -> list:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    return _run(cases, dist.group.WORLD)
+
+
+#: One job's wall-clock limit: the slow CP=2 job runs 11 compiles on 2 ranks.
 TIMEOUT_S = 900
+#: A test's limit: the first test to use :func:`results` waits for its two jobs.
+TEST_TIMEOUT_S = 2 * TIMEOUT_S + 60
 
 
 @pytest.fixture(scope="module")
 def results(request):
-    world = 4 if runs_slow(request) else 2
-    return run_distributed(_worker, world, runs_slow(request), timeout_s=TIMEOUT_S)
+    """The CP=2 job (:func:`_worker`), and in the slow tier the selective scan's (:func:`_scan_worker`), merged."""
+    with_slow = runs_slow(request)
+    per_rank = run_distributed(_worker, 2, with_slow, timeout_s=TIMEOUT_S)
+    if with_slow:
+        for mine, scan in zip(per_rank, run_distributed(_scan_worker, 2, timeout_s=TIMEOUT_S)):
+            mine.update(scan)
+    return per_rank
 
 
 #: Each core's CP=2 results (``_worker``'s key), its fast and slow cases there, and its negative control's key.
@@ -252,7 +262,7 @@ FAST_CORES = ("gated delta rule",)
 CORES_BY_TIER = [core if core in FAST_CORES else pytest.param(core, marks=slow) for core in CORE_RUNS]
 
 
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("core", CORES_BY_TIER)
 def test_cp2_contiguous(results, core):
     key, fast, _, _ = CORE_RUNS[core]
@@ -261,7 +271,7 @@ def test_cp2_contiguous(results, core):
     assert [s["case"] for s in summaries] == [c.name for c in fast]
 
 
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("core", CORES_BY_TIER)
 def test_core_on_local_tokens_fails_parity(results, core):
     control_key = CORE_RUNS[core][3]
@@ -273,9 +283,9 @@ def test_core_on_local_tokens_fails_parity(results, core):
 
 
 @slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("core", list(CORE_RUNS))
-def test_cp2_balanced_aot_eager_and_other_families(results, core):
+def test_cp2_aot_eager_and_other_families(results, core):
     key, fast, slow_cases, _ = CORE_RUNS[core]
     summaries = results[0][key][len(fast) :]
     report(summaries)
@@ -283,7 +293,7 @@ def test_cp2_balanced_aot_eager_and_other_families(results, core):
 
 
 @slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
     summaries = results[0]["same_core"]
     report(summaries)
@@ -291,19 +301,19 @@ def test_cp2_qwen3_5_qwen3_5_moe_olmo_hybrid(results):
 
 
 @slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp3_heads_padded_to_a_multiple_of_the_cp_size(results):
-    summaries = results[0]["cp3"]
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_cp3_heads_padded_to_a_multiple_of_the_cp_size():
+    summaries = run_distributed(_cases_worker, 3, CP3, timeout_s=TIMEOUT_S)[0]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP3 + SCAN_CP3]
+    assert [s["case"] for s in summaries] == [c.name for c in CP3]
 
 
 @slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_cp4_balanced_repeated_key_heads_and_repeated_ssd_groups(results):
-    summaries = results[0]["cp4"]
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_cp4_balanced_repeated_key_heads_and_repeated_ssd_groups():
+    summaries = run_distributed(_cases_worker, 4, CP4, timeout_s=TIMEOUT_S)[0]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP4 + SSD_CP4 + SCAN_CP4]
+    assert [s["case"] for s in summaries] == [c.name for c in CP4]
     assert all(s["runs"] > 1 for s in summaries), [s["runs"] for s in summaries]
 
 
@@ -396,9 +406,9 @@ def test_outside_cp_the_compiled_cores_are_the_library_ones_and_a_cache_under_cp
     torch.compiler.reset()
 
 
-#: Global lengths run through ONE compiled model under ``aot_eager`` at CP=2: 37 and 130 pad the whole sequence of
-#: the head-parallel core (2 * c) to a multiple of its 64-token chunk, 128 and 256 (c = 64, 128) need no padding.
-LENGTHS = (37, 128, 130, 256)
+#: Global lengths run through ONE compiled model under ``aot_eager`` at CP=2: 37 pads the whole sequence of the
+#: head-parallel core (2 * c) to a multiple of its 64-token chunk, 128 (c = 64, two chunks) needs no padding.
+LENGTHS = (37, 128)
 
 
 def _rows(T: int) -> tuple[tuple[int, ...], ...]:
@@ -447,7 +457,7 @@ def _lengths_worker(rank: int, world: int, lengths: tuple[int, ...], control: bo
 
 
 @slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_one_aot_eager_compile_over_lengths_with_and_without_padding():
     per_rank = run_distributed(_lengths_worker, 2, LENGTHS, False, timeout_s=TIMEOUT_S)
     for rank, rows in enumerate(per_rank):
@@ -457,70 +467,10 @@ def test_one_aot_eager_compile_over_lengths_with_and_without_padding():
 
 
 @slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_core_inputs_in_the_exchange_layout_fail_at_a_length_without_padding():
-    per_rank = run_distributed(_lengths_worker, 2, (37, 128), True, timeout_s=TIMEOUT_S)
+    per_rank = run_distributed(_lengths_worker, 2, LENGTHS, True, timeout_s=TIMEOUT_S)
     for rank, rows in enumerate(per_rank):
         print(f"\ncontrol rank {rank}: {[{k: v for k, v in r.items() if k != 'tb'} for r in rows]}")
         assert rows[0].get("exact"), rows
         assert "view size is not compatible" in rows[1].get("error", ""), rows
-
-
-def _length_inputs(T: int):
-    import torch
-
-    gen = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, T, 2, 4, generator=gen) for _ in range(3))
-    return q, k, v, -torch.rand(1, T, 2, generator=gen), torch.rand(1, T, 2, generator=gen)
-
-
-#: Chunks of 8 tokens, two per call: 12 tokens padded by 4, then 16 padded by 0 (one graph serves both).
-CHUNK, SHORT_LENGTHS = 8, (12, 16)
-
-
-def _compiled_core_over_lengths(layout) -> dict[int, str]:
-    """The library's core on ``layout`` of its inputs, compiled ONCE (``aot_eager``, the sequence dim dynamic;
-    forward only: the failing view is in the forward, training runs under CP in the slow tier) and run at lengths
-    whose chunk padding is 4, then 0 (:data:`SHORT_LENGTHS`), against the eager core; ``{T: "exact" | the error's
-    first line}``."""
-    import torch
-    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
-
-    core = qwen3_next.torch_chunk_gated_delta_rule.__wrapped__  # the torch function itself, no substitution
-
-    def f(q, k, v, g, beta):
-        q, k, v, g, beta = (layout(t) for t in (q, k, v, g, beta))
-        return core(q, k, v, g=g, beta=beta, chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)[0]
-
-    torch.compiler.reset()
-    compiled = torch.compile(f, backend="aot_eager")
-    out = {}
-    try:
-        for T in SHORT_LENGTHS:
-            inputs = _length_inputs(T)
-            for t in inputs:  # the sequence dim only, as cpcompile.shard marks it
-                torch._dynamo.mark_dynamic(t, 1)
-            try:
-                got = compiled(*inputs)
-            except RuntimeError as e:
-                out[T] = str(e).splitlines()[0]
-                continue
-            torch.testing.assert_close(got, f(*inputs), **LOGITS_TOL)
-            out[T] = "exact"
-    finally:
-        torch.compiler.reset()
-    return out
-
-
-@slow
-def test_core_inputs_laid_out_heads_major_compile_once_over_lengths():
-    """The layout the CP replacement gives the core's inputs (``cores._heads_major``) keeps one dynamic
-    ``aot_eager`` compile exact at a length the core pads (12) and one it does not (16, two chunks of 8); the
-    inputs as the model passes them (the control) fail at 16 with torch's view error (pytorch/pytorch#144187). In
-    one process; the same core and layouts run under CP at CP=2 in
-    ``test_one_aot_eager_compile_over_lengths_with_and_without_padding`` (slow)."""
-    from cpcompile import cores
-
-    assert _compiled_core_over_lengths(cores._heads_major) == {12: "exact", 16: "exact"}
-    control = _compiled_core_over_lengths(lambda t: t)  # the inputs as the model passes them
-    assert control[12] == "exact" and "view size is not compatible" in control[16], control
