@@ -256,6 +256,18 @@ HYBRID_FAMILIES.update(
         ),
     }
 )
+#: RecurrentGemma: an RG-LRU layer (a conv of kernel 4, then a diagonal recurrence over 64 channels that restarts at
+#: every document's first token, ``position_ids == 0``), then a sliding-window attention layer (window 16); no cache.
+HYBRID_FAMILIES["recurrent_gemma"] = (
+    "RecurrentGemmaConfig",
+    {
+        "lru_width": 64,
+        "attention_window_size": 16,
+        "conv1d_width": 4,
+        "block_types": ["recurrent", "attention"],
+        "use_cache": False,
+    },
+)
 #: Families without attention layers: built without an attention implementation.
 NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba"})
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
