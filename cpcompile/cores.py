@@ -37,7 +37,11 @@ document that spans a rank edge carries its state across it), the loop over toke
 it, and reads it only with a cache, which is refused). Dynamo does not consult ``substitute_in_graph`` for a method
 called as ``self._rnn_scan(...)``, so this one replacement is given to Dynamo through the function's
 ``_torchdynamo_inline`` attribute (:func:`cpcompile._compat.inline_in_graph`; eager calls and the class are
-unchanged), and runs a copy of the library's function.
+unchanged), and runs a copy of the library's function. And transformers' ``rwkv_linear_attention`` (RWKV's WKV
+recurrence: ``time_decay``, ``time_first`` ``[C]``, ``key``, ``value`` ``[B, S, C]``), per channel: ``key`` and
+``value`` are exchanged by channels, ``time_decay`` and ``time_first`` narrowed to the rank's channels, and a copy
+of the library's function runs on the whole sequence (its torch loop, unless transformers loaded its CUDA kernel),
+one compile per chunk length.
 Gated delta rule: key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole
 groups (its key heads and their value heads); otherwise queries and keys are repeated to the value heads first (as
 the core does itself). SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)`` serving
@@ -49,7 +53,8 @@ core maps to zero outputs that are cut off after the exchange back: exact, at ``
 work. Refused while Dynamo traces, on every rank, by the op ``cpcompile::heads_refusal`` (Dynamo raises its
 ``TorchRuntimeError`` with the message, which names the core and the fix): ``Hk`` not dividing ``Hv`` (``G`` not
 dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``output_final_state``,
-``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``), ``cu_seqlens``/``seq_idx``.
+``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``, WKV's ``state`` and
+``return_state``), ``cu_seqlens``/``seq_idx``.
 
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
@@ -80,6 +85,7 @@ _GDN = "transformers.models.{0}.modeling_{0}.torch_chunk_gated_delta_rule"
 _MAMBA2 = "transformers.models.{0}.modeling_{0}.mamba2_chunk_scan"
 _SELECTIVE = "transformers.models.{0}.modeling_{0}.mamba_selective_scan"
 _RG_LRU = "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRglru._rnn_scan"
+_WKV = "transformers.models.rwkv.modeling_rwkv.rwkv_linear_attention"
 
 #: ``"module.function"`` (``"module.Class.method"`` for a method) -> the form of that core: the cores
 #: :func:`register_known_cores` substitutes. Forms: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`),
@@ -93,10 +99,13 @@ CORES: dict[str, str] = {
     },
     **{_SELECTIVE.format(m): "selective_scan" for m in ("mamba", "falcon_mamba", "jamba", "zamba")},
     _RG_LRU: "rg_lru_scan",
+    _WKV: "wkv",
 }
 #: Forms whose core is a method (``self._rnn_scan(...)``): Dynamo traces their replacement through
 #: :func:`cpcompile._compat.inline_in_graph`, as it does not consult ``substitute_in_graph`` for a bound method.
 _METHOD_FORMS = frozenset({"rg_lru_scan"})
+#: Forms whose core is a plain function (no fused-kernel wrapper): the replacement runs a copy of it.
+_PLAIN_FORMS = frozenset({"wkv"})
 
 _REGISTERED: dict[str, object] = {}
 
@@ -201,7 +210,10 @@ def register_known_cores() -> None:
         if key in _REGISTERED or module is None:
             continue
         wrapped = getattr(module, fn_name, None)
-        original = _torch_path(wrapped) if wrapped is not None else None
+        if form in _PLAIN_FORMS:
+            original = _copy(wrapped) if isinstance(wrapped, types.FunctionType) else None
+        else:
+            original = _torch_path(wrapped) if wrapped is not None else None
         if original is None:
             _REGISTERED[key] = None  # a fused kernel, or an unknown form: left alone
             continue
@@ -223,10 +235,16 @@ def _register_method(key: str, form: str) -> None:
         _REGISTERED[key] = None  # not the function this form was written for: left alone
         return
     if not _compat.inlined_in_graph(fn):  # once per process, even when this module's state is reset
-        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__kwdefaults__ = fn.__kwdefaults__
-        _compat.inline_in_graph(fn, _FORMS[form](copy, key))
+        _compat.inline_in_graph(fn, _FORMS[form](_copy(fn), key))
     _REGISTERED[key] = fn
+
+
+def _copy(fn: types.FunctionType) -> types.FunctionType:
+    """A function with ``fn``'s code, globals and defaults: what a replacement calls for the library's own code
+    (calling ``fn`` itself would lead Dynamo back to the replacement)."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 def _refuse(like, site: str, what: str, fix: str) -> None:
@@ -541,9 +559,35 @@ def _rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, a
     return _to_sequence(out, order, group_name, site)[:, :, :channels], None
 
 
+def _wkv_replacement(original, site: str):
+    def rwkv_linear_attention(time_decay, time_first, key, value, state=None, return_state=False):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        if heads is None:
+            return original(time_decay, time_first, key, value, state=state, return_state=return_state)
+        group_name, n, rank = heads
+        if state is not None or return_state:
+            _refuse(key, site, "got a recurrent state (a cache)", "train with use_cache=False")
+        # [B, S, C]: tokens on dim 1, channels on dim 2; the WKV recurrence is per channel, so every channel is a head
+        channels = key.shape[2]
+        padded = -(-channels // n) * n  # channels a CP size does not divide: zero channels up to the next multiple
+        order = torch.ops.cpcompile.heads_order(key.detach(), 1, n, site)
+        per = padded // n
+
+        def mine(p):  # this rank's channels of a per-channel parameter (gradient summed over the group)
+            return _padded(p, padded, 0).narrow(0, rank * per, per)
+
+        k, v = (_to_heads(_padded(t, padded), order, group_name, site) for t in (key, value))
+        decay, first = mine(time_decay), mine(time_first)
+        out, _ = _core_call(lambda k, v: original(decay, first, k, v), k, v)  # the tokens first, as every core's
+        return _to_sequence(out, order, group_name, site)[:, :, :channels], None
+
+    return rwkv_linear_attention
+
+
 _FORMS = {
     "gated_delta_rule": _gated_delta_rule_replacement,
     "mamba2_chunk_scan": _mamba2_chunk_scan_replacement,
     "selective_scan": _selective_scan_replacement,
     "rg_lru_scan": _rg_lru_scan_replacement,
+    "wkv": _wkv_replacement,
 }

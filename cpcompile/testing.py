@@ -268,8 +268,14 @@ HYBRID_FAMILIES["recurrent_gemma"] = (
         "use_cache": False,
     },
 )
+#: RWKV (v4): two blocks of a token shift (``nn.ZeroPad2d((0, 0, 1, -1))``) and the WKV recurrence over 64 channels
+#: (``rwkv_linear_attention``), then a token-shifted feed-forward; no attention, no cache.
+HYBRID_FAMILIES["rwkv"] = (
+    "RwkvConfig",
+    {"attention_hidden_size": 64, "context_length": 128, "use_cache": False},
+)
 #: Families without attention layers: built without an attention implementation.
-NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba"})
+NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba", "rwkv"})
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 
 

@@ -1,21 +1,23 @@
-"""Parity of RecurrentGemma, whose RG-LRU recurrence runs channel-parallel under CP (:mod:`cpcompile.cores`),
+"""Parity of RecurrentGemma and RWKV, whose recurrences run channel-parallel under CP (:mod:`cpcompile.cores`),
 compiled with cpcompile at CP=2 and 3 (gloo processes), vs the same model run whole in one process on the same
 global batch.
 
-Model (``cpcompile.testing.HYBRID_FAMILIES["recurrent_gemma"]``): transformers RecurrentGemma, an RG-LRU layer (a
-conv of kernel 4, then a diagonal linear recurrence over 64 channels, ``RecurrentGemmaRglru._rnn_scan``, that
-restarts at every token whose position id is 0) before a sliding-window attention layer (window 16). T = 37 with
-the documents of tests/test_hybrids_parity.py (``DOCS``): at CP=2 contiguous (chunks of 19 tokens) row 0's
-documents start at 0, 10 (spanning the rank edge) and 30 (on rank 1), row 1's at 0, 5 (spanning it) and 35 (on
-rank 1), so the parity check covers a recurrence carried across the rank edge and restarted on rank 1.
+Models (``cpcompile.testing.HYBRID_FAMILIES``): transformers RecurrentGemma, an RG-LRU layer (a conv of kernel 4,
+then a diagonal linear recurrence over 64 channels, ``RecurrentGemmaRglru._rnn_scan``, that restarts at every token
+whose position id is 0) before a sliding-window attention layer (window 16); and RWKV, two blocks of a token shift
+(``nn.ZeroPad2d((0, 0, 1, -1))``, a gathered region) and the WKV recurrence over 64 channels
+(``rwkv_linear_attention``), which does not restart at documents (nor does the one-process model). T = 37 with the
+documents of tests/test_hybrids_parity.py (``DOCS``): at CP=2 contiguous (chunks of 19 tokens) row 0's documents
+start at 0, 10 (spanning the rank edge) and 30 (on rank 1), row 1's at 0, 5 (spanning it) and 35 (on rank 1), so
+the parity check covers a recurrence carried across the rank edge and restarted on rank 1.
 
-Slow tier, one distributed job (``results``): CP=2 contiguous and balanced and CP=3 balanced (64 channels padded to
-66), ``inner="eager"`` (the ``aot_eager`` path of the exchanges is what the other cores' tests cover; RecurrentGemma
-under ``aot_eager`` at CP=2 was checked by hand). Two negative controls at CP=2 contiguous must fail the parity
-check on the logits: the recurrence run on each rank's own tokens only (``cores._run_core`` replaced by a call per
-rank chunk), and the recurrence run on the whole sequence without its resets (``reset`` all false: shows that the
-check sees where documents restart). Single process (fast): the method is given its replacement, which outside a CP
-context is the library's recurrence, and a cache under CP is refused while tracing.
+Slow tier, one distributed job (``results``): each family at CP=2 contiguous and balanced and CP=3 balanced (64
+channels padded to 66), ``inner="eager"`` (the ``aot_eager`` path of the exchanges is what the other cores' tests
+cover; RecurrentGemma under ``aot_eager`` at CP=2 was checked by hand). Negative controls at CP=2 contiguous must
+fail the parity check on the logits: each recurrence run on each rank's own tokens only (``cores._run_core``
+replaced by a call per rank chunk), and RecurrentGemma's run on the whole sequence without its resets (``reset``
+all false: shows that the check sees where documents restart). Single process (fast): each core is given its
+replacement, which outside a CP context is the library's recurrence, and a cache under CP is refused while tracing.
 """
 
 from __future__ import annotations
@@ -27,26 +29,35 @@ from tests.harness.parity import ParityCase, report
 from tests.harness.tiers import runs_slow, slow
 from tests.test_hybrids_parity import DOCS, _control, _local_core
 
-EXPECTED = (("conv1d", "gathered"), ("_rnn_scan", "head_parallel"), ("cross_entropy", "partial_sum"))
+_LOSS = ("cross_entropy", "partial_sum")
+#: RWKV block: the attention's token shift gathered, the WKV recurrence channel-parallel, the feed-forward's shift
+_RWKV_BLOCK = (("pad", "gathered"), ("rwkv_linear_attention", "head_parallel"), ("pad", "gathered"))
+EXPECTED = {
+    "recurrent_gemma": (("conv1d", "gathered"), ("_rnn_scan", "head_parallel"), _LOSS),
+    "rwkv": (*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS),
+}
+SITES = {"recurrent_gemma": 1, "rwkv": 0}
 
 
-def _case(inner: str = "eager", layout: str = "contiguous") -> ParityCase:
+def _case(inner: str = "eager", layout: str = "contiguous", model: str = "recurrent_gemma") -> ParityCase:
     from cpcompile.layouts import Workload
 
     balanced = layout == "balanced"
     return ParityCase(
-        model="recurrent_gemma",
+        model=model,
         doc_lens=DOCS,
         inner=inner,
-        expected_sites=1,
+        expected_sites=SITES[model],
         layout=layout,
-        expected_mixing=EXPECTED,
+        expected_mixing=EXPECTED[model],
         shard_kwargs=(("workload", Workload(block_size=4)),) if balanced else (),
     )
 
 
 CP2 = [_case(), _case(layout="balanced")]
 CP3 = [_case(layout="balanced")]
+RWKV_CP2 = [_case(model="rwkv"), _case(model="rwkv", layout="balanced")]
+RWKV_CP3 = [_case(model="rwkv", layout="balanced")]
 
 
 def _without_resets(original, hidden_states, recurrent_gate, reset, *rest):
@@ -83,7 +94,9 @@ def _worker(rank: int, world: int) -> dict:
         out["local_control"] = _control(CP2[0], pair, _local_core)
         out["reset_control"] = _control(CP2[0], pair, _without_resets)
         out["controls_s"] = time.perf_counter() - start
-    out["cp3"] = _run(CP3, dist.group.WORLD)
+        out["rwkv_cp2"] = _run(RWKV_CP2, pair)
+        out["rwkv_control"] = _control(RWKV_CP2[0], pair, _local_core)
+    out["cp3"] = _run(CP3 + RWKV_CP3, dist.group.WORLD)
     return out
 
 
@@ -110,16 +123,24 @@ def test_rg_lru_cp2_contiguous_and_balanced(results):
 def test_rg_lru_cp3_channels_padded_to_a_multiple_of_the_cp_size(results):
     summaries = results[0]["cp3"]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP3]
+    assert [s["case"] for s in summaries] == [c.name for c in CP3 + RWKV_CP3]
 
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
-@pytest.mark.parametrize("control", ["local_control", "reset_control"])
-def test_rg_lru_on_local_tokens_or_without_resets_fails_parity(results, control):
+def test_rwkv_cp2_contiguous_and_balanced(results):
+    summaries = results[0]["rwkv_cp2"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in RWKV_CP2]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("control", ["local_control", "reset_control", "rwkv_control"])
+def test_recurrence_on_local_tokens_or_without_resets_fails_parity(results, control):
     for per_rank in results[:2]:
         outcome = per_rank[control]
-        print(f"\n{control}: {outcome} (both controls {per_rank['controls_s']:.1f}s)")
+        print(f"\n{control}: {outcome} (RecurrentGemma's two controls {per_rank['controls_s']:.1f}s)")
         assert outcome["caught"], f"{control} passed the parity check: {outcome}"
         assert "logits" in outcome["failing"], outcome
 
@@ -160,4 +181,33 @@ def test_rg_lru_method_replaced_library_outside_cp_and_cache_under_cp_refused():
         torch.testing.assert_close(compiled(x, gate), f(x, gate), rtol=0, atol=0)
     finally:
         cores._run_core = saved
+        torch.compiler.reset()
+
+
+def test_wkv_substituted_library_outside_cp_and_cache_under_cp_refused():
+    import torch
+    from transformers.models.rwkv import modeling_rwkv
+
+    from cpcompile import cores
+
+    cores.register_known_cores()
+    assert cores.registered_cores()[f"{modeling_rwkv.__name__}.rwkv_linear_attention"] is not None
+    gen = torch.Generator().manual_seed(0)
+    decay, first = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    key, value = torch.randn(1, 7, 6, generator=gen), torch.randn(1, 7, 6, generator=gen)
+
+    def f(key, value, cache=False):
+        return modeling_rwkv.rwkv_linear_attention(decay, first, key, value, return_state=cache)[0]
+
+    torch.compiler.reset()
+    try:
+        compiled = torch.compile(f, backend="eager")
+        torch.testing.assert_close(compiled(key, value), f(key, value), rtol=0, atol=0)
+        try:
+            cores.set_heads_group(("not-a-group", 2, 0))
+            with pytest.raises(RuntimeError, match="rwkv_linear_attention under context parallelism got a recurrent"):
+                compiled(key, value, cache=True)
+        finally:
+            cores.set_heads_group(None)
+    finally:
         torch.compiler.reset()
