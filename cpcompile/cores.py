@@ -41,7 +41,12 @@ unchanged), and runs a copy of the library's function. And transformers' ``rwkv_
 recurrence: ``time_decay``, ``time_first`` ``[C]``, ``key``, ``value`` ``[B, S, C]``), per channel: ``key`` and
 ``value`` are exchanged by channels, ``time_decay`` and ``time_first`` narrowed to the rank's channels, and a copy
 of the library's function runs on the whole sequence (its torch loop, unless transformers loaded its CUDA kernel),
-one compile per chunk length.
+one compile per chunk length. And transformers' ``MiniMaxLightningAttention.forward`` (MiniMax's lightning
+attention layer, a method given to Dynamo as the RG-LRU's is): its block loop is inline in the layer, between the
+per-token projections and an RMS norm across heads, so no core function can be exchanged by heads; the whole layer
+runs on the whole sequence on every rank instead (its input all-gathered in global token order, blocks counted from
+the sequence's first token as in one process), and each rank keeps its own tokens' output: exact, at ``N`` times
+the layer's work and ``T x hidden`` of memory per layer. Refused under CP: a cache, a padding mask.
 Gated delta rule: key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole
 groups (its key heads and their value heads); otherwise queries and keys are repeated to the value heads first (as
 the core does itself). SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)`` serving
@@ -86,6 +91,7 @@ _MAMBA2 = "transformers.models.{0}.modeling_{0}.mamba2_chunk_scan"
 _SELECTIVE = "transformers.models.{0}.modeling_{0}.mamba_selective_scan"
 _RG_LRU = "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRglru._rnn_scan"
 _WKV = "transformers.models.rwkv.modeling_rwkv.rwkv_linear_attention"
+_LIGHTNING = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention.forward"
 
 #: ``"module.function"`` (``"module.Class.method"`` for a method) -> the form of that core: the cores
 #: :func:`register_known_cores` substitutes. Forms: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`),
@@ -100,10 +106,11 @@ CORES: dict[str, str] = {
     **{_SELECTIVE.format(m): "selective_scan" for m in ("mamba", "falcon_mamba", "jamba", "zamba")},
     _RG_LRU: "rg_lru_scan",
     _WKV: "wkv",
+    _LIGHTNING: "lightning_layer",
 }
 #: Forms whose core is a method (``self._rnn_scan(...)``): Dynamo traces their replacement through
 #: :func:`cpcompile._compat.inline_in_graph`, as it does not consult ``substitute_in_graph`` for a bound method.
-_METHOD_FORMS = frozenset({"rg_lru_scan"})
+_METHOD_FORMS = frozenset({"rg_lru_scan", "lightning_layer"})
 #: Forms whose core is a plain function (no fused-kernel wrapper): the replacement runs a copy of it.
 _PLAIN_FORMS = frozenset({"wkv"})
 
@@ -559,6 +566,38 @@ def _rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, a
     return _to_sequence(out, order, group_name, site)[:, :, :channels], None
 
 
+#: The copy of transformers' ``MiniMaxLightningAttention.forward`` that :func:`_lightning_layer` runs.
+_LIGHTNING_LIBRARY = None
+
+
+def _lightning_layer_replacement(original, site: str):
+    global _LIGHTNING_LIBRARY
+    _LIGHTNING_LIBRARY = original
+    return _lightning_layer
+
+
+def _lightning_layer(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    """MiniMax's lightning attention layer under CP: its block loop is inline in the layer's forward, between the
+    per-token projections and an RMS norm across heads, so the whole layer runs on the whole sequence on every rank
+    (its input all-gathered in global token order, as the exchange of ``N`` copies) and each rank takes its tokens'
+    output back: ``N`` times the layer's work, exact."""
+    original, site = _LIGHTNING_LIBRARY, _LIGHTNING
+    heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+    if heads is None:
+        return original(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    group_name, n, rank = heads
+    if cache is not None:
+        _refuse(hidden_states, site, "got a cache", "train with use_cache=False")
+    if attention_mask is not None:
+        _refuse(hidden_states, site, "got a padding mask", "pack the documents and pass no attention_mask")
+    order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 1, n, site)
+    copies = hidden_states.unsqueeze(2).expand(*hidden_states.shape[:2], n, *hidden_states.shape[2:])
+    whole = _to_heads(copies, order, group_name, site).squeeze(2)  # every token, in global order, padding last
+    out, _ = _core_call(lambda x: original(self, x, position_embeddings, None, **kwargs), whole)
+    # rank j's copy of the output comes back as head j: this rank keeps its own (each copy is the whole output)
+    return _to_sequence(out.unsqueeze(2), order, group_name, site)[:, :, rank], None
+
+
 def _wkv_replacement(original, site: str):
     def rwkv_linear_attention(time_decay, time_first, key, value, state=None, return_state=False):
         heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
@@ -590,4 +629,5 @@ _FORMS = {
     "selective_scan": _selective_scan_replacement,
     "rg_lru_scan": _rg_lru_scan_replacement,
     "wkv": _wkv_replacement,
+    "lightning_layer": _lightning_layer_replacement,
 }

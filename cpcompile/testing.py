@@ -274,6 +274,19 @@ HYBRID_FAMILIES["rwkv"] = (
     "RwkvConfig",
     {"attention_hidden_size": 64, "context_length": 128, "use_cache": False},
 )
+#: MiniMax: a lightning-attention layer (4 heads of 16, blocks of 16 tokens), then an attention layer, MoE
+#: feed-forwards (4 experts, 2 per token); no cache.
+HYBRID_FAMILIES["minimax"] = (
+    "MiniMaxConfig",
+    {
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "block_size": 16,
+        "use_cache": False,
+    },
+)
 #: Families without attention layers: built without an attention implementation.
 NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba", "rwkv"})
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
