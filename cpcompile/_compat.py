@@ -54,6 +54,8 @@ __all__ = [
     "is_comm_error",
     "is_peer_exit_error",
     "init_fake_process_group",
+    "inline_in_graph",
+    "inlined_in_graph",
     "is_non_member_group",
     "lookup_inner_backend",
     "mark_seq_dynamic",
@@ -703,3 +705,17 @@ def substituted_in_graph(fn: object) -> bool:
     from torch._dynamo.variables import PolyfilledFunctionVariable
 
     return fn in PolyfilledFunctionVariable._get_polyfill_handlers()
+
+
+def inline_in_graph(fn: object, replacement: object) -> None:
+    """Make Dynamo trace ``replacement`` wherever it would inline ``fn``, a function defined in a class and called
+    as a method (``self.fn(...)``). torch 2.13: Dynamo does not consult ``torch.compiler.substitute_in_graph``'s
+    handlers for a bound method (``UserMethodVariable`` inlines its function), but when it resolves a function
+    found on an object's type it follows the function's ``_torchdynamo_inline`` attribute (what torch.jit and
+    torch.compile's own wrappers set). Eager calls of ``fn`` and the class are unchanged."""
+    fn._torchdynamo_inline = replacement  # type: ignore[attr-defined]
+
+
+def inlined_in_graph(fn: object) -> bool:
+    """Whether :func:`inline_in_graph` (or torch) already gave ``fn`` a replacement for Dynamo."""
+    return hasattr(fn, "_torchdynamo_inline")

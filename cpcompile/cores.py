@@ -27,7 +27,26 @@ torch path. The scan is diagonal, so every channel is a head of its own: ``hidde
 exchanged by channels, ``B`` and ``C`` (shared by every channel) reach every rank whole (the heads exchange of
 ``N`` copies: an all-gather), ``A``, ``D`` and ``delta_bias`` are narrowed to the rank's channels. Its torch path
 needs a concrete length (transformers' associative scan, or its loop over tokens), so Dynamo specialises the
-graph to the local length: one compile per chunk length.
+graph to the local length: one compile per chunk length. And transformers' ``RecurrentGemmaRglru._rnn_scan``
+(RecurrentGemma's RG-LRU recurrence, a method: ``hidden_states``, ``recurrent_gate`` ``[B, S, W]``, ``reset``
+``[B, S, 1]``, true where the layer's ``position_ids`` are 0, ``recurrent_states``), diagonal too:
+``hidden_states`` and ``recurrent_gate`` are exchanged by channels, ``reset`` reaches every rank whole (an
+all-gather of each token's flag, so a document restarts at its first token wherever that token lies, and a
+document that spans a rank edge carries its state across it), the loop over tokens runs on the whole sequence
+(one compile per chunk length, as for the selective scan). It returns no final state under CP (the layer stores
+it, and reads it only with a cache, which is refused). Dynamo does not consult ``substitute_in_graph`` for a method
+called as ``self._rnn_scan(...)``, so this one replacement is given to Dynamo through the function's
+``_torchdynamo_inline`` attribute (:func:`cpcompile._compat.inline_in_graph`; eager calls and the class are
+unchanged), and runs a copy of the library's function. And transformers' ``rwkv_linear_attention`` (RWKV's WKV
+recurrence: ``time_decay``, ``time_first`` ``[C]``, ``key``, ``value`` ``[B, S, C]``), per channel: ``key`` and
+``value`` are exchanged by channels, ``time_decay`` and ``time_first`` narrowed to the rank's channels, and a copy
+of the library's function runs on the whole sequence (its torch loop, unless transformers loaded its CUDA kernel),
+one compile per chunk length. And transformers' ``MiniMaxLightningAttention.forward`` (MiniMax's lightning
+attention layer, a method given to Dynamo as the RG-LRU's is): its block loop is inline in the layer, between the
+per-token projections and an RMS norm across heads, so no core function can be exchanged by heads; the whole layer
+runs on the whole sequence on every rank instead (its input all-gathered in global token order, blocks counted from
+the sequence's first token as in one process), and each rank keeps its own tokens' output: exact, at ``N`` times
+the layer's work and ``T x hidden`` of memory per layer. Refused under CP: a cache, a padding mask.
 Gated delta rule: key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole
 groups (its key heads and their value heads); otherwise queries and keys are repeated to the value heads first (as
 the core does itself). SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)`` serving
@@ -39,7 +58,8 @@ core maps to zero outputs that are cut off after the exchange back: exact, at ``
 work. Refused while Dynamo traces, on every rank, by the op ``cpcompile::heads_refusal`` (Dynamo raises its
 ``TorchRuntimeError`` with the message, which names the core and the fix): ``Hk`` not dividing ``Hv`` (``G`` not
 dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``output_final_state``,
-``return_final_states``, ``return_last_state``), ``cu_seqlens``/``seq_idx``.
+``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``, WKV's ``state`` and
+``return_state``), ``cu_seqlens``/``seq_idx``.
 
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
@@ -53,6 +73,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 import weakref
 
 import torch
@@ -68,10 +89,14 @@ HEADS_GROUP: tuple[str, int, int] | None = None
 _GDN = "transformers.models.{0}.modeling_{0}.torch_chunk_gated_delta_rule"
 _MAMBA2 = "transformers.models.{0}.modeling_{0}.mamba2_chunk_scan"
 _SELECTIVE = "transformers.models.{0}.modeling_{0}.mamba_selective_scan"
+_RG_LRU = "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRglru._rnn_scan"
+_WKV = "transformers.models.rwkv.modeling_rwkv.rwkv_linear_attention"
+_LIGHTNING = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention.forward"
 
-#: ``"module.function"`` -> the form of that core: the cores :func:`register_known_cores` substitutes. Forms:
-#: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`), ``"mamba2_chunk_scan"``
-#: (:func:`_mamba2_chunk_scan_replacement`), ``"selective_scan"`` (:func:`_selective_scan_replacement`).
+#: ``"module.function"`` (``"module.Class.method"`` for a method) -> the form of that core: the cores
+#: :func:`register_known_cores` substitutes. Forms: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`),
+#: ``"mamba2_chunk_scan"`` (:func:`_mamba2_chunk_scan_replacement`), ``"selective_scan"``
+#: (:func:`_selective_scan_replacement`), ``"rg_lru_scan"`` (:func:`_rg_lru_scan_replacement`, a method).
 CORES: dict[str, str] = {
     **{_GDN.format(m): "gated_delta_rule" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")},
     **{
@@ -79,7 +104,15 @@ CORES: dict[str, str] = {
         for m in ("mamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2")
     },
     **{_SELECTIVE.format(m): "selective_scan" for m in ("mamba", "falcon_mamba", "jamba", "zamba")},
+    _RG_LRU: "rg_lru_scan",
+    _WKV: "wkv",
+    _LIGHTNING: "lightning_layer",
 }
+#: Forms whose core is a method (``self._rnn_scan(...)``): Dynamo traces their replacement through
+#: :func:`cpcompile._compat.inline_in_graph`, as it does not consult ``substitute_in_graph`` for a bound method.
+_METHOD_FORMS = frozenset({"rg_lru_scan", "lightning_layer"})
+#: Forms whose core is a plain function (no fused-kernel wrapper): the replacement runs a copy of it.
+_PLAIN_FORMS = frozenset({"wkv"})
 
 _REGISTERED: dict[str, object] = {}
 
@@ -100,10 +133,10 @@ def in_core(where: str) -> bool:
     line = rest.split(" ", 1)[0]
     if not line.isdigit():
         return False
-    for key, fn in _REGISTERED.items():
+    for fn in _REGISTERED.values():
         if fn is None:
             continue
-        module_name = key.rpartition(".")[0]
+        module_name = getattr(getattr(fn, "__wrapped__", fn), "__module__", None) or ""
         first, last = _source_lines(fn)
         if path.endswith(module_name.replace(".", "/")) and first <= int(line) <= last:
             return True  # the core's own lines and those of functions defined in it (a scan's combine_fn)
@@ -177,18 +210,49 @@ def _torch_path(wrapped) -> object | None:
 def register_known_cores() -> None:
     """Substitute every core of :data:`CORES` whose module is imported and not substituted yet."""
     for key, form in CORES.items():
+        if form in _METHOD_FORMS:
+            _register_method(key, form)
+            continue
         module_name, _, fn_name = key.rpartition(".")
         module = sys.modules.get(module_name)
         if key in _REGISTERED or module is None:
             continue
         wrapped = getattr(module, fn_name, None)
-        original = _torch_path(wrapped) if wrapped is not None else None
+        if form in _PLAIN_FORMS:
+            original = _copy(wrapped) if isinstance(wrapped, types.FunctionType) else None
+        else:
+            original = _torch_path(wrapped) if wrapped is not None else None
         if original is None:
             _REGISTERED[key] = None  # a fused kernel, or an unknown form: left alone
             continue
         if not _compat.substituted_in_graph(wrapped):  # once per process, even when this module's state is reset
             torch.compiler.substitute_in_graph(wrapped)(_FORMS[form](original, key))
         _REGISTERED[key] = wrapped
+
+
+def _register_method(key: str, form: str) -> None:
+    """Give Dynamo the replacement of the method core ``key`` (``"module.Class.method"``) if its module is
+    imported. The replacement runs a copy of the library's function (same code, globals and defaults), so that
+    tracing it does not lead back to the replacement."""
+    module_name, cls_name, fn_name = key.rsplit(".", 2)
+    module = sys.modules.get(module_name)
+    if key in _REGISTERED or module is None:
+        return
+    fn = getattr(module, cls_name, object).__dict__.get(fn_name)
+    if not isinstance(fn, types.FunctionType):
+        _REGISTERED[key] = None  # not the function this form was written for: left alone
+        return
+    if not _compat.inlined_in_graph(fn):  # once per process, even when this module's state is reset
+        _compat.inline_in_graph(fn, _FORMS[form](_copy(fn), key))
+    _REGISTERED[key] = fn
+
+
+def _copy(fn: types.FunctionType) -> types.FunctionType:
+    """A function with ``fn``'s code, globals and defaults: what a replacement calls for the library's own code
+    (calling ``fn`` itself would lead Dynamo back to the replacement)."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 def _refuse(like, site: str, what: str, fix: str) -> None:
@@ -463,8 +527,108 @@ def _selective_scan_replacement(original, site: str):
     return mamba_selective_scan
 
 
+#: The copy of transformers' ``RecurrentGemmaRglru._rnn_scan`` that :func:`_rg_lru_scan` runs (set once per process
+#: by :func:`_register_method`). A module global, not a closure: Dynamo guards a method replacement's closure
+#: through the library function's own (closure-free) source.
+_RG_LRU_LIBRARY = None
+
+
+def _rg_lru_scan_replacement(original, site: str):
+    global _RG_LRU_LIBRARY
+    _RG_LRU_LIBRARY = original
+    return _rg_lru_scan
+
+
+def _rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float32):
+    original, site = _RG_LRU_LIBRARY, _RG_LRU
+    heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+    if heads is None:
+        return original(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
+    group_name, n, _ = heads
+    if recurrent_states is not None:
+        _refuse(hidden_states, site, "got a recurrent state (a cache)", "train with use_cache=False")
+    # [B, S, W]: tokens on dim 1, channels on dim 2; a diagonal recurrence, so every channel is a head of its own
+    channels = hidden_states.shape[2]
+    padded = -(-channels // n) * n  # channels a CP size does not divide: zero channels up to the next multiple
+    order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 1, n, site)
+
+    def split(t):  # this rank's channels of every token
+        return _to_heads(_padded(t, padded), order, group_name, site)
+
+    # reset ([B, S, 1], true at a document's first token, from the position ids): every token on every rank (the
+    # heads exchange of N copies: an all-gather), so documents restart where the one-process model restarts them
+    flags = reset.to(hidden_states.dtype).expand(*reset.shape[:2], n)
+    whole_reset = _to_heads(flags, order, group_name, site) > 0.5
+    out, _ = _core_call(
+        functools.partial(original, self), split(hidden_states), split(recurrent_gate), whole_reset, None, acc_dtype
+    )
+    # the layer keeps the state returned here (read only with a cache, refused): under CP no rank holds every
+    # channel of the last token's state, so none is returned
+    return _to_sequence(out, order, group_name, site)[:, :, :channels], None
+
+
+#: The copy of transformers' ``MiniMaxLightningAttention.forward`` that :func:`_lightning_layer` runs.
+_LIGHTNING_LIBRARY = None
+
+
+def _lightning_layer_replacement(original, site: str):
+    global _LIGHTNING_LIBRARY
+    _LIGHTNING_LIBRARY = original
+    return _lightning_layer
+
+
+def _lightning_layer(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    """MiniMax's lightning attention layer under CP: its block loop is inline in the layer's forward, between the
+    per-token projections and an RMS norm across heads, so the whole layer runs on the whole sequence on every rank
+    (its input all-gathered in global token order, as the exchange of ``N`` copies) and each rank takes its tokens'
+    output back: ``N`` times the layer's work, exact."""
+    original, site = _LIGHTNING_LIBRARY, _LIGHTNING
+    heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+    if heads is None:
+        return original(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    group_name, n, rank = heads
+    if cache is not None:
+        _refuse(hidden_states, site, "got a cache", "train with use_cache=False")
+    if attention_mask is not None:
+        _refuse(hidden_states, site, "got a padding mask", "pack the documents and pass no attention_mask")
+    order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 1, n, site)
+    copies = hidden_states.unsqueeze(2).expand(*hidden_states.shape[:2], n, *hidden_states.shape[2:])
+    whole = _to_heads(copies, order, group_name, site).squeeze(2)  # every token, in global order, padding last
+    out, _ = _core_call(lambda x: original(self, x, position_embeddings, None, **kwargs), whole)
+    # rank j's copy of the output comes back as head j: this rank keeps its own (each copy is the whole output)
+    return _to_sequence(out.unsqueeze(2), order, group_name, site)[:, :, rank], None
+
+
+def _wkv_replacement(original, site: str):
+    def rwkv_linear_attention(time_decay, time_first, key, value, state=None, return_state=False):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        if heads is None:
+            return original(time_decay, time_first, key, value, state=state, return_state=return_state)
+        group_name, n, rank = heads
+        if state is not None or return_state:
+            _refuse(key, site, "got a recurrent state (a cache)", "train with use_cache=False")
+        # [B, S, C]: tokens on dim 1, channels on dim 2; the WKV recurrence is per channel, so every channel is a head
+        channels = key.shape[2]
+        padded = -(-channels // n) * n  # channels a CP size does not divide: zero channels up to the next multiple
+        order = torch.ops.cpcompile.heads_order(key.detach(), 1, n, site)
+        per = padded // n
+
+        def mine(p):  # this rank's channels of a per-channel parameter (gradient summed over the group)
+            return _padded(p, padded, 0).narrow(0, rank * per, per)
+
+        k, v = (_to_heads(_padded(t, padded), order, group_name, site) for t in (key, value))
+        decay, first = mine(time_decay), mine(time_first)
+        out, _ = _core_call(lambda k, v: original(decay, first, k, v), k, v)  # the tokens first, as every core's
+        return _to_sequence(out, order, group_name, site)[:, :, :channels], None
+
+    return rwkv_linear_attention
+
+
 _FORMS = {
     "gated_delta_rule": _gated_delta_rule_replacement,
     "mamba2_chunk_scan": _mamba2_chunk_scan_replacement,
     "selective_scan": _selective_scan_replacement,
+    "rg_lru_scan": _rg_lru_scan_replacement,
+    "wkv": _wkv_replacement,
+    "lightning_layer": _lightning_layer_replacement,
 }

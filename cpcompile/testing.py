@@ -256,8 +256,39 @@ HYBRID_FAMILIES.update(
         ),
     }
 )
+#: RecurrentGemma: an RG-LRU layer (a conv of kernel 4, then a diagonal recurrence over 64 channels that restarts at
+#: every document's first token, ``position_ids == 0``), then a sliding-window attention layer (window 16); no cache.
+HYBRID_FAMILIES["recurrent_gemma"] = (
+    "RecurrentGemmaConfig",
+    {
+        "lru_width": 64,
+        "attention_window_size": 16,
+        "conv1d_width": 4,
+        "block_types": ["recurrent", "attention"],
+        "use_cache": False,
+    },
+)
+#: RWKV (v4): two blocks of a token shift (``nn.ZeroPad2d((0, 0, 1, -1))``) and the WKV recurrence over 64 channels
+#: (``rwkv_linear_attention``), then a token-shifted feed-forward; no attention, no cache.
+HYBRID_FAMILIES["rwkv"] = (
+    "RwkvConfig",
+    {"attention_hidden_size": 64, "context_length": 128, "use_cache": False},
+)
+#: MiniMax: a lightning-attention layer (4 heads of 16, blocks of 16 tokens), then an attention layer, MoE
+#: feed-forwards (4 experts, 2 per token); no cache.
+HYBRID_FAMILIES["minimax"] = (
+    "MiniMaxConfig",
+    {
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "block_size": 16,
+        "use_cache": False,
+    },
+)
 #: Families without attention layers: built without an attention implementation.
-NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba"})
+NO_ATTENTION = frozenset({"mamba2", "mamba", "falcon_mamba", "rwkv"})
 _ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}
 
 

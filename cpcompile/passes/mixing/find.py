@@ -425,6 +425,10 @@ def _mean_share_problem(n: fx.Node) -> str | None:
     return None
 
 
+#: Matrix products whose first argument is the bias added to the product of the next two.
+_BIAS_FIRST = frozenset({"addmm", "addbmm", "baddbmm"})
+
+
 def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
     reason = found("contraction", f"{name} contracts the sequence dim")
     if name == "einsum":
@@ -441,7 +445,7 @@ def _check_contraction(n, name, g: _Graph, found) -> MixingOp | None:
             if any(c not in out and d < len(t) and t[d] for d, c in enumerate(term)):
                 return reason
         return None
-    a, b = n.args[0], n.args[1]
+    a, b = n.args[1:3] if name in _BIAS_FIRST else n.args[:2]  # the two factors, after the bias if any
     ta, tb = _seq_tags(a, g), _seq_tags(b, g)
     contracted = (len(ta) > 0 and ta[-1]) or (len(tb) >= 2 and tb[-2]) or (len(tb) == 1 and tb[0])
     return reason if contracted else None
