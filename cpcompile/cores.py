@@ -11,7 +11,7 @@ runs the library's own function on the whole sequence, and brings the output bac
 (queries and keys first repeated to the value heads, as the core would), so that a graph traced at one length runs
 at every other one (:func:`_heads_major`). Dynamo traces the core at the symbolic length ``N * c``, with the guards the
 one-process model at that length would have. Outside a shard context (or with one rank) the replacement calls the
-original function unchanged; Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
+original function (the gated delta rule's inputs laid out heads-major, values unchanged: see :func:`_heads_major`); Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
 
 Known cores (a registry, not a general mechanism): transformers' ``torch_chunk_gated_delta_rule`` of Qwen3-Next,
@@ -332,12 +332,15 @@ def _gated_delta_rule_replacement(original, site: str):
         if heads is None:
             if packed:  # as the library's wrapper does on its torch path (Dynamo runs the wrapper, which raises)
                 raise ValueError(f"`{site}` can't keep packed sequences apart without `flash-linear-attention`")
+            hk, hv = key.shape[2], value.shape[2]
+            if hk != hv and hv % hk == 0:  # the core's own repeat, before the layout (see _heads_major)
+                query, key = (t.repeat_interleave(hv // hk, dim=2) for t in (query, key))
             return original(
-                query,
-                key,
-                value,
-                g,
-                beta,
+                _heads_major(query),
+                _heads_major(key),
+                _heads_major(value),
+                _heads_major(g),
+                _heads_major(beta),
                 chunk_size=chunk_size,
                 initial_state=initial_state,
                 output_final_state=output_final_state,

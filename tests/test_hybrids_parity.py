@@ -474,3 +474,64 @@ def test_core_inputs_in_the_exchange_layout_fail_at_a_length_without_padding():
         print(f"\ncontrol rank {rank}: {[{k: v for k, v in r.items() if k != 'tb'} for r in rows]}")
         assert rows[0].get("exact"), rows
         assert "view size is not compatible" in rows[1].get("error", ""), rows
+
+
+def _length_inputs(T: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(1, T, 1, 4, generator=gen) for _ in range(2))  # one key head for two value heads
+    v = torch.randn(1, T, 2, 4, generator=gen)
+    return q, k, v, -torch.rand(1, T, 2, generator=gen), torch.rand(1, T, 2, generator=gen)
+
+
+#: Chunks of 8 tokens: 12 tokens padded by 4, then 16 (two chunks) padded by 0; one graph serves both.
+CHUNK, SHORT_LENGTHS = 8, (12, 16)
+
+
+def _compiled_over_lengths(core) -> dict[int, str]:
+    """``core`` (a gated delta rule) compiled ONCE (``aot_eager``, the sequence dim dynamic; forward only: the
+    failing view is in the forward) and run at :data:`SHORT_LENGTHS` against the library's eager core;
+    ``{T: "exact" | the error's first line}``."""
+    import torch
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    library = qwen3_next.torch_chunk_gated_delta_rule.__wrapped__
+
+    def f(q, k, v, g, beta, fn=core):
+        return fn(q, k, v, g=g, beta=beta, chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)[0]
+
+    torch.compiler.reset()
+    compiled = torch.compile(f, backend="aot_eager")
+    out = {}
+    try:
+        for T in SHORT_LENGTHS:
+            inputs = _length_inputs(T)
+            for t in inputs:  # the sequence dim only, as cpcompile.shard marks it
+                torch._dynamo.mark_dynamic(t, 1)
+            try:
+                got = compiled(*inputs)
+            except RuntimeError as e:
+                out[T] = str(e).splitlines()[0]
+                continue
+            torch.testing.assert_close(got, f(*inputs, fn=library), rtol=0, atol=0)
+            out[T] = "exact"
+    finally:
+        torch.compiler.reset()
+    return out
+
+
+@slow
+def test_without_cp_the_substituted_core_compiles_once_over_lengths():
+    """Outside a CP context (plain ``torch.compile``, or a CP group of one rank) the substituted gated delta rule
+    lays its inputs out heads-major (``cores._heads_major``, values unchanged), so one dynamic ``aot_eager`` compile
+    is exact at a length the core pads (12) and one it does not (16, two chunks of 8). The control, the library's
+    function compiled the same way, fails at 16 with torch's view error (pytorch/pytorch#144187)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    from cpcompile import cores
+
+    cores.register_known_cores()
+    assert _compiled_over_lengths(qwen3_next.torch_chunk_gated_delta_rule) == {12: "exact", 16: "exact"}
+    control = _compiled_over_lengths(qwen3_next.torch_chunk_gated_delta_rule.__wrapped__)
+    assert control[12] == "exact" and "view size is not compatible" in control[16], control
