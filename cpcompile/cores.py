@@ -11,7 +11,8 @@ runs the library's own function on the whole sequence, and brings the output bac
 (queries and keys first repeated to the value heads, as the core would), so that a graph traced at one length runs
 at every other one (:func:`_heads_major`). Dynamo traces the core at the symbolic length ``N * c``, with the guards the
 one-process model at that length would have. Outside a shard context (or with one rank) the replacement calls the
-original function (the gated delta rule's inputs laid out heads-major, values unchanged: see :func:`_heads_major`); Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
+original function (the gated delta rule's inputs laid out heads-major, values unchanged: see
+:func:`_heads_major`); Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
 
 Known cores (a registry, not a general mechanism): transformers' ``torch_chunk_gated_delta_rule`` of Qwen3-Next,
