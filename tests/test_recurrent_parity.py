@@ -32,7 +32,7 @@ import pytest
 from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase, report
 from tests.harness.tiers import runs_slow, slow
-from tests.test_hybrids_parity import _MOE_LAYER, DOCS, _control, _local_core
+from tests.test_hybrids_parity import _MOE_LAYER, DOCS, _control, _local_core, _run
 
 _LOSS = ("cross_entropy", "partial_sum")
 #: RWKV block: the attention's token shift gathered, the WKV recurrence channel-parallel, the feed-forward's shift
@@ -73,18 +73,6 @@ def _without_resets(original, hidden_states, recurrent_gate, reset, *rest):
     import torch
 
     return original(hidden_states, recurrent_gate, torch.zeros_like(reset), *rest)
-
-
-def _run(cases, group):
-    import torch
-
-    from tests.harness.parity import check_case
-
-    out = []
-    for case in cases:
-        torch.compiler.reset()
-        out.append(check_case(case, group))
-    return out
 
 
 def _worker(rank: int, world: int) -> dict:
