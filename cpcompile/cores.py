@@ -87,6 +87,13 @@ __all__ = ["CORES", "HEADS_GROUP", "in_core", "register_known_cores", "registere
 #: rank, else ``None``. Read by the replacements while Dynamo traces them (Dynamo guards on its value).
 HEADS_GROUP: tuple[str, int, int] | None = None
 
+#: The number of run slots per rank the gated delta rule runs state passing with (:func:`_gated_delta_rule_state`):
+#: the active plan's largest number of runs of consecutive tokens on one rank, while a shard context of more than
+#: one rank with ``recurrence="state"`` is active, else ``None`` (head-parallel). Read by the replacement while
+#: Dynamo traces it (Dynamo guards on its value, so a graph traced under one mode, or for another number of runs,
+#: is never reused).
+STATE_RUNS: int | None = None
+
 _GDN = "transformers.models.{0}.modeling_{0}.torch_chunk_gated_delta_rule"
 _MAMBA2 = "transformers.models.{0}.modeling_{0}.mamba2_chunk_scan"
 _SELECTIVE = "transformers.models.{0}.modeling_{0}.mamba_selective_scan"
@@ -193,6 +200,12 @@ def set_heads_group(value: tuple[str, int, int] | None) -> None:
     """Set :data:`HEADS_GROUP` (the shard context does, on entry and exit)."""
     global HEADS_GROUP
     HEADS_GROUP = value
+
+
+def set_state_runs(value: int | None) -> None:
+    """Set :data:`STATE_RUNS` (the shard context does, on entry and exit)."""
+    global STATE_RUNS
+    STATE_RUNS = value
 
 
 def _torch_path(wrapped) -> object | None:
@@ -348,6 +361,7 @@ def _gated_delta_rule_replacement(original, site: str):
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             )
         group_name, n, _ = heads
+        runs = STATE_RUNS  # a global of this module: Dynamo guards on its value
         if packed:
             _refuse(value, site, "got cu_seqlens", "pass no cu_seq_lens (the torch path does not keep documents apart)")
         if initial_state is not None or output_final_state:
@@ -357,6 +371,9 @@ def _gated_delta_rule_replacement(original, site: str):
             _refuse(
                 value, site, f"has {hk} key heads for {hv} value heads", "use key heads that divide the value heads"
             )
+        if runs is not None:
+            core = functools.partial(original, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            return _gated_delta_rule_state(core, heads, runs, site, query, key, value, g, beta), None
         if hk % n != 0:  # groups cannot stay whole on a rank: every rank gets the key heads of its value heads
             query = query.repeat_interleave(hv // hk, dim=2)
             key = key.repeat_interleave(hv // hk, dim=2)
@@ -375,6 +392,71 @@ def _gated_delta_rule_replacement(original, site: str):
         return _to_sequence(out, order, group_name, site)[:, :, :hv], None
 
     return chunk_gated_delta_rule
+
+
+def _gated_delta_rule_state(core, heads, runs: int, site: str, query, key, value, g, beta):
+    """The gated delta rule under CP by state passing: ``core`` (the library's function) runs on this rank's
+    tokens only, once per run slot, and the state each run starts from comes from the other runs' summaries.
+
+    The rule is affine in its ``[dk, dv]`` state: ``S_t = A_t S_{t-1} + B_t`` (``A_t`` the token's decayed delta
+    transition, multiplying on the left), output ``o_t = q_t^T S_t``. Run from the state ``[0 | I]`` (``[dk, dv +
+    dk]``) on the values ``[v | 0]``, the core's columns evolve apart under the same transitions, so its output is
+    ``[o_t(0) | q_t^T A_t ... A_1]`` (the output from a zero state, and the rows that map a start state to the
+    output) and its final state ``[S_0 | M]`` (the state from zero and the product of the run's transitions).
+    The runs of every rank are all-gathered (``cpcompile::state_gather``) and folded in global order in fp32
+    (``S <- M S + S_0``, from a zero state before the first token), which gives each run its start state ``S_in``;
+    a run's output is ``o_t(0) + (q_t^T A_t ... A_1) S_in``. Run slot ``j`` holds the tokens of the rank's run
+    ``j`` and zeros elsewhere: a zero token (``k = q = v = 0``, ``g = beta = 0``) is an identity step with a zero
+    output, so each slot's core sees its run alone, and the output is the sum over slots. Padding tokens come last
+    in global order, so no real token's state includes them."""
+    group_name, n, rank = heads
+    b, c, hv, dv = value.shape
+    slots, order = torch.ops.cpcompile.state_runs(value.detach(), 1, n, runs, site)
+    in_run = (slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)).float()  # [runs, c]
+
+    def per_run(t):  # [B, c, H, ...] -> [runs * B, c, H, ...] in fp32: slot j keeps run j's tokens, zeros elsewhere
+        mask = in_run.reshape(runs, 1, c, *([1] * (t.dim() - 2)))
+        return _heads_major((t.unsqueeze(0) * mask).flatten(0, 1))
+
+    if key.shape[2] != hv:  # the core's own repeat, done here so that the layout of per_run reaches it
+        query, key = (t.repeat_interleave(hv // key.shape[2], dim=2) for t in (query, key))
+    q, k, gg, bb, v = (per_run(t) for t in (query, key, g, beta, value))
+    out, final = _from_identity(core, q, k, v, gg, bb)
+    every = torch.ops.cpcompile.state_gather(final.unflatten(0, (runs, b)), group_name, site, final.requires_grad)
+    in_order = every.flatten(0, 1).index_select(0, order)  # [N * runs, B, H, dk, dv + dk], runs in global order
+    starts = _fold(in_order, dv).index_select(0, torch.argsort(order)).narrow(0, rank * runs, runs)
+    fixed = _corrected(out.unflatten(0, (runs, b)), starts, dv)  # [runs, B, c, H, dv]
+    return torch.ops.cpcompile.state_output(fixed.sum(0).to(query.dtype), site)
+
+
+def _from_identity(core, query, key, value, g, beta):
+    """``core`` (a gated delta rule, ``[B, S, H, ...]`` inputs) run from the state ``[0 | I]`` on the values ``[v |
+    0]``: ``(out [B, S, H, dv + dk], final [B, H, dk, dv + dk])`` (see :func:`_gated_delta_rule_state`)."""
+    b, _, hv, dv = value.shape
+    dk = key.shape[-1]
+    value = _heads_major(torch.nn.functional.pad(value, (0, dk)))
+    eye = torch.eye(dk, dtype=torch.float32, device=value.device)
+    start = torch.cat([eye.new_zeros(dk, dv), eye], dim=-1).expand(b, hv, dk, dv + dk).contiguous()
+    return _core_call(core, query, key, value, g, beta, initial_state=start, output_final_state=True)
+
+
+def _fold(summaries, dv: int):
+    """The state every run starts from, ``[K, B, H, dk, dv]``, given the final states ``[S_0 | M]`` of
+    :func:`_from_identity` of ``K`` consecutive runs in global order (``[K, B, H, dk, dv + dk]``): zero for the
+    first, then ``S <- M S + S_0`` run by run, in fp32."""
+    state = summaries.new_zeros(summaries.shape[1:-1] + (dv,), dtype=torch.float32)
+    starts = []
+    for i in range(summaries.shape[0]):
+        starts.append(state)
+        summary = summaries[i].float()
+        state = summary[..., dv:] @ state + summary[..., :dv]
+    return torch.stack(starts)
+
+
+def _corrected(out, starts, dv: int):
+    """The outputs of runs started from ``starts`` (``[..., H, dk, dv]``), from their outputs from ``[0 | I]``
+    (``out``, ``[..., S, H, dv + dk]`` of :func:`_from_identity`): ``o_t(0) + (q_t^T A_t ... A_1) S_in``."""
+    return out[..., :dv].float() + torch.einsum("...thk,...hkv->...thv", out[..., dv:].float(), starts)
 
 
 def _mamba2_chunk_scan_replacement(original, site: str):

@@ -95,8 +95,14 @@ EXPECTED_BY_MODEL.update(
 SITES = {"falcon_h1": 2, "mamba2": 0, "mamba": 0, "falcon_mamba": 0}
 
 
+#: The families of the gated delta rule: their cases here run it head-parallel (``shard(recurrence="heads")``; state
+#: passing, the default, is tests/test_state_passing.py's). The other cores run head-parallel whatever it says.
+GATED_DELTA_RULE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+
+
 def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_next") -> ParityCase:
     balanced = layout == "balanced"
+    heads = (("recurrence", "heads"),) if model in GATED_DELTA_RULE else ()
     return ParityCase(
         model=model,
         doc_lens=DOCS,
@@ -104,7 +110,7 @@ def _case(inner: str = "eager", layout: str = "contiguous", model: str = "qwen3_
         expected_sites=SITES.get(model, 1),
         layout=layout,
         expected_mixing=EXPECTED_BY_MODEL[model],
-        shard_kwargs=(("workload", Workload(block_size=4)),) if balanced else (),
+        shard_kwargs=((("workload", Workload(block_size=4)),) if balanced else ()) + heads,
     )
 
 

@@ -69,6 +69,15 @@ class CommStats:
     #: ``heads_bytes`` by the core that exchanged them (``"module.function"`` of :data:`cpcompile.cores.CORES`,
     #: or the ``site`` a caller of the ops named): what each head-parallel region costs in forward.
     heads_bytes_by_site: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: All-gathers of the per-run state summaries of a recurrence run by state passing (``cpcompile::state_gather``,
+    #: :mod:`cpcompile.ops.state`) and the bytes this rank received in them from the other ranks; each whose input
+    #: needs a gradient adds a reduce-scatter of the same size in backward (``state_backward_bytes``). Their size
+    #: depends on the state's shape and the number of runs per rank, not on the sequence length.
+    state_gathers: int = 0
+    state_bytes: int = 0
+    state_backward_bytes: int = 0
+    #: ``state_bytes`` by the core that gathered them (``"module.function"`` of :data:`cpcompile.cores.CORES`).
+    state_bytes_by_site: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def record_sequence_gather(self, t: torch.Tensor, cp_size: int, needs_grad: bool) -> None:
         nbytes = (cp_size - 1) * t.numel() * t.element_size()
@@ -89,6 +98,13 @@ class CommStats:
         self.heads_bytes_by_site[site] = self.heads_bytes_by_site.get(site, 0) + nbytes
         if needs_grad:
             self.heads_backward_bytes += nbytes
+
+    def record_state(self, nbytes: int, needs_grad: bool, site: str = "") -> None:
+        self.state_gathers += 1
+        self.state_bytes += nbytes
+        self.state_bytes_by_site[site] = self.state_bytes_by_site.get(site, 0) + nbytes
+        if needs_grad:
+            self.state_backward_bytes += nbytes
 
     def record_routing(self, nbytes: int) -> None:
         self.routing_gathers += 1

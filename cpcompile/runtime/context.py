@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cpcompile import _compat, cores, failsafe
 from cpcompile.errors import UnsupportedAttentionError
-from cpcompile.plan import CPPlan
+from cpcompile.plan import CPPlan, count_runs
 from cpcompile.runtime.comm import CommStats, gather_sequence
 
 __all__ = [
@@ -79,6 +79,8 @@ class Active:
     #: (written by :func:`record_exact`, read through :func:`is_exact`).
     exact: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
     ran: StepRecord = dataclasses.field(default_factory=StepRecord)
+    #: ``shard(recurrence=...)``: ``"state"`` or ``"heads"`` (:mod:`cpcompile.cores`).
+    recurrence: str = "state"
 
 
 def tensor_key(t: torch.Tensor) -> tuple | None:
@@ -190,12 +192,17 @@ def activated(context: Active) -> Iterator[Active]:
     heads = (
         (_compat.group_name_of(group), group.size(), group.rank()) if group is not None and group.size() > 1 else None
     )
+    runs = None
+    if heads is not None and context.recurrence == "state":
+        runs = int(count_runs(context.plan.indices).max())
     _STATE.active = context
     cores.set_heads_group(heads)
+    cores.set_state_runs(runs)
     try:
         yield context
     finally:
         cores.set_heads_group(None)
+        cores.set_state_runs(None)
         _STATE.active = None
         _STATE.last_comm = context.comm
 

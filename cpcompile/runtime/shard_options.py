@@ -16,7 +16,12 @@ from cpcompile.layouts import Workload, check_layout
 from cpcompile.plan import IGNORE_INDEX
 from cpcompile.runtime.workload import compiled_workload
 
-__all__ = ["OWN_PADDING", "ShardOptions", "default_pad_value", "validate_options"]
+__all__ = ["OWN_PADDING", "RECURRENCES", "ShardOptions", "default_pad_value", "validate_options"]
+
+#: How a recurrent core that supports both runs under CP (``shard(recurrence=...)``, :mod:`cpcompile.cores`):
+#: ``"state"`` (each rank runs it on its own tokens and the ranks all-gather fixed-size state summaries) or
+#: ``"heads"`` (head-parallel: an all-to-all gives each rank the whole sequence for its heads).
+RECURRENCES = ("state", "heads")
 
 #: Keys whose padding cpcompile decides (``pad_token_id`` for ``input_ids``, the ignore index for ``labels``).
 OWN_PADDING = ("input_ids", "position_ids", "labels", "attention_mask")
@@ -78,6 +83,7 @@ class ShardOptions:
     hf_kwargs: bool
     dynamic: bool
     pad_values: Mapping[str, int | float | bool] | None
+    recurrence: str = "state"
 
     def summary(self) -> dict:
         """What every CP rank must pass alike, JSON-serialisable (the workload is added by the caller)."""
@@ -93,6 +99,7 @@ class ShardOptions:
             "hf_kwargs": self.hf_kwargs,
             "dynamic": self.dynamic,
             "pad_values": None if self.pad_values is None else repr(sorted(dict(self.pad_values).items())),
+            "recurrence": self.recurrence,
         }
 
 
@@ -106,6 +113,11 @@ def validate_options(
             "a precomputed global count or dp_group (to sum this batch's count over the DP ranks), not both"
         )
     check_layout(options.layout)
+    if options.recurrence not in RECURRENCES:
+        raise ValueError(
+            f'recurrence={options.recurrence!r} is not a known mode; choose one of {RECURRENCES} ("state": state '
+            'passing for the gated delta rule, "heads": every recurrent core head-parallel)'
+        )
     workload = options.workload
     if workload is None and options.layout == "balanced":
         workload = compiled_workload(group_name)

@@ -63,6 +63,7 @@ def shard(
     layout: str = DEFAULT_LAYOUT,
     workload: Workload | None = None,
     pad_values: Mapping[str, int | float | bool] | None = None,
+    recurrence: str = "state",
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -112,6 +113,14 @@ def shard(
             pre-shifted targets), ``0.0`` for floats (loss masks, advantages), ``False`` for bools, so that
             padding stays out of losses that ignore ``-100`` or weight tokens by a mask. Losses of any other
             form mask padding with :func:`real_tokens`.
+        recurrence: how the gated delta rule (transformers' ``torch_chunk_gated_delta_rule``: Qwen3-Next,
+            Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) runs under CP (:mod:`cpcompile.cores`): ``"state"`` (default:
+            state passing, each rank runs it on its own tokens and the ranks all-gather one fixed-size state
+            summary per run, whatever ``T``) or ``"heads"`` (head-parallel: an all-to-all gives each rank the
+            whole sequence for its heads, bytes growing with ``T``). The other recurrent cores (Mamba2's SSD, the
+            selective scan, the RG-LRU, WKV, the lightning-attention layer) run as they do with ``"heads"``
+            whatever it says: state passing is not implemented for them. Compiled graphs are guarded on it (and,
+            with ``"state"``, on the plan's largest number of runs per rank: one compile per number of runs).
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so
     packed batches of changing length compile once with a symbolic length instead of once per length.
@@ -151,6 +160,7 @@ def shard(
         hf_kwargs=hf_kwargs,
         dynamic=dynamic,
         pad_values=pad_values,
+        recurrence=recurrence,
     )
     comm = CommStats()
     failsafe.enter_step(cp_group, comm)
@@ -174,7 +184,7 @@ def shard(
         )
     if dynamic:
         mark_local_dynamic(local, plan.chunk_len)
-    context = Active(plan, cp_group, comm)
+    context = Active(plan, cp_group, comm, recurrence=recurrence)
     record_exact([v for v in local.values() if isinstance(v, torch.Tensor)], context)
     with activated(context) as context:
         try:

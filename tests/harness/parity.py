@@ -160,8 +160,9 @@ class ParityCase:
         return cpcompile.backend(group, **kwargs)
 
     def plan_kwargs(self) -> dict[str, object]:
-        """The ``shard_kwargs`` that shape the plan (``shard``'s own ``dynamic`` and ``pad_values`` do not)."""
-        return {k: v for k, v in self.shard_kwargs if k not in ("dynamic", "pad_values")}
+        """The ``shard_kwargs`` that shape the plan (``shard``'s own ``dynamic``, ``pad_values`` and ``recurrence``
+        do not)."""
+        return {k: v for k, v in self.shard_kwargs if k not in ("dynamic", "pad_values", "recurrence")}
 
     def max_runs(self, cp_size: int) -> int:
         """The most runs of consecutive tokens one rank holds when ``shard`` places this case's batch."""

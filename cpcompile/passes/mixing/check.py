@@ -18,8 +18,9 @@ __all__ = ["check_op", "count_uses"]
 
 #: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
 Action = Literal[
-    "gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "pooled", "head_parallel", "refused"
-]
+    "gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "pooled", "head_parallel",
+    "state_passing", "refused",
+]  # fmt: skip
 
 #: Dispatch ops that count expert assignments over this rank's tokens.
 _COUNTS = frozenset({"histc", "bincount", "sum"})

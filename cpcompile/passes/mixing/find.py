@@ -31,7 +31,7 @@ __all__ = ["MixingOp", "find_mixing_ops"]
 #: What an op does along the sequence.
 Kind = Literal[
     "convolution", "scan", "shift", "reduction", "loss", "contraction", "order", "selection", "index", "custom",
-    "head_parallel", "unknown",
+    "head_parallel", "state_passing", "unknown",
 ]  # fmt: skip
 
 
@@ -47,8 +47,8 @@ class MixingOp(FoundAt):
     layer: str
     #: What it does along the sequence, in words.
     what: str
-    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled``/``head_parallel`` when the finder
-    #: already knows it is accounted for.
+    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled``/``head_parallel``/``state_passing`` when
+    #: the finder already knows it is accounted for.
     accounted: str = ""
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
@@ -514,6 +514,8 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
 
 _INTO_HEADS = ("cpcompile::heads_order", "cpcompile::heads_from_sequence")
 _FROM_HEADS = "cpcompile::sequence_from_heads"
+_INTO_STATE = ("cpcompile::state_runs",)
+_FROM_STATE = "cpcompile::state_output"
 
 
 def _exchange_name(n: fx.Node) -> str:
@@ -521,13 +523,33 @@ def _exchange_name(n: fx.Node) -> str:
 
 
 def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
-    """The head-parallel regions of ``g`` (:mod:`cpcompile.cores`): every node that reads, directly or through
-    others, a ``cpcompile::heads_from_sequence`` (or ``heads_order``) output, up to the
-    ``cpcompile::sequence_from_heads`` that brings the result back to this rank's tokens. These nodes run on the
-    whole sequence of this rank's heads, as the one-process model runs them, and are not mixing ops. One op per
-    ``sequence_from_heads`` (``head_parallel``); a region whose whole-sequence values reach anything else (the
-    graph's output without the way back) is one refused op."""
-    starts = [n for n in g.graph.nodes if _exchange_name(n) in _INTO_HEADS]
+    """The head-parallel and state-passing regions of ``g`` (:mod:`cpcompile.cores`). Head-parallel: every node
+    that reads, directly or through others, a ``cpcompile::heads_from_sequence`` (or ``heads_order``) output, up
+    to the ``cpcompile::sequence_from_heads`` that brings the result back to this rank's tokens; these nodes run
+    on the whole sequence of this rank's heads, as the one-process model runs them. State passing: every node that
+    reads a ``cpcompile::state_runs`` output (the core on this rank's runs, the fold of every run's state
+    summary), up to the ``cpcompile::state_output`` of this rank's tokens' outputs. Neither region's nodes are
+    mixing ops. One op per way back (``head_parallel``, ``state_passing``); a region whose values reach anything
+    else (the graph's output without the way back) is one refused op."""
+    heads, whole = _regions(g, _INTO_HEADS, _FROM_HEADS, 5, "head_parallel")
+    state, whole_state = _regions(g, _INTO_STATE, _FROM_STATE, 1, "state_passing")
+    return heads + state, whole | whole_state
+
+
+#: What the report says of each region's way back.
+_REGION_WHAT = {
+    "head_parallel": "runs {0} on the whole sequence for this rank's heads (one all-to-all per tensor each way)",
+    "state_passing": "runs {0} on this rank's tokens, started from every earlier run's state (one all-gather of "
+    "fixed-size state summaries)",
+}
+
+
+def _regions(
+    g: fx.GraphModule, into: tuple[str, ...], back: str, site_arg: int, accounted: str
+) -> tuple[list[MixingOp], set[fx.Node]]:
+    """The regions of ``g`` that start at the ops ``into`` and end at the op ``back`` (its argument ``site_arg``
+    names the core), as :func:`_head_parallel_regions` describes them."""
+    starts = [n for n in g.graph.nodes if _exchange_name(n) in into]
     if not starts:
         return [], set()
     whole: set[fx.Node] = set(starts)
@@ -539,7 +561,7 @@ def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.No
         for u in t.users:
             if u in whole:
                 continue
-            if _exchange_name(u) == _FROM_HEADS:
+            if _exchange_name(u) == back:
                 if u not in ends:
                     ends.append(u)
                 continue
@@ -550,19 +572,18 @@ def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.No
             queue.append(u)
     ops = []
     for n in ends:
-        site = n.args[5] if len(n.args) > 5 else ""
-        what = f"runs {site} on the whole sequence for this rank's heads (one all-to-all per tensor each way)"
-        ops.append(dataclasses.replace(_head_op(n, what, "head_parallel"), op=str(site).rpartition(".")[2] or "core"))
+        site = n.args[site_arg] if len(n.args) > site_arg else ""
+        what = _REGION_WHAT[accounted].format(site)
+        op = _head_op(n, what, accounted, accounted)
+        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core"))
     for n in leaks:
-        what = (
-            "is a whole-sequence value of a head-parallel region that leaves it without "
-            "cpcompile::sequence_from_heads; return the core's outputs only"
-        )
-        ops.append(dataclasses.replace(_head_op(n, what, ""), problem="it is not brought back to this rank's tokens"))
+        what = f"is a value of a {accounted} region that leaves it without {back}; return the core's outputs only"
+        op = _head_op(n, what, "", accounted)
+        ops.append(dataclasses.replace(op, problem="it is not brought back to this rank's tokens"))
     whole.update(ends)
     return ops, whole
 
 
-def _head_op(n: fx.Node, what: str, accounted: str) -> MixingOp:
-    return MixingOp(node=n, kind="head_parallel", op=vocab.op_name(n), layer=_compat.node_module_path(n), what=what,
+def _head_op(n: fx.Node, what: str, accounted: str, kind: Kind = "head_parallel") -> MixingOp:
+    return MixingOp(node=n, kind=kind, op=vocab.op_name(n), layer=_compat.node_module_path(n), what=what,
                     accounted=accounted)  # fmt: skip
