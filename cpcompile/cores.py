@@ -1,10 +1,11 @@
-"""Head-parallel mixer cores: known recurrent core functions run on the whole sequence for H / N heads under CP.
+"""Recurrent mixer cores under CP: known core functions run head-parallel, or by state passing.
 
 A recurrent mixer (a gated delta-net's chunked delta rule) carries a state along the sequence, so on a rank's
 ``c`` tokens it is wrong, and its traced ops are specialised to the local length (the chunk loop is unrolled).
 For the core functions listed in :data:`CORES`, cpcompile gives Dynamo a replacement
 (``torch.compiler.substitute_in_graph``) that, while a :func:`cpcompile.shard` context of more than one rank is
-active, sends every per-head argument through ``cpcompile::heads_from_sequence`` (this rank's ``c`` tokens of
+active (for the gated delta rule with ``shard(recurrence="heads")``; state passing below otherwise), sends every
+per-head argument through ``cpcompile::heads_from_sequence`` (this rank's ``c`` tokens of
 all ``H`` heads -> all ``N * c`` tokens in global order, padding last, of heads ``[r * H/N, (r + 1) * H/N)``),
 runs the library's own function on the whole sequence, and brings the output back with
 ``cpcompile::sequence_from_heads``. The core's inputs get a layout whose ``[B, H, S, ...]`` transpose is contiguous
@@ -62,6 +63,19 @@ dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``o
 ``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``, WKV's ``state`` and
 ``return_state``), ``cu_seqlens``/``seq_idx``.
 
+State passing (the gated delta rule under ``shard(recurrence="state")``, the default; :data:`STATE_RUNS`): the rule
+is affine in its state, so no heads are exchanged. Every run of consecutive global tokens a rank holds gets a
+slot (the rank's tokens with the other runs' zeroed: a zero token is an identity step), the library's function runs
+once on all slots from the state ``[0 | I]`` on the values ``[v | 0]``, which gives each run's zero-state output,
+the rows that map a start state to its outputs, and a fixed-size summary (its state from zero and the product of
+its transitions); ``cpcompile::state_gather`` all-gathers the summaries of every rank
+(:mod:`cpcompile.ops.state`), each rank folds them in global token order in fp32 and corrects its runs' outputs by
+the state each run starts from (:func:`_gated_delta_rule_state`). Exact under every layout and whatever ``T``
+(padding comes last), with any number of heads (no padding); bytes independent of ``T``; the core runs once per
+slot with ``dv + dk`` value columns. Same refusals as head-parallel, except the head counts need only ``Hk``
+dividing ``Hv``. Dynamo guards on :data:`STATE_RUNS` (the mode and the number of slots). State passing is not
+implemented for the other cores: they run head-parallel whatever ``recurrence`` says.
+
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
 process-wide and permanent, and inert without a CP context. A graph Dynamo traced before the registration (the
@@ -81,7 +95,15 @@ import torch
 
 from cpcompile import _compat
 
-__all__ = ["CORES", "HEADS_GROUP", "in_core", "register_known_cores", "registered_cores", "traced_in_core"]
+__all__ = [
+    "CORES",
+    "HEADS_GROUP",
+    "STATE_RUNS",
+    "in_core",
+    "register_known_cores",
+    "registered_cores",
+    "traced_in_core",
+]
 
 #: ``(group_name, cp_size, rank)`` of the active :func:`cpcompile.shard` context when its group has more than one
 #: rank, else ``None``. Read by the replacements while Dynamo traces them (Dynamo guards on its value).
