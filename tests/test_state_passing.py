@@ -216,3 +216,21 @@ def test_cp3_balanced_equals_one_process():
     summaries = run_distributed(_worker, 3, CP3, False, timeout_s=TIMEOUT_S)[0]["cases"]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in CP3]
+
+
+def test_an_unknown_recurrence_is_refused_naming_the_choices():
+    from cpcompile.runtime.shard_options import ShardOptions, validate_options
+
+    options = ShardOptions(
+        layout="contiguous",
+        workload=None,
+        num_items_in_batch=None,
+        dp_group=None,
+        pad_token_id=0,
+        hf_kwargs=True,
+        dynamic=True,
+        pad_values=None,
+        recurrence="scan",
+    )
+    with pytest.raises(ValueError, match=r"recurrence='scan' is not a known mode; choose one of \('state', 'heads'\)"):
+        validate_options({"input_ids": torch.zeros(1, 4, dtype=torch.long)}, "", options)
