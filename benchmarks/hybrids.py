@@ -4,8 +4,10 @@ The model is a tiny hybrid of :data:`cpcompile.testing.HYBRID_FAMILIES` (``--fam
 delta-net layer before an attention layer; ``bamba``, a Mamba2 layer before an attention layer; ...), widened with
 ``--hidden`` so that the recurrent mixer dominates: the mixer's heads grow with the hidden size (key, value and
 SSD head counts divisible by 4, so that CP=4 takes whole heads and groups), ``use_cache=False``. Under CP the
-mixer's core runs head-parallel (:mod:`cpcompile.cores`: one all-to-all per exchanged tensor and direction), the
-causal conv before it is all-gathered (the whole sequence on every rank), and the attention layer gathers K/V.
+mixer's core runs head-parallel (:mod:`cpcompile.cores`: one all-to-all per exchanged tensor and direction) or, for
+the gated delta rule, by state passing (``--recurrence state``, the default, or ``heads``; ``state,heads`` runs
+both, one row each), the causal conv before it is all-gathered (the whole sequence on every rank), and the
+attention layer gathers K/V.
 
 Each rank is a CPU process (gloo, one thread). After two warm-up steps (compilation), the peak resident set
 (VmHWM) is reset and one forward+backward step runs; the memory column is the peak above the rank's resident size
@@ -18,6 +20,7 @@ core on the whole sequence); both are one process holding the whole sequence.
 
 Bytes are this rank's forward bytes of the last step, from ``cpcompile.comm_stats()`` (the largest over the
 ranks): the head-parallel all-to-alls (``heads_bytes``, received; and divided by the number of mixer layers),
+the state summaries' all-gathers of state passing (``state_bytes``),
 the sequence all-gathers of the mixing ops outside attention (``sequence_gather_bytes``: the causal conv's input)
 and the attention K/V all-gathers (``all_gather_bytes``). Backward moves the same bytes again in the reverse
 exchanges (``heads_backward_bytes``, ``sequence_reduce_scatter_bytes``, ``reduce_scatter_bytes``). Next to them,
@@ -94,7 +97,16 @@ def _mixer_channels(config) -> tuple[int, int, int]:
     return layers, config.hidden_size, inner + config.mamba_n_heads + groups  # x, dt, B, C
 
 
-def _worker(rank: int, world_size: int, family: str, overrides: dict, doc_lens: list, steps: int, plain: bool):
+def _worker(
+    rank: int,
+    world_size: int,
+    family: str,
+    overrides: dict,
+    doc_lens: list,
+    steps: int,
+    plain: bool,
+    recurrence: str = "state",
+):
     import torch
     import torch.distributed as dist
 
@@ -117,7 +129,7 @@ def _worker(rank: int, world_size: int, family: str, overrides: dict, doc_lens: 
         compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
 
         def step():
-            with cpcompile.shard(batch, group) as local:
+            with cpcompile.shard(batch, group, recurrence=recurrence) as local:
                 out = compiled(**local)
                 out.loss.backward()
             del out
@@ -145,6 +157,7 @@ def _worker(rank: int, world_size: int, family: str, overrides: dict, doc_lens: 
         stats = cpcompile.comm_stats()
         comm = {
             "heads": stats.heads_bytes,
+            "state": stats.state_bytes,
             "sequence": stats.sequence_gather_bytes,
             "kv": stats.all_gather_bytes,
         }
@@ -164,6 +177,11 @@ def main() -> None:
         help="documents of log-normal lengths with this mean (sigma 1.0 of the log, seed 0) instead of --docs",
     )
     ap.add_argument("--cp", default="1,2,4")
+    ap.add_argument(
+        "--recurrence",
+        default="state",
+        help="shard(recurrence=...) of the CP>1 rows, comma-separated ('state', 'heads'): one row per CP size and mode",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up and the memory step")
     ap.add_argument(
         "--baseline",
@@ -183,12 +201,13 @@ def main() -> None:
     dtype_bytes = 4
     mib = 2.0**20
     rows, base = [], None
-    runs = [(int(x), False) for x in args.cp.split(",")]
+    modes = args.recurrence.split(",")
+    runs = [(int(x), False, mode) for x in args.cp.split(",") for mode in (modes if int(x) > 1 else modes[:1])]
     if runs and runs[0][0] == 1:  # the CP=1 rows, the first of them the base of the ratios
-        runs[:1] = [(1, b == "plain") for b in args.baseline.split(",")]
-    for n, plain in runs:
+        runs[:1] = [(1, b == "plain", modes[0]) for b in args.baseline.split(",")]
+    for n, plain, mode in runs:
         res = run_distributed(
-            _worker, n, args.family, overrides, doc_lens, args.steps, plain, timeout_s=1800, fresh=True
+            _worker, n, args.family, overrides, doc_lens, args.steps, plain, mode, timeout_s=1800, fresh=True
         )
         peak = max(r[0] for r in res)
         step_s = max(r[1] for r in res)
@@ -199,7 +218,9 @@ def main() -> None:
         rows.append(
             {
                 "CP": n,
-                "run": "torch.compile aot_eager" if plain else "cpcompile" + (", 1 rank" if n == 1 else ""),
+                "run": "torch.compile aot_eager"
+                if plain
+                else "cpcompile" + (", 1 rank" if n == 1 else f", recurrence={mode}"),
                 "peak MiB (max rank)": peak,
                 "peak / CP=1": peak / base[0],
                 "1/N": 1 / n,
@@ -207,6 +228,7 @@ def main() -> None:
                 "step / CP=1": step_s / base[1],
                 "measured: all-to-all MiB": heads / mib,
                 "measured: all-to-all MiB / mixer layer": heads / max(mixers, 1) / mib,
+                "measured: state gather MiB": max((c.get("state", 0) for c in comm), default=0) / mib,
                 "measured: conv gather MiB": max((c.get("sequence", 0) for c in comm), default=0) / mib,
                 "measured: K/V gather MiB": max((c.get("kv", 0) for c in comm), default=0) / mib,
                 "computed: naive gather of mixer input MiB / layer": naive * hidden_ch / mib,

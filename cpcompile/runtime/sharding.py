@@ -102,7 +102,8 @@ def shard(
             (default: every rank computes the same attention work for this batch, :mod:`cpcompile.layouts`),
             ``"contiguous"`` (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and
             ``2N-1-r`` of ``2N``). Chosen per batch; changing it, or the documents, between steps does not
-            recompile.
+            recompile (but for a model with the gated delta rule under ``recurrence="state"``, once per new
+            largest number of runs per rank).
         workload: what ``"balanced"`` evens out (:class:`cpcompile.plan.Workload`). Default: the attention
             forms (documents, sliding window, number of layers) and the kernel's block size of the layers
             compiled for ``cp_group`` so far (:func:`compiled_workload`); before the first compilation, full
