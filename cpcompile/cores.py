@@ -442,7 +442,8 @@ def _gated_delta_rule_state(core, heads, runs: int, site: str, query, key, value
 
     if key.shape[2] != hv:  # the core's own repeat, done here so that the layout of per_run reaches it
         query, key = (t.repeat_interleave(hv // key.shape[2], dim=2) for t in (query, key))
-    q, k, gg, bb, v = (per_run(t) for t in (query, key, g, beta, value))
+    # each input as a contiguous copy whose gradient is a contiguous copy too (cpcompile::state_input)
+    q, k, gg, bb, v = (per_run(torch.ops.cpcompile.state_input(t, site)) for t in (query, key, g, beta, value))
     out, final = _from_identity(core, q, k, v, gg, bb)
     every = torch.ops.cpcompile.state_gather(final.unflatten(0, (runs, b)), group_name, site, final.requires_grad)
     in_order = every.flatten(0, 1).index_select(0, order)  # [N * runs, B, H, dk, dv + dk], runs in global order

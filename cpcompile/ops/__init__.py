@@ -117,7 +117,7 @@ from cpcompile.ops.sites import (
     site_plan,
     site_spec,
 )
-from cpcompile.ops.state import state_gather, state_output, state_reduce_scatter, state_runs
+from cpcompile.ops.state import state_gather, state_input, state_output, state_reduce_scatter, state_runs
 from cpcompile.ops.tokens import (
     emit_buffer_gather,
     emit_sequence_gather,
@@ -162,6 +162,7 @@ __all__ = [
     "sequence_from_heads",
     "sequence_order",
     "state_gather",
+    "state_input",
     "state_output",
     "state_reduce_scatter",
     "state_runs",

@@ -6,6 +6,7 @@ state gives, per run, a fixed-size summary of its effect on the state (:mod:`cpc
 every run of every rank, folded in global token order, give each run the state it starts from::
 
     slots, order = cpcompile::state_runs(x.detach(), seq_dim, cp_size, runs, site)  # [c], [N * runs]
+    x = cpcompile::state_input(x, site)      # each input of the core: a contiguous copy (and gradient)
     ...                                      # the core once per run slot, on the tokens of that run only
     every = cpcompile::state_gather(summary, group_name, site, needs_grad)  # [N, *summary.shape]
     ...                                      # fold in ``order``, correct this rank's outputs
@@ -130,15 +131,39 @@ def _gather_backward(ctx, grad):
 state_gather.register_autograd(_gather_backward, setup_context=_gather_context)
 
 
+@torch.library.custom_op("cpcompile::state_input", mutates_args=())
+def state_input(x: torch.Tensor, site: str) -> torch.Tensor:
+    """A contiguous copy of ``x``, an input of a state-passing region; its backward is this op again, so the
+    gradient the model gets back is contiguous at run time as Dynamo traced it (the core's padding to whole chunks
+    gives its gradients other strides at run time when the length needs none: pytorch/pytorch#144187)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@state_input.register_fake
+def _(x, site):
+    return x.new_empty(x.shape)
+
+
+def _input_context(ctx, inputs, output):
+    ctx.site = inputs[1]
+
+
+state_input.register_autograd(
+    lambda ctx, grad: (torch.ops.cpcompile.state_input(grad, ctx.site), None), setup_context=_input_context
+)
+
+
 @torch.library.custom_op("cpcompile::state_output", mutates_args=())
 def state_output(y: torch.Tensor, site: str) -> torch.Tensor:
-    """A copy of ``y``: the end of a state-passing region (``y`` holds this rank's tokens' outputs)."""
-    return y.clone()
+    """A contiguous copy of ``y``: the end of a state-passing region (``y`` holds this rank's tokens' outputs).
+    Contiguous whatever ``y``'s strides, in the fake implementation too, so that the views the model takes of it
+    hold at every length (the strides of ``y`` at run time need not be those Dynamo traced)."""
+    return y.clone(memory_format=torch.contiguous_format)
 
 
 @state_output.register_fake
 def _(y, site):
-    return torch.empty_like(y)
+    return y.new_empty(y.shape)
 
 
 state_output.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)

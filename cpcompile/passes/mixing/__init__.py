@@ -55,9 +55,10 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   as the one-process model runs it, and is not a mixing op; one report per ``sequence_from_heads``, named after
   the core. A whole-sequence value that reaches the graph's output without the way back is refused.
 * ``state_passing``: the call of the gated delta rule that Dynamo traced through its state-passing replacement
-  (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` output (the core on this rank's runs,
-  the all-gather and fold of every run's state summary), up to the ``cpcompile::state_output`` of this rank's
-  tokens' outputs, is exact and not a mixing op; one report per ``state_output``, named after the core.
+  (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` or ``cpcompile::state_input`` output
+  (the core on this rank's runs, the all-gather and fold of every run's state summary), up to the
+  ``cpcompile::state_output`` of this rank's tokens' outputs, is exact and not a mixing op; one report per
+  ``state_output``, named after the core.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
 

@@ -514,7 +514,7 @@ def find_mixing_ops(gm: fx.GraphModule, seq: SequenceLength, per_token_ops: tupl
 
 _INTO_HEADS = ("cpcompile::heads_order", "cpcompile::heads_from_sequence")
 _FROM_HEADS = "cpcompile::sequence_from_heads"
-_INTO_STATE = ("cpcompile::state_runs",)
+_INTO_STATE = ("cpcompile::state_runs", "cpcompile::state_input")
 _FROM_STATE = "cpcompile::state_output"
 
 
@@ -527,10 +527,10 @@ def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.No
     that reads, directly or through others, a ``cpcompile::heads_from_sequence`` (or ``heads_order``) output, up
     to the ``cpcompile::sequence_from_heads`` that brings the result back to this rank's tokens; these nodes run
     on the whole sequence of this rank's heads, as the one-process model runs them. State passing: every node that
-    reads a ``cpcompile::state_runs`` output (the core on this rank's runs, the fold of every run's state
-    summary), up to the ``cpcompile::state_output`` of this rank's tokens' outputs. Neither region's nodes are
-    mixing ops. One op per way back (``head_parallel``, ``state_passing``); a region whose values reach anything
-    else (the graph's output without the way back) is one refused op."""
+    reads a ``cpcompile::state_runs`` or ``cpcompile::state_input`` output (the core on this rank's runs, the fold
+    of every run's state summary), up to the ``cpcompile::state_output`` of this rank's tokens' outputs. Neither
+    region's nodes are mixing ops. One op per way back (``head_parallel``, ``state_passing``); a region whose
+    values reach anything else (the graph's output without the way back) is one refused op."""
     heads, whole = _regions(g, _INTO_HEADS, _FROM_HEADS, 5, "head_parallel")
     state, whole_state = _regions(g, _INTO_STATE, _FROM_STATE, 1, "state_passing")
     return heads + state, whole | whole_state
