@@ -1,5 +1,7 @@
 """Parity of hybrid models whose recurrent mixer runs head-parallel (:mod:`cpcompile.cores`), compiled with
 cpcompile at CP=2, 3 and 4 (gloo processes), vs the same model run whole in one process on the same global batch.
+The gated delta rule's cases pass ``shard(recurrence="heads")`` (its default, state passing, is
+tests/test_state_passing.py's); the other cores' cases pass nothing: they run head-parallel whatever it says.
 
 Models (``cpcompile.testing.HYBRID_FAMILIES``): transformers Qwen3-Next, a gated delta-net layer (2 key / 4 value
 heads, causal conv kernel 4, the torch chunked delta rule) before a gated attention layer, MoE feed-forwards; the
