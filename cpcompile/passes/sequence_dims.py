@@ -10,6 +10,7 @@ sequence dim too.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import sympy
 import torch
@@ -169,6 +170,20 @@ def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLen
     return None
 
 
+def _vmap_tags(n: fx.Node, name: str, first_tags: Tags, tags: dict) -> Tags:
+    """Tags through ``vmap``'s batch dims (traced from torch's own scans): ``_add_batch_dim(x, dim, level)`` hides
+    ``dim`` from the ops inside, and ``_remove_batch_dim(x, level, size, dim)`` puts the dims of that level back at
+    ``dim``, holding the sequence when a dim the level hid did (kept in ``tags`` under ``("vmap", level)``)."""
+    if name == "_add_batch_dim":
+        dim, level = arg(n, 1, "dim") % len(first_tags), arg(n, 2, "level")
+        tags[("vmap", level)] = tags.get(("vmap", level), False) or first_tags[dim]
+        return first_tags[:dim] + first_tags[dim + 1 :]
+    level, dim = arg(n, 1, "level"), arg(n, 3, "out_dim")
+    t = list(first_tags)
+    t.insert(dim % (len(t) + 1), tags.get(("vmap", level), False))
+    return tuple(t)
+
+
 def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, tags: dict) -> Tags:
     index = n.args[1]
     entries = index if isinstance(index, tuple) else (index,)
@@ -191,11 +206,26 @@ def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, 
     return tuple(res) if len(res) == len(out) else _involved(out, seq)
 
 
-def sequence_dims(g: fx.GraphModule, seq: SequenceLength) -> dict[fx.Node, object]:
+def sequence_dims(
+    g: fx.GraphModule,
+    seq: SequenceLength,
+    seeds: dict[fx.Node, Tags] | None = None,
+    nodes: Iterable[fx.Node] | None = None,
+) -> dict[fx.Node, object]:
     """For every node of ``g`` with a tensor value: a tuple telling for each dim whether it holds the sequence
-    (a tuple of such tuples for ops returning several tensors, e.g. ``chunk``)."""
+    (a tuple of such tuples for ops returning several tensors, e.g. ``chunk``).
+
+    ``seeds`` and ``nodes`` follow another dim by the same rules: the nodes of ``seeds`` hold it where their tags
+    say, and only ``nodes`` (in graph order) are tagged, from their inputs among them (inputs outside hold none of
+    it). With a :class:`SequenceLength` without symbols and without a chunk length no size says a dim holds it:
+    the head-parallel regions' proof (:func:`cpcompile.passes.mixing.find._head_map_refusals`) follows the head
+    dim of ``cpcompile::heads_from_sequence`` outputs this way."""
+    seeds = seeds or {}
     tags: dict[fx.Node, object] = {}
-    for n in g.graph.nodes:
+    for n in g.graph.nodes if nodes is None else nodes:
+        if n in seeds:
+            tags[n] = seeds[n]
+            continue
         v = _val(n)
         if isinstance(v, (tuple, list)):
             base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -244,6 +274,12 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
             return _reshape_tags(shape_of(first), first_tags, out, seq)
         if name == "getitem":
             return _getitem_tags(n, first_tags, out, seq, tags)
+        if name in ("narrow", "slice") and len(first_tags) == len(out):  # every dim where it was, as a getitem
+            return tuple(t or s for t, s in zip(first_tags, _involved(out, seq), strict=True))
+        if name in vocab.VMAP_DIMS:
+            got = _vmap_tags(n, name, first_tags, tags)
+            if len(got) == len(out):
+                return got
         if name in vocab.LAYOUT:
             got = _layout_tags(n, name, first_tags, out, seq)
             if got is not None and len(got) == len(out):
