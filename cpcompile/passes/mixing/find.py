@@ -189,6 +189,12 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return None
     if name in vocab.VMAP_DIMS:
         return None
+    if g.heads and name in vocab.SPLITS:  # pieces of the rank's heads, by their local index: not the model's
+        pos, kw, default = vocab.SPLITS[name]
+        dim = arg(n, 1 + pos, kw, default)
+        if not isinstance(dim, int) or (tags and tags[dim % len(tags)]):
+            return found("selection", f"{name} splits the heads by their index on this rank")
+        return None
     if name in vocab.ELEMENTWISE or name in vocab.LAYOUT or name in vocab.RESHAPE or name in vocab.SPLITS:
         if name in ("repeat", "tile") and n.args[0] is x:
             sizes = list(n.args[1:]) if not isinstance(n.args[1], (tuple, list)) else list(n.args[1])
