@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from cpcompile import _compat, cores
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, source_line
+from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, size_hint, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.pooling import pooled_picks
@@ -231,7 +231,7 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
     if name in vocab.CONTRACTIONS:
         return _check_contraction(n, name, g, found)
     if name in vocab.MATRIX_OPS:
-        matrices = any(t[-2:] != (False,) * len(t[-2:]) for t in (_seq_tags(i, g) for i in operands))
+        matrices = any(any(_seq_tags(i, g)[-2:]) for i in operands)  # the dims it solves along
         return found("contraction", f"{name} solves along the sequence dim") if matrices else None
     if name in vocab.GROUPED_MATMULS:
         if n.args and n.args[0] is x and len(operands) == 1:
@@ -651,8 +651,9 @@ def _head_map_refusals(
     sequence (a reduction, scan or norm over the head dim, a matmul or einsum contracting it, a merge of it with a
     dim then contracted, a selection or move across it, an op not known to keep it apart) mixes heads, whatever
     the sequence rules would account it as (a sum is no partial sum here), while a constant repeat of each head
-    (key heads to their value heads) keeps them apart. Ops on sizes only take no tagged operand. One pass over the
-    region's nodes.
+    (key heads to their value heads) keeps them apart. Ops on sizes only take no tagged operand. A node that reads
+    the head dim and whose value the rules cannot tag with it is refused too (:func:`_loses_heads`): what follows it
+    could not be checked. One pass over the region's nodes.
 
     DTensor's sharding propagation (``Shard(head_dim)`` kept by an op's strategies) was not used: these are
     Dynamo's torch-level nodes (functions, methods, before AOTAutograd), for which DTensor has no rules, and its
@@ -668,16 +669,36 @@ def _head_map_refusals(
         if not operands:
             continue
         name = vocab.op_name(n) if n.op != "call_module" else f"module {n.target}"
-        if _classify(n, name, operands, info) is None:
-            continue
-        site = core.get(n, "")
-        what = (
-            f"{name} combines values of different heads (channels) inside the head-parallel region of "
-            f"{site.rpartition('.')[2] or 'a core'}, whose heads cpcompile::heads_from_sequence splits over the CP "
-            "ranks"
-        )
-        refused.append(_head_op(n, what, ""))
+        core_name = core.get(n, "").rpartition(".")[2] or "a core"
+        if _classify(n, name, operands, info) is not None:
+            what = (
+                f"{name} combines values of different heads (channels) inside the head-parallel region of "
+                f"{core_name}, whose heads cpcompile::heads_from_sequence splits over the CP ranks"
+            )
+            refused.append(_head_op(n, what, ""))
+        elif _loses_heads(n, operands, tags):
+            what = (
+                f"cpcompile cannot follow the head dim through {name} inside the head-parallel region of {core_name}, "
+                "so it cannot prove that the ops after it keep the heads apart"
+            )
+            refused.append(_head_op(n, what, ""))
     return refused
+
+
+def _loses_heads(n: fx.Node, operands: list[fx.Node], tags: dict) -> bool:
+    """Whether ``n`` reads a head dim of more than one head and no dim of its value is known to hold heads (the
+    rules could not follow the dim through it). A dim of one head (``N`` copies exchanged, one per rank) may go."""
+    if not isinstance(_val(n), (torch.Tensor, tuple, list)):
+        return False
+    got = tags.get(n)
+    if isinstance(got, tuple) and any(x is True or (isinstance(x, tuple) and any(x)) for x in got):
+        return False
+    for i in operands:
+        t, shape = tags.get(i), shape_of(i)
+        if isinstance(t, tuple) and not is_nested(t) and shape is not None:
+            if any(tagged and size_hint(size) != 1 for tagged, size in zip(t, shape, strict=False)):
+                return True
+    return False
 
 
 def _head_op(n: fx.Node, what: str, accounted: str) -> MixingOp:
