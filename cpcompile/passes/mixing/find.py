@@ -585,7 +585,9 @@ def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.No
     reach(starts)
     seeds = _per_head_slices(g, whole, core)
     reach([n for n in seeds if n not in whole])
-    seeds.update({n: tuple(d == arg(n, 3, "head_dim") for d in range(_val(n).dim())) for n in exchanges})
+    for n in exchanges:  # the head dim of the exchange's output (its ``head_dim`` argument)
+        ndim = _val(n).dim()
+        seeds[n] = tuple(d == arg(n, 3, "head_dim") % ndim for d in range(ndim))
     ops = _head_map_refusals(g, whole, seeds, core)
     for n in ends:
         site = n.args[5] if len(n.args) > 5 else ""
