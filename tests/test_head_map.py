@@ -5,7 +5,8 @@ Toy cores (``tests.models.head_cores``) registered as known cores of the WKV for
 apart is accepted (``head_parallel``, nothing refused), and each of its variants with one op that combines channels
 (a sum, an einsum contracting them, a softmax over them, a sum of the per-channel parameter the replacement
 narrows, a reshape that merges them into a dim a matmul contracts, a chunk of them into halves) is refused at
-compile time, naming the op, the core, the model's line and the fix. Then every known core form's region, traced
+compile time, naming the op, the core, the model's line and the fix; an op the head dim cannot be followed through
+(an einsum, with that rule taken away) is refused too. Then every known core form's region, traced
 from a tiny transformers model, is proved a head map: the gated delta rule (Qwen3-Next), Mamba2's SSD (Bamba), the
 selective scan (Mamba), RecurrentGemma's RG-LRU and RWKV's WKV (the first three in the slow tier: each traces a
 whole model).
@@ -48,6 +49,19 @@ def _reports(model, group) -> list[tuple[str, str, str]]:
 def test_a_core_that_keeps_its_channels_apart_is_head_parallel(world, toy_cores):
     reports = _reports(CoreLM("channel_map"), world)
     assert reports == [("pad", "shift", "gathered"), ("channel_map", "head_parallel", "head_parallel")], reports
+
+
+def test_an_op_the_head_dim_cannot_be_followed_through_is_refused(world, toy_cores, monkeypatch):
+    """``channel_product``'s einsum keeps the channels apart and is accepted; with the rule that follows a dim
+    through an einsum taken away, the proof cannot tell what the ops after it do with the channels, and refuses."""
+    from cpcompile.passes import sequence_dims
+
+    reports = _reports(CoreLM("channel_product"), world)
+    assert ("channel_product", "head_parallel", "head_parallel") in reports, reports
+    torch._dynamo.reset()
+    monkeypatch.setattr(sequence_dims, "_einsum_tags", lambda *a: None)
+    with pytest.raises(cpcompile.UnsupportedMixingError, match="cannot follow the head dim through einsum"):
+        _reports(CoreLM("channel_product"), world)
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@
 rank's channels), and a tiny LM that calls one of them: the controls of the mixing pass's proof that a head-parallel
 region is a map over its heads (``tests/test_head_map.py``).
 
-``channel_map`` keeps every channel apart (a decayed prefix sum along the sequence, per channel); the others are
-the same recurrence with one op that combines channels: a ``sum`` over them, an ``einsum`` contracting them, a
+``channel_map`` keeps every channel apart (a decayed prefix sum along the sequence, per channel), and so does
+``channel_product`` (its product of keys and values an einsum); the others are the same recurrence with one op
+that combines channels: a ``sum`` over them, an ``einsum`` contracting them, a
 ``softmax`` over them, a ``sum`` of the per-channel parameter ``time_decay``, a ``reshape`` that merges the
 channels into the dim a ``matmul`` then contracts, or a ``chunk`` of the channels into halves treated apart (on a
 rank, the halves of its own channels, not of the model's).
@@ -26,6 +27,12 @@ def _recurrence(time_decay, time_first, key, value):
 
 def channel_map(time_decay, time_first, key, value, state=None, return_state=False):
     return _recurrence(time_decay, time_first, key, value), None
+
+
+def channel_product(time_decay, time_first, key, value, state=None, return_state=False):
+    """:func:`channel_map` with ``k * v`` written as an einsum that contracts nothing."""
+    kv = torch.einsum("bsc,bsc->bsc", key, value)
+    return _recurrence(time_decay, time_first, kv, torch.ones_like(value)), None
 
 
 def channel_sum(time_decay, time_first, key, value, state=None, return_state=False):
@@ -60,6 +67,7 @@ def channel_halves(time_decay, time_first, key, value, state=None, return_state=
 
 CORES = (
     "channel_map",
+    "channel_product",
     "channel_sum",
     "channel_einsum",
     "channel_softmax",
