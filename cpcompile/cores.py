@@ -15,7 +15,9 @@ original function (the gated delta rule's inputs laid out heads-major, values un
 :func:`_heads_major`); Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
 
-Known cores (a registry, not a general mechanism): transformers' ``torch_chunk_gated_delta_rule`` of Qwen3-Next,
+Known cores (a registry, not a general mechanism: it chooses which functions are substituted; the mixing pass
+proves that each traced region is a map over the heads, :mod:`cpcompile.passes.mixing`): transformers'
+``torch_chunk_gated_delta_rule`` of Qwen3-Next,
 Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid (one function, defined in each model's module: ``query``, ``key``
 ``[B, S, Hk, Dk]``, ``value`` ``[B, S, Hv, Dv]``, ``g``, ``beta`` ``[B, S, Hv]``; output ``[B, S, Hv, Dv]``), on
 its torch fallback path only (not when transformers resolved it to flash-linear-attention); and transformers'

@@ -52,8 +52,12 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
 * ``head_parallel``: the call of a known recurrent core (:mod:`cpcompile.cores`) that Dynamo traced through its
   head-parallel replacement: every node that reads a ``cpcompile::heads_from_sequence`` output, up to the
   ``cpcompile::sequence_from_heads`` that brings the result back, runs on the whole sequence of this rank's heads
-  as the one-process model runs it, and is not a mixing op; one report per ``sequence_from_heads``, named after
-  the core. A whole-sequence value that reaches the graph's output without the way back is refused.
+  as the one-process model runs it; one report per ``sequence_from_heads``, named after the core. That the region
+  is a map over the heads (channels) is proved, not trusted: the head dim is followed from the exchanges' outputs
+  and the per-head parameters the replacement narrows, and a node that mixes along it (by the rules that decide
+  the sequence dim) is refused, naming the op, the model's line and the fix
+  (:func:`~cpcompile.passes.mixing.find._head_map_refusals`). A whole-sequence value that reaches the graph's
+  output without the way back is refused.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
 

@@ -155,6 +155,13 @@ _TRANSFORMERS_MASKS = "transformers/masking_utils.py"
 
 
 def _fix(op: MixingOp) -> str:
+    if op.kind == "head_parallel":
+        if op.problem:  # a whole-sequence value that leaves the region: its ``what`` says what to return
+            return "return only the core's outputs from the head-parallel region"
+        return (
+            "this core mixes heads, so it cannot run head-parallel: run this model (or this layer) without context "
+            "parallelism, or report the model with the graphs cpcompile.backend(..., dump_dir=...) writes"
+        )
     outside = vocab.masks_built_outside_fix(op.node)
     if outside is not None:
         return outside
@@ -196,8 +203,10 @@ def _fix(op: MixingOp) -> str:
 
 def _refusal(op: MixingOp, reason: str) -> UnsupportedMixingError:
     code = f" Model code: {op.source}." if op.source else ""
+    held = "some tokens of the sequence"
+    if op.kind == "head_parallel" and not op.problem:
+        held = "the whole sequence of some heads (channels) in a head-parallel region"
     return UnsupportedMixingError(
         f"cpcompile cannot run {op.op} at {op.where} across CP ranks: {reason}.{code} Under context parallelism "
-        f"each rank holds only some tokens of the sequence, and this op would combine them without the others'. "
-        f"Fix: {_fix(op)}"
+        f"each rank holds only {held}, and this op would combine them without the others'. Fix: {_fix(op)}"
     )
