@@ -50,7 +50,7 @@ _MOE_LAYER = (
     ("getitem", "dispatch"),
 )
 EXPECTED = (
-    ("conv1d", "gathered"),
+    ("conv1d", "halo"),
     ("torch_chunk_gated_delta_rule", "head_parallel"),
     *_MOE_LAYER,
     *_MOE_LAYER,
@@ -67,8 +67,8 @@ EXPECTED_BY_MODEL = {
     "olmo_hybrid": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
 }
 
-#: The Mamba2 (SSD) core's families: the conv gathered, the SSD core head-parallel, per Mamba2 layer.
-_SSD_LAYER = (("conv1d", "gathered"), ("mamba2_chunk_scan", "head_parallel"))
+#: The Mamba2 (SSD) core's families: the conv with a halo, the SSD core head-parallel, per Mamba2 layer.
+_SSD_LAYER = (("conv1d", "halo"), ("mamba2_chunk_scan", "head_parallel"))
 EXPECTED_BY_MODEL.update(
     {
         "bamba": (*_SSD_LAYER, EXPECTED[-1]),
@@ -79,9 +79,9 @@ EXPECTED_BY_MODEL.update(
         "zamba2": (*_SSD_LAYER, *_SSD_LAYER, EXPECTED[-1]),
     }
 )
-#: The selective scan's families: the conv gathered, the scan head-parallel (channel-parallel), per Mamba layer;
+#: The selective scan's families: the conv with a halo, the scan head-parallel (channel-parallel), per Mamba layer;
 #: Zamba's mixer calls the scan once per Mamba head (2).
-_SCAN_LAYER = (("conv1d", "gathered"), ("mamba_selective_scan", "head_parallel"))
+_SCAN_LAYER = (("conv1d", "halo"), ("mamba_selective_scan", "head_parallel"))
 EXPECTED_BY_MODEL.update(
     {
         "jamba": (*_SCAN_LAYER, *_MOE_LAYER, EXPECTED[-1]),

@@ -1,4 +1,4 @@
-"""Check: what becomes of a mixing op (:func:`check_op`: gathered, a partial sum, MoE dispatch, per-token, or
+"""Check: what becomes of a mixing op (:func:`check_op`: a halo, gathered, a partial sum, MoE dispatch, per-token, or
 refused), and the refusal that names the layer, the op, the model's line and the fix."""
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ __all__ = ["check_op", "count_uses"]
 
 #: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
 Action = Literal[
-    "gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "pooled", "head_parallel", "refused"
+    "halo",
+    "gathered",
+    "partial_sum",
+    "mean_share",
+    "dispatch",
+    "summed",
+    "per_token",
+    "pooled",
+    "head_parallel",
+    "refused",
 ]
 
 #: Dispatch ops that count expert assignments over this rank's tokens.
@@ -108,7 +117,7 @@ def check_op(op: MixingOp, data: frozenset, partials: frozenset = frozenset()) -
     if op.accounted:
         return op.accounted, ""
     if op.region is not None:
-        return "gathered", ""
+        return ("halo" if op.region.halo else "gathered"), ""
     reason = op.what + (f"; it cannot run on the whole sequence: {op.problem}" if op.problem else "")
     return "refused", reason
 
