@@ -48,7 +48,7 @@ def _reports(model, group) -> list[tuple[str, str, str]]:
 
 def test_a_core_that_keeps_its_channels_apart_is_head_parallel(world, toy_cores):
     reports = _reports(CoreLM("channel_map"), world)
-    assert reports == [("pad", "shift", "gathered"), ("channel_map", "head_parallel", "head_parallel")], reports
+    assert reports == [("pad", "shift", "halo"), ("channel_map", "head_parallel", "head_parallel")], reports
 
 
 def test_an_op_the_head_dim_cannot_be_followed_through_is_refused(world, toy_cores, monkeypatch):
