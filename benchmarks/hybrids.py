@@ -2,31 +2,33 @@
 
 The model is a tiny hybrid of :data:`cpcompile.testing.HYBRID_FAMILIES` (``--family``: ``qwen3_next``, a gated
 delta-net layer before an attention layer; ``bamba``, a Mamba2 layer before an attention layer; ...), widened with
-``--hidden`` so that the recurrent mixer dominates: the mixer's heads grow with the hidden size (key, value and
-SSD head counts divisible by 4, so that CP=4 takes whole heads and groups), ``use_cache=False``. Under CP the
-mixer's core runs head-parallel (:mod:`cpcompile.cores`: one all-to-all per exchanged tensor and direction) or, for
-the gated delta rule, by state passing (``--recurrence state``, the default, or ``heads``; ``state,heads`` runs
-both, one row each), the causal conv before it is all-gathered (the whole sequence on every rank), and the
-attention layer gathers K/V.
+``--hidden`` so that the recurrent mixer dominates: the mixer's heads grow with the hidden size (key, value and SSD
+head counts divisible by 4, so that CP=4 takes whole heads and groups), ``use_cache=False``. Under CP the mixer's
+core runs head-parallel (:mod:`cpcompile.cores`: one all-to-all per exchanged tensor and direction) or, for the gated
+delta rule, by state passing (``--recurrence state`` or ``heads``, the default; ``state,heads`` runs both, one row
+each), the causal conv before it takes a halo of ``kernel - 1`` tokens before each of the rank's runs
+(:mod:`cpcompile.passes.mixing`: the rank's tokens and its halo, not the whole sequence), and the attention layer
+gathers K/V.
 
-Each rank is a CPU process (gloo, one thread). After two warm-up steps (compilation), the peak resident set
-(VmHWM) is reset and one forward+backward step runs; the memory column is the peak above the rank's resident size
-just before that step, the largest over the ranks (glibc's malloc is told to return freed memory, as in
-``benchmarks/memory.py``). Then ``--steps`` more steps are timed; the step time is the slowest rank's median.
-The CP=1 rows (``--baseline``, the first the base of the ratios) are the unsharded model under
+Each rank is a CPU process (gloo, one thread). After two warm-up steps (compilation), the peak resident set (VmHWM)
+is reset and one forward+backward step runs; the memory column is the peak above the rank's resident size just
+before that step, the largest over the ranks (glibc's malloc is told to return freed memory, as in
+``benchmarks/memory.py``). Then ``--steps`` more steps are timed; the step time is the slowest rank's median. The
+CP=1 rows (``--baseline``, the first the base of the ratios) are the unsharded model under
 ``torch.compile(backend="aot_eager")`` (``plain``, the default: the model's own SDPA and mask) and/or cpcompile
 with a group of one rank (``cpcompile``: the same attention path as under CP without collectives, the library's
 core on the whole sequence); both are one process holding the whole sequence.
 
-Bytes are this rank's forward bytes of the last step, from ``cpcompile.comm_stats()`` (the largest over the
-ranks): the head-parallel all-to-alls (``heads_bytes``, received; and divided by the number of mixer layers),
-the state summaries' all-gathers of state passing (``state_bytes``),
-the sequence all-gathers of the mixing ops outside attention (``sequence_gather_bytes``: the causal conv's input)
-and the attention K/V all-gathers (``all_gather_bytes``). Backward moves the same bytes again in the reverse
-exchanges (``heads_backward_bytes``, ``sequence_reduce_scatter_bytes``, ``reduce_scatter_bytes``). Next to them,
-computed from the config and not measured: what a naive CP would receive per mixer layer by all-gathering the
-mixer's input (``(N - 1) / N * T * hidden * dtype bytes``: every rank runs the whole mixer on the whole sequence),
-and by all-gathering the core's inputs instead (the same with the core's input channels).
+Bytes are this rank's forward bytes of the last step, from ``cpcompile.comm_stats()`` (the largest over the ranks):
+the head-parallel all-to-alls (``heads_bytes``, received; and divided by the number of mixer layers), the state
+summaries' all-gathers of state passing (``state_bytes``), the halo exchanges and sequence all-gathers of the mixing
+ops outside attention (``sequence_halo_bytes`` and ``sequence_gather_bytes``: the causal conv's input, one or the
+other) and the attention K/V all-gathers (``all_gather_bytes``). Backward moves the same bytes again in the reverse
+exchanges (``heads_backward_bytes``, ``sequence_halo_backward_bytes`` or ``sequence_reduce_scatter_bytes``,
+``reduce_scatter_bytes``). Next to them, computed from the config and not measured: what a naive CP would receive per
+mixer layer by all-gathering the mixer's input (``(N - 1) / N * T * hidden * dtype bytes``: every rank runs the whole
+mixer on the whole sequence), and by all-gathering the core's inputs instead (the same with the core's input
+channels).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def _worker(
     doc_lens: list,
     steps: int,
     plain: bool,
-    recurrence: str = "state",
+    recurrence: str = "heads",
 ):
     import torch
     import torch.distributed as dist
@@ -158,7 +160,7 @@ def _worker(
         comm = {
             "heads": stats.heads_bytes,
             "state": stats.state_bytes,
-            "sequence": stats.sequence_gather_bytes,
+            "sequence": stats.sequence_gather_bytes + stats.sequence_halo_bytes,
             "kv": stats.all_gather_bytes,
         }
     return peak, statistics.median(times), comm
@@ -179,7 +181,7 @@ def main() -> None:
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument(
         "--recurrence",
-        default="state",
+        default="heads",
         help="shard(recurrence=...) of the CP>1 rows, comma-separated ('state', 'heads'): one row per CP size and mode",
     )
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up and the memory step")
@@ -229,7 +231,7 @@ def main() -> None:
                 "measured: all-to-all MiB": heads / mib,
                 "measured: all-to-all MiB / mixer layer": heads / max(mixers, 1) / mib,
                 "measured: state gather MiB": max((c.get("state", 0) for c in comm), default=0) / mib,
-                "measured: conv gather MiB": max((c.get("sequence", 0) for c in comm), default=0) / mib,
+                "measured: conv halo or gather MiB": max((c.get("sequence", 0) for c in comm), default=0) / mib,
                 "measured: K/V gather MiB": max((c.get("kv", 0) for c in comm), default=0) / mib,
                 "computed: naive gather of mixer input MiB / layer": naive * hidden_ch / mib,
                 "computed: naive gather of core inputs MiB / layer": naive * core_ch / mib,

@@ -16,7 +16,7 @@ from cpcompile import _compat, _logging, cores, dump
 from cpcompile.options import BackendOptions
 from cpcompile.passes.common import PassContext
 from cpcompile.passes.flex_cp import flex_cp_pass
-from cpcompile.passes.mixing import MixingReport, mixing_pass
+from cpcompile.passes.mixing import EXCHANGED_ACTIONS, MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass, sequence_length
 from cpcompile.passes.positions.check import exact_outputs, proved_handed_masks
 from cpcompile.passes.positions.guards import LengthGuards, length_guards
@@ -191,7 +191,7 @@ class CPBackend:
         if self.cp_size == 1:
             return compiled
         rewritten = any(r.action == "rewritten" for r in reports)
-        mixes = rewritten or any(r.action == "gathered" for r in mixing)
+        mixes = rewritten or any(r.action in EXCHANGED_ACTIONS for r in mixing)
         if self.options.token_mixing == "required":  # pooled rows mix tokens across ranks, in forward only
             noted = mixes or any(r.action == "pooled" for r in mixing)
             compiled = _noting_graph_run(compiled, self.group_name, self.name, _frame_of(gm, graph_id), noted)

@@ -4,7 +4,7 @@ A recurrent mixer (a gated delta-net's chunked delta rule) carries a state along
 ``c`` tokens it is wrong, and its traced ops are specialised to the local length (the chunk loop is unrolled).
 For the core functions listed in :data:`CORES`, cpcompile gives Dynamo a replacement
 (``torch.compiler.substitute_in_graph``) that, while a :func:`cpcompile.shard` context of more than one rank is
-active (for the gated delta rule with ``shard(recurrence="heads")``; state passing below otherwise), sends every
+active (for the gated delta rule unless ``shard(recurrence="state")`` asks for state passing, below), sends every
 per-head argument through ``cpcompile::heads_from_sequence`` (this rank's ``c`` tokens of
 all ``H`` heads -> all ``N * c`` tokens in global order, padding last, of heads ``[r * H/N, (r + 1) * H/N)``),
 runs the library's own function on the whole sequence, and brings the output back with
@@ -16,7 +16,9 @@ original function (the gated delta rule's inputs laid out heads-major, values un
 :func:`_heads_major`); Dynamo guards on which of the two it traced (:data:`HEADS_GROUP`), so a graph traced
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
 
-Known cores (a registry, not a general mechanism): transformers' ``torch_chunk_gated_delta_rule`` of Qwen3-Next,
+Known cores (a registry, not a general mechanism: it chooses which functions are substituted; the mixing pass
+proves that each traced region is a map over the heads, :mod:`cpcompile.passes.mixing`): transformers'
+``torch_chunk_gated_delta_rule`` of Qwen3-Next,
 Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid (one function, defined in each model's module: ``query``, ``key``
 ``[B, S, Hk, Dk]``, ``value`` ``[B, S, Hv, Dv]``, ``g``, ``beta`` ``[B, S, Hv]``; output ``[B, S, Hv, Dv]``), on
 its torch fallback path only (not when transformers resolved it to flash-linear-attention); and transformers'
@@ -63,7 +65,7 @@ dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``o
 ``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``, WKV's ``state`` and
 ``return_state``), ``cu_seqlens``/``seq_idx``.
 
-State passing (the gated delta rule under ``shard(recurrence="state")``, the default; :data:`STATE_RUNS`): the rule
+State passing (the gated delta rule under ``shard(recurrence="state")``; :data:`STATE_RUNS`): the rule
 is affine in its state, so no heads are exchanged. Every run of consecutive global tokens a rank holds gets a
 slot (the rank's tokens with the other runs' zeroed: a zero token is an identity step), the library's function runs
 once on all slots from the state ``[0 | I]`` on the values ``[v | 0]``, which gives each run's zero-state output,

@@ -456,6 +456,44 @@ class CPPlan:
         needs = [self.exchange_needs(window, dst, documents=documents) for dst in range(self.cp_size)]
         return self.routing(needs, slots, what=what, fix=fix)
 
+    def region_halo(self, halo: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(order [c + slots], keep [c])`` of this rank for a causal region whose output tokens read at most
+        ``halo`` tokens before them (:func:`cpcompile.passes.mixing.regions.rewrite_region`).
+
+        The region runs on ``buffer.index_select(dim, order)``, where ``buffer`` is this rank's ``c`` tokens, then
+        the ``slots`` halo slots of :meth:`halo_routing` for a window of ``halo + 1`` tokens without documents
+        (the ``halo`` tokens before each run, those other ranks hold), then one zero: for every run in order, the
+        ``halo`` global indices before it (its own tokens where the rank holds them, the zero before global index
+        0), then the run; unused places at the end read the zero. ``keep``: where this rank's tokens sit in that
+        order, ascending. ``ValueError`` when the rank has more runs than ``slots`` holds halos. Cached."""
+        key = ("region_halo", halo, slots)
+        if key not in self._cache:
+            self._cache[key] = self._region_halo(halo, slots)
+        return self._cache[key]
+
+    def _region_halo(self, halo: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        routing = self.halo_routing(halo + 1, slots, documents=False)
+        c, device = self.chunk_len, self.indices.device
+        idx = self.token_indices()
+        starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), torch.diff(idx) != 1])
+        run = torch.cumsum(starts.long(), 0) - 1  # the run of every local token
+        if (int(run[-1]) + 1) * halo > slots:
+            raise ValueError(f"{int(run[-1]) + 1} runs of tokens need halos of {halo} tokens in {slots} slots")
+        zero = c + slots
+        source = torch.full((self.padded_len,), -1, dtype=torch.long, device=device)  # global index -> buffer
+        got = routing.recv_pos >= 0
+        source[routing.recv_pos[got]] = c + torch.nonzero(got).flatten()
+        source[idx] = torch.arange(c, device=device)
+        before = idx[starts][:, None] - halo + torch.arange(halo, device=device)  # [runs, halo] global indices
+        halo_src = torch.where(before >= 0, source[before.clamp(min=0)], zero)
+        if bool((halo_src < 0).any()):
+            raise RuntimeError(f"halo of {halo} tokens: the routing misses {before[halo_src < 0].tolist()}")
+        keep = torch.arange(c, device=device) + (run + 1) * halo
+        order = torch.full((c + slots,), zero, dtype=torch.long, device=device)
+        order[keep] = torch.arange(c, device=device)
+        order[(keep[starts][:, None] - halo + torch.arange(halo, device=device)).flatten()] = halo_src.flatten()
+        return order, keep
+
     def routing(self, needs: Sequence[torch.Tensor], slots: int, *, what: str, fix: str = "") -> HaloRouting:
         """This rank's :class:`HaloRouting` when rank ``dst`` receives the keys at the global indices ``needs[dst]``
         (ascending, held by other ranks) into ``slots`` key slots. ``needs`` must be the same on every rank (every

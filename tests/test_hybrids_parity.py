@@ -1,6 +1,6 @@
 """Parity of hybrid models whose recurrent mixer runs head-parallel (:mod:`cpcompile.cores`), compiled with
 cpcompile at CP=2, 3 and 4 (gloo processes), vs the same model run whole in one process on the same global batch.
-The gated delta rule's cases pass ``shard(recurrence="heads")`` (its default, state passing, is
+The gated delta rule's cases pass ``shard(recurrence="heads")`` (the default; state passing is
 tests/test_state_passing.py's); the other cores' cases pass nothing: they run head-parallel whatever it says.
 
 Models (``cpcompile.testing.HYBRID_FAMILIES``): transformers Qwen3-Next, a gated delta-net layer (2 key / 4 value
@@ -52,7 +52,7 @@ _MOE_LAYER = (
     ("getitem", "dispatch"),
 )
 EXPECTED = (
-    ("conv1d", "gathered"),
+    ("conv1d", "halo"),
     ("torch_chunk_gated_delta_rule", "head_parallel"),
     *_MOE_LAYER,
     *_MOE_LAYER,
@@ -69,8 +69,8 @@ EXPECTED_BY_MODEL = {
     "olmo_hybrid": (EXPECTED[0], EXPECTED[1], EXPECTED[-1]),
 }
 
-#: The Mamba2 (SSD) core's families: the conv gathered, the SSD core head-parallel, per Mamba2 layer.
-_SSD_LAYER = (("conv1d", "gathered"), ("mamba2_chunk_scan", "head_parallel"))
+#: The Mamba2 (SSD) core's families: the conv with a halo, the SSD core head-parallel, per Mamba2 layer.
+_SSD_LAYER = (("conv1d", "halo"), ("mamba2_chunk_scan", "head_parallel"))
 EXPECTED_BY_MODEL.update(
     {
         "bamba": (*_SSD_LAYER, EXPECTED[-1]),
@@ -81,9 +81,9 @@ EXPECTED_BY_MODEL.update(
         "zamba2": (*_SSD_LAYER, *_SSD_LAYER, EXPECTED[-1]),
     }
 )
-#: The selective scan's families: the conv gathered, the scan head-parallel (channel-parallel), per Mamba layer;
+#: The selective scan's families: the conv with a halo, the scan head-parallel (channel-parallel), per Mamba layer;
 #: Zamba's mixer calls the scan once per Mamba head (2).
-_SCAN_LAYER = (("conv1d", "gathered"), ("mamba_selective_scan", "head_parallel"))
+_SCAN_LAYER = (("conv1d", "halo"), ("mamba_selective_scan", "head_parallel"))
 EXPECTED_BY_MODEL.update(
     {
         "jamba": (*_SCAN_LAYER, *_MOE_LAYER, EXPECTED[-1]),
@@ -97,8 +97,8 @@ EXPECTED_BY_MODEL.update(
 SITES = {"falcon_h1": 2, "mamba2": 0, "mamba": 0, "falcon_mamba": 0}
 
 
-#: The families of the gated delta rule: their cases here run it head-parallel (``shard(recurrence="heads")``; state
-#: passing, the default, is tests/test_state_passing.py's). The other cores run head-parallel whatever it says.
+#: The families of the gated delta rule: their cases here run it head-parallel (``shard(recurrence="heads")``, the
+#: default, named; state passing is tests/test_state_passing.py's). The other cores run head-parallel whatever it says.
 GATED_DELTA_RULE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 
 

@@ -452,7 +452,7 @@ def test_inspect_lists_mixing_ops():
     text = result.report()
     assert "ops that mix tokens along the sequence outside attention" in text, text
     rows = [line for line in text.splitlines() if "conv1d" in line]
-    assert rows and "gathered" in rows[0] and "mixer.conv" in rows[0], text
+    assert rows and "halo" in rows[0] and "mixer.conv" in rows[0], text
     mixing = {(m["rank"], m["op"], m["action"]) for m in result.to_json()["mixing"]}
-    found = (("conv1d", "gathered"), ("cross_entropy", "partial_sum"))
+    found = (("conv1d", "halo"), ("cross_entropy", "partial_sum"))
     assert mixing == {(r, op, a) for r in (0, 1) for op, a in found}

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 import cpcompile
 from cpcompile.passes import counters
+from cpcompile.plan import MAX_RUNS
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
 from tests.harness.graphs import counter_delta
-from tests.models.mixing import mixer_lm
+from tests.models.mixing import KERNEL, mixer_lm
 from tests.models.tiny import lm_output
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -31,8 +32,12 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 DOCS = [[10, 22], [5, 27]]
 
 
-def _compile_and_run(model, group, *, docs=DOCS, backward=False, **backend_kwargs):
-    backend = cpcompile.backend(group, inner="aot_eager" if backward else "eager", **backend_kwargs)
+def _compile_and_run(model, group, *, docs=DOCS, backward=False, traced_backward=False, **backend_kwargs):
+    """``backward``: compile with AOTAutograd and run the backward; ``traced_backward``: compile with AOTAutograd (the
+    backward is traced) but run only the forward (a halo's backward all-to-all receives on rank 0, which the fake
+    group refuses)."""
+    inner = "aot_eager" if backward or traced_backward else "eager"
+    backend = cpcompile.backend(group, inner=inner, **backend_kwargs)
     compiled = torch.compile(model, backend=backend)
     with cpcompile.shard(packed_batch(docs), group) as local:
         out = compiled(**local)
@@ -49,43 +54,110 @@ def _actions(backend):
 LOSS = ("", "cross_entropy", "loss", "partial_sum")
 
 
-# -- run on the whole sequence -----------------------------------------------------------------------------------
+# -- run with a halo, or on the whole sequence --------------------------------------------------------------------
 @pytest.mark.parametrize(
     "mixer, found",
     [
-        ("conv", ("mixer.conv", "conv1d", "convolution", "gathered")),
-        ("shift", ("mixer", "pad", "shift", "gathered")),
+        ("conv", ("mixer.conv", "conv1d", "convolution", "halo")),
+        ("shift", ("mixer", "pad", "shift", "halo")),
         ("first_diff", ("mixer", "diff", "shift", "gathered")),  # with the first-token slice it reads
         ("mask_cumsum", ("mixer", "cumsum", "scan", "gathered")),
     ],
 )
-def test_causal_mixers_run_on_the_whole_sequence(world, mixer, found):
+def test_causal_mixers_take_a_halo_or_run_on_the_whole_sequence(world, mixer, found):
     before = dict(counters)
     # AOTAutograd traces the rewritten conv with its backward (the others: forward only, cheaper)
-    backend, out, comm = _compile_and_run(mixer_lm(mixer=mixer), world, backward=mixer == "conv")
+    backend, out, comm = _compile_and_run(mixer_lm(mixer=mixer), world, traced_backward=mixer == "conv")
     assert _actions(backend) == [found, LOSS]
+    action = found[3]
     delta = counter_delta(before)
-    assert delta["mixing_ops_found"] == 2 and delta["mixing_gathered"] == 1 and delta["mixing_partial_sum"] == 1
+    assert delta["mixing_ops_found"] == 2 and delta[f"mixing_{action}"] == 1 and delta["mixing_partial_sum"] == 1
     assert "mixing_refused" not in delta
-    # one all-gather of the region's input per step (16 tokens of rank 1 received), kept apart from attention's
-    (gathered,) = [r for r in backend.mixing_reports if r.action == "gathered"]
-    assert comm.sequence_gathers == 1 and comm.sequence_gather_bytes == gathered.all_gather_bytes_per_call > 0
+    (region,) = [r for r in backend.mixing_reports if r.action == action]
+    if action == "gathered":  # one all-gather of the region's input per step (16 tokens of rank 1 received)
+        assert comm.sequence_gathers == 1 and comm.sequence_gather_bytes == region.all_gather_bytes_per_call > 0
+        assert comm.sequence_halos == 0
+    else:  # one halo exchange per step; rank 0 holds the sequence's first tokens and receives none
+        assert comm.sequence_halos == 1 and comm.sequence_halo_bytes == 0 and comm.sequence_gathers == 0
+        assert comm.halo_exchanges == 0  # kept apart from attention's
     assert comm.all_gathers == 2  # K and V of the one attention layer
     assert torch.isfinite(out.loss)
-    assert "models/mixing.py" in gathered.source
+    assert "models/mixing.py" in region.source
 
 
-def test_rewritten_region_reads_the_plan(world, tmp_path):
-    """The conv region becomes: all-gather of its input, the plan's order, the conv on the whole sequence trimmed to
-    the gathered length, this rank's tokens taken back; the dump lists the mixing ops."""
-    backend, _, _ = _compile_and_run(mixer_lm(mixer="conv"), world, dump_dir=str(tmp_path))
+def test_halo_region_receives_the_tokens_before_its_run(world):
+    """Rank 0 of 2 under head_tail (tokens 0..7 and 24..31) receives the conv's halo of its second run, kernel - 1 =
+    2 tokens from rank 1: ``2 x hidden`` values per row, counted apart from attention's halo."""
+    model = mixer_lm(mixer="conv")
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard(packed_batch(DOCS), world, layout="head_tail") as local:
+        torch.compile(model, backend=backend)(**local)
+        comm = cpcompile.comm_stats()
+    assert _actions(backend)[0][3] == "halo"
+    assert comm.sequence_halos == 1 and comm.halo_exchanges == 0 and comm.sequence_gathers == 0
+    assert comm.sequence_halo_bytes == len(DOCS) * model.mixer.conv.in_channels * (KERNEL - 1) * 4  # fp32
+
+
+def test_halo_region_runs_on_its_tokens_and_halo_not_the_gathered_sequence(world, tmp_path):
+    """The conv region becomes: the halo routing and exchange, the plan's order, the conv on this rank's 16 tokens
+    and ``MAX_RUNS * (kernel - 1)`` halo slots (not on the 32 tokens of the whole sequence), this rank's tokens taken
+    back; no all-gather of the sequence; the dump lists the mixing ops."""
+    backend = cpcompile.backend(world, inner="eager", dump_dir=str(tmp_path))
+    graphs, lengths = [], []
+
+    def keep(gm, example_inputs):
+        out = backend(gm, example_inputs)
+        graphs.append((gm, example_inputs))
+        return out
+
+    class ConvInputs(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is torch.conv1d:
+                lengths.append(args[0].shape[-1])
+            return super().call_function(target, args, kwargs)
+
+    with cpcompile.shard(packed_batch(DOCS), world) as local:
+        torch.compile(mixer_lm(mixer="conv"), backend=keep)(**local)
+        ((gm, inputs),) = graphs
+        ConvInputs(gm).run(*(i.node.hint if isinstance(i, torch.SymInt) else i for i in inputs))
+    assert lengths == [16 + MAX_RUNS * (KERNEL - 1)]
     after = (tmp_path / "rank0" / "graph0_after.py").read_text()
-    assert "torch.ops.cpcompile.sequence_order.default" in after and "all_gather_seq" in after
+    assert "cpcompile.halo_exchange.default" in after and "cpcompile.region_halo_order.default" in after
+    assert "all_gather_seq" not in after and "sequence_order" not in after
     assert after.count("conv1d(") == 1  # the local conv is gone
     summary = json.loads((tmp_path / "rank0" / "summary.json").read_text())
     (graph,) = summary["graphs"]
     found = [(m["op"], m["action"]) for m in graph["mixing"]]
-    assert found == [("conv1d", "gathered"), ("cross_entropy", "partial_sum")]
+    assert found == [("conv1d", "halo"), ("cross_entropy", "partial_sum")]
+
+
+@pytest.mark.parametrize("value, action", [(0.0, "halo"), (1.0, "gathered")])
+def test_a_token_shift_padded_with_another_value_than_zero_is_gathered(world, value, action):
+    """The halo holds zeros before the sequence's first token, what a pad of 0 supplies; a pad of another value
+    runs on the whole sequence, where the pad itself supplies it."""
+
+    class Shift(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.mix(F.pad(x, (0, 0, 2, 0), value=value)[:, :-2]).sum()
+
+    backend = cpcompile.backend(world, inner="eager")
+    x = torch.randn(2, 32, 8)
+    with cpcompile.shard({"input_ids": torch.zeros(2, 32, dtype=torch.long), "x": x}, world) as local:
+        torch.compile(Shift(), backend=backend)(local["x"])
+    assert [(r.op, r.action) for r in backend.mixing_reports] == [("pad", action), ("sum", "partial_sum")]
+
+
+def test_rewritten_gathered_region_reads_the_plan(world, tmp_path):
+    """A region without a bounded window (the cumsum) becomes: all-gather of its input, the plan's order, the scan
+    on the whole sequence, this rank's tokens taken back."""
+    _compile_and_run(mixer_lm(mixer="mask_cumsum"), world, dump_dir=str(tmp_path))
+    after = (tmp_path / "rank0" / "graph0_after.py").read_text()
+    assert "torch.ops.cpcompile.sequence_order.default" in after and "all_gather_seq" in after
+    assert "halo_exchange" not in after
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
@@ -96,11 +168,12 @@ def test_a_squeezed_dim_before_a_conv_keeps_its_sequence_dim(world, dynamic):
     backend = cpcompile.backend(world, inner="eager")
     with cpcompile.shard(packed_batch(DOCS), world, dynamic=dynamic) as local:
         torch.compile(mixer_lm(mixer="squeezed_conv"), backend=backend)(**local)
-    assert _actions(backend) == [("mixer.conv", "conv1d", "convolution", "gathered"), LOSS]
+    assert _actions(backend) == [("mixer.conv", "conv1d", "convolution", "halo"), LOSS]
 
 
-def test_static_graph_region_trims_to_the_gathered_length(world):
-    """shard(dynamic=False): the conv's trim [..., :16] is a constant; rewritten, it stops at the gathered length."""
+def test_static_graph_region_trims_to_the_length_it_runs_on(world):
+    """shard(dynamic=False): the conv's trim [..., :16] is a constant; rewritten, it stops at the length of the
+    tokens and halo slots the conv runs on."""
     model = mixer_lm(mixer="conv")
     backend = cpcompile.backend(world, inner="eager", dump_dir=None)
     graphs = []
@@ -112,16 +185,16 @@ def test_static_graph_region_trims_to_the_gathered_length(world):
 
     with cpcompile.shard(packed_batch(DOCS), world, dynamic=False) as local:
         torch.compile(model, backend=keep)(**local)
-    assert _actions(backend)[0] == ("mixer.conv", "conv1d", "convolution", "gathered")
+    assert _actions(backend)[0] == ("mixer.conv", "conv1d", "convolution", "halo")
     (gm,) = graphs
     code = gm.code
     assert "slice(None, size" in code and "slice(None, 16" not in code, code
 
 
-def test_transformers_lfm2_conv_layer_runs_on_the_whole_sequence(world):
-    """Lfm2ForCausalLM with layer_types ["conv", "full_attention"]: the short conv is gathered, attention rewritten."""
+def test_transformers_lfm2_conv_layer_takes_a_halo(world):
+    """Lfm2ForCausalLM with layer_types ["conv", "full_attention"]: the short conv takes a halo, attention rewritten."""
     backend, _, _ = _compile_and_run(tiny_model("lfm2"), world)
-    assert _actions(backend) == [("model.layers.0.conv", "conv1d", "convolution", "gathered"), LOSS]
+    assert _actions(backend) == [("model.layers.0.conv", "conv1d", "convolution", "halo"), LOSS]
     assert [r.action for r in backend.reports] == ["rewritten"]
     assert "modeling_lfm2.py" in backend.mixing_reports[0].source
 
@@ -131,8 +204,8 @@ def test_transformers_lfm2_conv_layer_runs_on_the_whole_sequence(world):
 # tests (tests/test_layouts_parity.py, tests/test_moe.py): a refusal there fails the compile, and their parity shows
 # that what the pass accounted for (its loss a partial sum, LFM2's conv run on the whole sequence, MoE dispatch as
 # bookkeeping) is right. The cases below are the forms that once were refused falsely.
-#: What a family may do besides its summed loss: LFM2's conv runs on the whole sequence, MoE dispatch is bookkeeping.
-ACCOUNTED = {"gathered", "dispatch", "per_token"}
+#: What a family may do besides its summed loss: LFM2's conv takes a halo, MoE dispatch is bookkeeping.
+ACCOUNTED = {"halo", "gathered", "dispatch", "per_token"}
 
 
 @pytest.mark.parametrize("family, T", [("llama", 128), ("lfm2", 32), ("glm4_moe", 37)])
@@ -282,4 +355,4 @@ def test_torch_logs_list_mixing_ops(world, caplog):
     (text,) = [r.getMessage() for r in caplog.records if r.name == "cpcompile.mixing"]
     assert "2 op(s) mixing tokens outside attention" in text, text
     row = next(line for line in text.splitlines() if " pad " in line)
-    assert "gathered" in row and "models/mixing.py" in row, text
+    assert "halo" in row and "models/mixing.py" in row, text

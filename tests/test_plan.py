@@ -221,3 +221,29 @@ def test_build_plan_rejects(batch, n, rank, error, words):
     with pytest.raises(error) as info:
         build_plan(batch, n, rank, layout="contiguous")
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced", "head_tail"])
+@pytest.mark.parametrize("docs", LAYOUTS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_region_halo_reads_the_tokens_before_each_run(docs, n, layout):
+    """A causal region's layout (``CPPlan.region_halo``): every token of a rank, at ``keep``, has the ``h`` global
+    tokens before it right before it (zeros before token 0), whichever rank holds them: the rank's own tokens, the
+    halo slots its routing receives (a window of ``h + 1`` without documents), or the zero after them. Halos of 1 to
+    5 tokens, runs of one token included (T = 5 and 8 at CP 3 and 4)."""
+    batch = packed_batch(docs)
+    for h in (1, 2, 5):
+        for rank in range(n):
+            plan = build_plan(batch, n, rank, layout=layout)
+            slots = 4 * h
+            order, keep = plan.region_halo(h, slots)
+            recv = plan.halo_routing(h + 1, slots, documents=False).recv_pos.tolist()
+            mine = plan.token_indices().tolist()
+            value = [g + 1.0 for g in range(plan.padded_len)]  # token g holds g + 1; zero is no token
+            buffer = [value[g] for g in mine] + [value[g] if g >= 0 else 0.0 for g in recv] + [0.0]
+            laid_out = [buffer[i] for i in order.tolist()]
+            assert len(laid_out) == len(mine) + slots
+            for i, g in enumerate(mine):
+                p = int(keep[i])
+                want = [value[j] if j >= 0 else 0.0 for j in range(g - h, g + 1)]
+                assert laid_out[p - h : p + 1] == want, (rank, g, h)

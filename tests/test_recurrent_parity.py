@@ -35,10 +35,10 @@ from tests.harness.tiers import runs_slow, slow
 from tests.test_hybrids_parity import _MOE_LAYER, DOCS, _control, _local_core, _run
 
 _LOSS = ("cross_entropy", "partial_sum")
-#: RWKV block: the attention's token shift gathered, the WKV recurrence channel-parallel, the feed-forward's shift
-_RWKV_BLOCK = (("pad", "gathered"), ("rwkv_linear_attention", "head_parallel"), ("pad", "gathered"))
+#: RWKV block: the attention's token shift with a halo, the WKV recurrence channel-parallel, the feed-forward's shift
+_RWKV_BLOCK = (("pad", "halo"), ("rwkv_linear_attention", "head_parallel"), ("pad", "halo"))
 EXPECTED = {
-    "recurrent_gemma": (("conv1d", "gathered"), ("_rnn_scan", "head_parallel"), _LOSS),
+    "recurrent_gemma": (("conv1d", "halo"), ("_rnn_scan", "head_parallel"), _LOSS),
     "rwkv": (*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS),
     # the lightning-attention layer run whole on every rank (reported as its core, the layer's forward)
     "minimax": (("forward", "head_parallel"), *_MOE_LAYER, *_MOE_LAYER, _LOSS),

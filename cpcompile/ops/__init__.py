@@ -56,7 +56,10 @@ then moves the keys with the same :func:`halo_exchange`.
 
 ``cpcompile::sequence_order`` serves :mod:`cpcompile.passes.mixing`: the permutation that puts a tensor
 all-gathered along the sequence into global token order, and this rank's token indices to take its tokens back
-(:func:`emit_sequence_gather`).
+(:func:`emit_sequence_gather`). A region whose output tokens read a bounded number of tokens before them (a causal
+conv, a token shift) takes a halo instead: ``cpcompile::halo_routing`` and ``cpcompile::halo_exchange`` of a
+``"sequence_halo"`` site fetch the tokens before each of this rank's runs, ``cpcompile::region_halo_order`` says
+where the region reads them (:func:`emit_region_halo`).
 
 ``cpcompile::heads_from_sequence`` and ``cpcompile::sequence_from_heads`` (:mod:`~cpcompile.ops.heads`) move a
 tensor between the sequence split and a head split (the whole sequence in token order for ``H / N`` heads per
@@ -91,10 +94,12 @@ from cpcompile.ops.exchange import (
     emit_flex_exchange,
     emit_gather_start,
     emit_halo_exchange,
+    emit_region_halo,
     flex_routing,
     halo_exchange,
     halo_routing,
     recompute_exchange,
+    region_halo_order,
 )
 from cpcompile.ops.heads import (
     emit_heads_from_sequence,
@@ -138,6 +143,7 @@ __all__ = [
     "emit_gather_start",
     "emit_halo_exchange",
     "emit_heads_from_sequence",
+    "emit_region_halo",
     "emit_sequence_from_heads",
     "emit_sequence_gather",
     "emit_site_check",
@@ -157,6 +163,7 @@ __all__ = [
     "mask_mismatch",
     "real_tokens",
     "recompute_exchange",
+    "region_halo_order",
     "register_site",
     "ROUTING_KEYS",
     "sequence_from_heads",

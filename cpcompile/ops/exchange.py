@@ -4,6 +4,8 @@ The all-gather of a site's K and V (:func:`emit_gather_start`, a functional coll
 and the exchange of only the keys a rank's queries see: ``cpcompile::halo_routing`` (sliding-window and
 selective SDPA sites: the plan's routing) or ``cpcompile::flex_routing`` (selective flex sites: the mask_mod's),
 then ``cpcompile::halo_exchange`` (one all-to-all; its backward returns the keys' gradients to their owners).
+The same routing and exchange give a causal region of the mixing pass the tokens before each of this rank's runs
+(:func:`emit_region_halo`, with ``cpcompile::region_halo_order``: where the region reads them).
 """
 
 from __future__ import annotations
@@ -77,8 +79,14 @@ def _(t, send_slots, counts, site):
 
 def _count_halo(spec: SiteSpec, nbytes: int) -> None:
     """Record one halo exchange of ``nbytes`` received bytes in the active context's CommStats (an exchange run
-    again in backward, ``regather_kv_in_backward``, moves its bytes again; its gradients were counted once)."""
+    again in backward, ``regather_kv_in_backward``, moves its bytes again; its gradients were counted once): an
+    attention site's in ``halo_*``, a causal region's (``spec.exchange == "sequence_halo"``) in
+    ``sequence_halo_*``."""
     needs_grad = spec.needs_grad and not _compat.in_backward()
+    if spec.exchange == "sequence_halo":
+        comm = active_context(f"the sequence-mixing op at {spec.layer or spec.site}").comm
+        comm.record_sequence_halo(nbytes, needs_grad)
+        return
     active_context(f"the CP attention at {spec.layer or spec.site}").comm.record_halo(nbytes, needs_grad)
 
 
@@ -116,6 +124,35 @@ def _halo_backward(ctx, grad):
 
 
 halo_exchange.register_autograd(_halo_backward, setup_context=_halo_setup_context)
+
+
+@torch.library.custom_op("cpcompile::region_halo_order", mutates_args=())
+def region_halo_order(like: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [c + S], keep [c])`` of the active plan for the causal region ``site`` (a ``"sequence_halo"``
+    site: ``window - 1`` halo tokens, ``S`` halo slots): :meth:`cpcompile.plan.CPPlan.region_halo`. ``like``
+    (``[B, H, c, D]``, as :func:`halo_exchange` gets it) only carries the local length for the checks."""
+    spec = site_spec(site)
+    order, keep = site_context(spec, like).plan.region_halo(spec.window - 1, spec.halo_slots)
+    return order.clone().to(like.device), keep.clone().to(like.device)
+
+
+@region_halo_order.register_fake
+def _(like, site):
+    spec, c = site_spec(site), like.shape[2]
+    return like.new_empty((c + spec.halo_slots,), dtype=torch.long), like.new_empty((c,), dtype=torch.long)
+
+
+def emit_region_halo(graph: fx.Graph, t: fx.Node, spec: SiteSpec) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Insert the halo of a causal region: ``t`` (``[B, H, c, D]``, this rank's tokens along dim 2), its routing
+    and order; returns ``(halo, order, keep)``: the ``[B, H, S, D]`` halo slots (:func:`halo_exchange`, zeros
+    where empty) and :func:`region_halo_order`'s outputs."""
+    ref = graph.call_method("detach", (t,))
+    routing = graph.call_function(torch.ops.cpcompile.halo_routing.default, (ref, spec.site))
+    send_slots, counts = (graph.call_function(operator.getitem, (routing, i)) for i in range(2))
+    halo = graph.call_function(torch.ops.cpcompile.halo_exchange.default, (t, send_slots, counts, spec.site))
+    order_keep = graph.call_function(torch.ops.cpcompile.region_halo_order.default, (ref, spec.site))
+    order, keep = (graph.call_function(operator.getitem, (order_keep, i)) for i in range(2))
+    return halo, order, keep
 
 
 def emit_gather_start(graph: fx.Graph, t: fx.Node, spec: SiteSpec, ready: fx.Node | None = None) -> fx.Node:

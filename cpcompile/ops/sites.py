@@ -51,7 +51,9 @@ class SiteSpec:
     #: How the site gets the keys of other ranks: ``"all_gather"`` (every rank's K/V), ``"halo"`` (a
     #: sliding-window site: only the keys its queries see, into ``halo_slots`` key slots) or ``"selective"`` (a
     #: full-attention or flex site: the same, into ``halo_slots`` slots, ``0`` meaning ``(N - 1) * c``; a flex
-    #: site routes by its mask_mod, :func:`.flex_routing`).
+    #: site routes by its mask_mod, :func:`.flex_routing`); ``"sequence_halo"``: not an attention site but a
+    #: causal region of the mixing pass, whose output tokens read ``window - 1`` tokens before them
+    #: (:func:`.emit_region_halo`).
     exchange: str = "all_gather"
     halo_slots: int = 0
     #: The same-document condition was assumed, not proved (the model's mask was made outside the compiled graphs:

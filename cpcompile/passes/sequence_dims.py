@@ -3,13 +3,14 @@
 Main API: :func:`sequence_dims` (per node, one bool per dim), with :func:`shape_of`, :func:`size_hint` and
 :func:`is_nested`. The sequence dim is followed from the graph's inputs (the dims of the local length ``shard``
 marks dynamic; in a static graph, dim 1 of ``shard``'s ``[B, T, ...]`` tensors) through reshapes that split or
-merge it, transposes and element-wise ops; in a dynamic graph every size that involves the length's symbol is a
-sequence dim too.
+merge it, transposes, element-wise ops, slices and pads, concatenations and einsums; in a dynamic graph every size
+that involves the length's symbol is a sequence dim too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import sympy
 import torch
@@ -169,6 +170,61 @@ def _layout_tags(n: fx.Node, name: str, tags: Tags, out: tuple, seq: SequenceLen
     return None
 
 
+def _vmap_tags(n: fx.Node, name: str, first_tags: Tags, tags: dict) -> Tags:
+    """Tags through ``vmap``'s batch dims (traced from torch's own scans): ``_add_batch_dim(x, dim, level)`` hides
+    ``dim`` from the ops inside, and ``_remove_batch_dim(x, level, size, dim)`` puts the dims of that level back at
+    ``dim``, holding the sequence when a dim the level hid did (kept in ``tags`` under ``("vmap", level)``)."""
+    if name == "_add_batch_dim":
+        dim, level = arg(n, 1, "dim") % len(first_tags), arg(n, 2, "level")
+        tags[("vmap", level)] = tags.get(("vmap", level), False) or first_tags[dim]
+        return first_tags[:dim] + first_tags[dim + 1 :]
+    level, dim = arg(n, 1, "level"), arg(n, 3, "out_dim")
+    t = list(first_tags)
+    t.insert(dim % (len(t) + 1), tags.get(("vmap", level), False))
+    return tuple(t)
+
+
+def _joined_tags(n: fx.Node, name: str, out: tuple, tags: dict, seq: SequenceLength) -> Tags | None:
+    """Tags of ``cat(tensors, dim)`` (every dim a dim of each input: where any of them holds the sequence) and
+    ``stack(tensors, dim)`` (the same, with the new dim holding none); ``None`` when an input's dims are unknown."""
+    tensors = arg(n, 0, "tensors")
+    if not isinstance(tensors, (tuple, list)) or not tensors:
+        return None
+    ndim = len(out) - (name == "stack")
+    joined = list(_involved(out, seq)) if name != "stack" else [False] * ndim
+    for t in tensors:
+        t_tags = tags.get(t) if isinstance(t, fx.Node) else None
+        if t_tags is None and isinstance(_val(t), torch.Tensor) and t not in tags:
+            continue  # outside the nodes followed (``sequence_dims``' ``nodes``): holds none of it
+        if not isinstance(t_tags, tuple) or is_nested(t_tags) or len(t_tags) != ndim:
+            return None
+        joined = [a or b for a, b in zip(joined, t_tags, strict=True)]
+    if name == "stack":
+        dim = arg(n, 1, "dim", 0) % len(out)
+        joined.insert(dim, False)
+        joined = [a or b for a, b in zip(joined, _involved(out, seq), strict=True)]
+    return tuple(joined)
+
+
+def _einsum_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags | None:
+    """Tags of an ``einsum``'s output: each output letter's dim holds the sequence where a dim of that letter of an
+    operand does (:func:`~cpcompile.passes.vocabulary.einsum_subscripts`); ``None`` when the equation cannot be
+    read."""
+    eq, *operands = n.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    parsed = vocab.einsum_subscripts(eq, [len(shape_of(o)) if shape_of(o) is not None else None for o in operands])
+    if parsed is None or len(parsed[1]) != len(out):
+        return None
+    terms, letters = parsed
+    held = set()
+    for term, o in zip(terms, operands, strict=True):
+        t = tags.get(o) if isinstance(o, fx.Node) else None
+        if isinstance(t, tuple) and not is_nested(t) and len(t) == len(term):
+            held.update(c for c, tagged in zip(term, t, strict=True) if tagged)
+    return tuple(c in held or s for c, s in zip(letters, _involved(out, seq), strict=True))
+
+
 def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, tags: dict) -> Tags:
     index = n.args[1]
     entries = index if isinstance(index, tuple) else (index,)
@@ -191,11 +247,26 @@ def _getitem_tags(n: fx.Node, base_tags: Tags, out: tuple, seq: SequenceLength, 
     return tuple(res) if len(res) == len(out) else _involved(out, seq)
 
 
-def sequence_dims(g: fx.GraphModule, seq: SequenceLength) -> dict[fx.Node, object]:
+def sequence_dims(
+    g: fx.GraphModule,
+    seq: SequenceLength,
+    seeds: dict[fx.Node, Tags] | None = None,
+    nodes: Iterable[fx.Node] | None = None,
+) -> dict[fx.Node, object]:
     """For every node of ``g`` with a tensor value: a tuple telling for each dim whether it holds the sequence
-    (a tuple of such tuples for ops returning several tensors, e.g. ``chunk``)."""
+    (a tuple of such tuples for ops returning several tensors, e.g. ``chunk``).
+
+    ``seeds`` and ``nodes`` follow another dim by the same rules: the nodes of ``seeds`` hold it where their tags
+    say, and only ``nodes`` (in graph order) are tagged, from their inputs among them (inputs outside hold none of
+    it). With a :class:`SequenceLength` without symbols and without a chunk length no size says a dim holds it:
+    the head-parallel regions' proof (:func:`cpcompile.passes.mixing.find._head_map_refusals`) follows the head
+    dim of ``cpcompile::heads_from_sequence`` outputs this way."""
+    seeds = seeds or {}
     tags: dict[fx.Node, object] = {}
-    for n in g.graph.nodes:
+    for n in g.graph.nodes if nodes is None else nodes:
+        if n in seeds:
+            tags[n] = seeds[n]
+            continue
         v = _val(n)
         if isinstance(v, (tuple, list)):
             base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -237,6 +308,14 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
     if name == "getitem" and isinstance(first_tags, tuple) and is_nested(first_tags) and isinstance(n.args[1], int):
         got = first_tags[n.args[1]]
         return got if isinstance(got, tuple) and len(got) == len(out) else _involved(out, seq)
+    if name in vocab.CONCATS or name == "stack":
+        got = _joined_tags(n, name, out, tags, seq)
+        if got is not None:
+            return got
+    if name == "einsum":
+        got = _einsum_tags(n, out, tags, seq)
+        if got is not None:
+            return got
     if not isinstance(first_tags, tuple) or is_nested(first_tags):
         first_tags = None
     if first_tags is not None:
@@ -244,6 +323,12 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
             return _reshape_tags(shape_of(first), first_tags, out, seq)
         if name == "getitem":
             return _getitem_tags(n, first_tags, out, seq, tags)
+        if name in ("narrow", "slice", "pad") and len(first_tags) == len(out):  # every dim where it was
+            return tuple(t or s for t, s in zip(first_tags, _involved(out, seq), strict=True))
+        if name in vocab.VMAP_DIMS:
+            got = _vmap_tags(n, name, first_tags, tags)
+            if len(got) == len(out):
+                return got
         if name in vocab.LAYOUT:
             got = _layout_tags(n, name, first_tags, out, seq)
             if got is not None and len(got) == len(out):

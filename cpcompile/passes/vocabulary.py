@@ -125,6 +125,11 @@ LAYOUT = frozenset({
     "repeat_interleave", "_assert_tensor_metadata",
 })  # fmt: skip
 
+#: ``vmap``'s batch dims as Dynamo traces them (torch's own scans vmap their combine function): a dim hidden from
+#: the ops inside (``_add_batch_dim``) and put back after them (``_remove_batch_dim``). Every slice along it runs
+#: the same ops on its own, so they keep values apart along every dim.
+VMAP_DIMS = frozenset({"_add_batch_dim", "_remove_batch_dim"})
+
 #: Reshapes: regrouping dims. A reshape that splits a sequence dim keeps every piece a sequence dim.
 RESHAPE = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "view_as_complex",
                      "view_as_real", "ravel"})  # fmt: skip
@@ -167,6 +172,14 @@ DIM_REDUCTIONS: dict[str, tuple[int, str, object, str]] = {
 
 #: Matrix products: mixing when a contracted dim is a sequence dim.
 CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "einsum", "baddbmm", "addmm", "addbmm", "__matmul__", "tensordot"})
+
+#: Linear algebra on the last two dims of each operand (``[..., n, n]`` matrices, ``[..., n, k]`` right-hand
+#: sides), batched over the dims before them: mixing when one of the last two dims is a sequence dim (the chunked
+#: delta rule's ``solve_triangular`` within a chunk, batched over heads and chunks).
+MATRIX_OPS = frozenset({
+    "linalg_solve_triangular", "triangular_solve", "linalg_solve", "linalg_inv", "inverse", "linalg_cholesky",
+    "cholesky", "linalg_matrix_exp", "matrix_exp", "linalg_det", "det", "linalg_slogdet", "slogdet",
+})  # fmt: skip
 
 
 def einsum_subscripts(eq: object, ranks: list[int | None]) -> tuple[list[str], str] | None:

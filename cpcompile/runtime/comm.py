@@ -59,6 +59,12 @@ class CommStats:
     sequence_gathers: int = 0
     sequence_gather_bytes: int = 0
     sequence_reduce_scatter_bytes: int = 0
+    #: Halo exchanges of the inputs of causal regions with a bounded window (a causal conv1d, a token shift: the
+    #: tokens before each of this rank's runs, ``cpcompile::halo_exchange``), the bytes this rank received in them,
+    #: and the bytes it sends back in their backward (the gradients of those tokens).
+    sequence_halos: int = 0
+    sequence_halo_bytes: int = 0
+    sequence_halo_backward_bytes: int = 0
     #: All-to-alls between the sequence split and the head split (``cpcompile::heads_from_sequence`` and
     #: ``cpcompile::sequence_from_heads``, :mod:`cpcompile.ops.heads`) and the bytes this rank received in them
     #: from the other ranks; each whose input needs a gradient adds the reverse all-to-all of the same size in
@@ -85,6 +91,12 @@ class CommStats:
         self.sequence_gather_bytes += nbytes
         if needs_grad:
             self.sequence_reduce_scatter_bytes += nbytes
+
+    def record_sequence_halo(self, nbytes: int, needs_grad: bool) -> None:
+        self.sequence_halos += 1
+        self.sequence_halo_bytes += nbytes
+        if needs_grad:
+            self.sequence_halo_backward_bytes += nbytes
 
     def record_halo(self, nbytes: int, needs_grad: bool) -> None:
         self.halo_exchanges += 1

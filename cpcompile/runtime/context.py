@@ -80,7 +80,7 @@ class Active:
     exact: TensorSet = dataclasses.field(default_factory=lambda: TensorSet())
     ran: StepRecord = dataclasses.field(default_factory=StepRecord)
     #: ``shard(recurrence=...)``: ``"state"`` or ``"heads"`` (:mod:`cpcompile.cores`).
-    recurrence: str = "state"
+    recurrence: str = "heads"
 
 
 def tensor_key(t: torch.Tensor) -> tuple | None:

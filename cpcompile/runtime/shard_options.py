@@ -83,7 +83,7 @@ class ShardOptions:
     hf_kwargs: bool
     dynamic: bool
     pad_values: Mapping[str, int | float | bool] | None
-    recurrence: str = "state"
+    recurrence: str = "heads"
 
     def summary(self) -> dict:
         """What every CP rank must pass alike, JSON-serialisable (the workload is added by the caller)."""

@@ -63,7 +63,7 @@ def shard(
     layout: str = DEFAULT_LAYOUT,
     workload: Workload | None = None,
     pad_values: Mapping[str, int | float | bool] | None = None,
-    recurrence: str = "state",
+    recurrence: str = "heads",
 ) -> Iterator[dict[str, object]]:
     """Slice the FULL global ``batch`` for this CP rank and activate its plan for the compiled model.
 
@@ -115,10 +115,12 @@ def shard(
             padding stays out of losses that ignore ``-100`` or weight tokens by a mask. Losses of any other
             form mask padding with :func:`real_tokens`.
         recurrence: how the gated delta rule (transformers' ``torch_chunk_gated_delta_rule``: Qwen3-Next,
-            Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) runs under CP (:mod:`cpcompile.cores`): ``"state"`` (default:
-            state passing, each rank runs it on its own tokens and the ranks all-gather one fixed-size state
-            summary per run, whatever ``T``) or ``"heads"`` (head-parallel: an all-to-all gives each rank the
-            whole sequence for its heads, bytes growing with ``T``). The other recurrent cores (Mamba2's SSD, the
+            Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) runs under CP (:mod:`cpcompile.cores`): ``"heads"`` (default:
+            head-parallel, an all-to-all gives each rank the whole sequence for its heads, bytes growing with
+            ``T``) or ``"state"`` (state passing: each rank runs it on its own tokens and the ranks all-gather one
+            fixed-size state summary per run, whatever ``T``; the core then runs once per run of the rank's
+            tokens with ``dv + dk`` value columns, so it costs more compute and memory than ``"heads"`` and moves
+            fewer bytes). The other recurrent cores (Mamba2's SSD, the
             selective scan, the RG-LRU, WKV, the lightning-attention layer) run as they do with ``"heads"``
             whatever it says: state passing is not implemented for them. Compiled graphs are guarded on it (and,
             with ``"state"``, on the plan's largest number of runs per rank: one compile per number of runs).

@@ -20,8 +20,9 @@ built from tiny configs), ``"attn:<form>"`` for :func:`tests.models.attention.at
 ``"module:factory"``.
 
 Negative controls (:data:`CONTROLS`, :meth:`ParityRunner.run`) break the CP side through public means only (the
-batch handed to ``shard``, the ``local`` batch handed to the model, the backend's options) and must fail the
-same check, or be refused by cpcompile, with the error they cause.
+batch handed to ``shard``, the ``local`` batch handed to the model, the backend's options), but ``short_halo``,
+which patches the mixing pass's finder, and must fail the same check, or be refused by cpcompile, with the error
+they cause.
 
 Why one module of about 580 lines: every parity test of the suite goes through :class:`ParityRunner` and
 :func:`check_case`; the reference step, the CP step, the comparison and the controls that must fail it are kept
@@ -63,8 +64,18 @@ from tests.models import attention as _models
 #:   model computes from the local length stay local (models that compute positions): the logits differ.
 #: * ``mixing_off``: the case compiled afresh with ``cpcompile.backend(..., mixing="off")``, so ops that mix tokens
 #:   outside attention (a causal conv1d, a token shift, a cumsum) see only this rank's tokens: the logits differ.
+#: * ``short_halo``: the case compiled afresh with every causal region that takes a halo taking one token fewer
+#:   than it reads (the mixing pass's :func:`~cpcompile.passes.mixing.regions.causal_region` patched; regions of a
+#:   halo of 2 or more tokens): the first tokens of every run but the sequence's first miss one token, the logits
+#:   differ.
 Corruption = Literal[
-    "label_shift", "merge_documents", "plan_merges_documents", "wrong_window", "positions_off", "mixing_off"
+    "label_shift",
+    "merge_documents",
+    "plan_merges_documents",
+    "wrong_window",
+    "positions_off",
+    "mixing_off",
+    "short_halo",
 ]
 CONTROLS: tuple[Corruption, ...] = ("label_shift", "merge_documents", "plan_merges_documents", "wrong_window")
 
@@ -498,6 +509,26 @@ class ParityRunner:
         )
 
 
+@contextlib.contextmanager
+def _short_halo():
+    """Within: every causal region the mixing pass finds with a halo of ``h >= 2`` tokens takes ``h - 1``."""
+    from cpcompile.passes.mixing import find
+
+    real = find.causal_region
+
+    def short(start, g):
+        region, why = real(start, g)
+        if region is not None and region.halo > 1:
+            region = dataclasses.replace(region, halo=region.halo - 1)
+        return region, why
+
+    find.causal_region = short
+    try:
+        yield
+    finally:
+        find.causal_region = real
+
+
 def run_control(
     case: ParityCase, group: dist.ProcessGroup, corrupt: Corruption, runner: ParityRunner | None = None, **runner_kwargs
 ) -> dict:
@@ -514,6 +545,11 @@ def run_control(
             off = dataclasses.replace(case, backend_kwargs=(*case.backend_kwargs, (option, "off")))
             bad = ParityRunner(off, group, **runner_kwargs).run()
             assert bad.positions == [] and bad.mixing == [], f"{case.name}: {option}='off' still reported ops"
+        elif corrupt == "short_halo":
+            torch._dynamo.reset()
+            with _short_halo():
+                bad = ParityRunner(case, group, **runner_kwargs).run()
+            assert ("conv1d", "halo") in bad.mixing or ("pad", "halo") in bad.mixing, f"{case.name}: {bad.mixing}"
         elif corrupt == "wrong_window":
             window = case.build_model().config.sliding_window
             bad_case = dataclasses.replace(case, config_overrides=(("sliding_window", window + 1),))
@@ -573,9 +609,9 @@ def check_outcome(outcome: ParityOutcome) -> None:
         assert outcome.positions == list(case.expected_positions), f"{case.name}: positions {outcome.positions}"
     if case.expected_mixing is not None:
         assert outcome.mixing == list(case.expected_mixing), f"{case.name}: mixing {outcome.mixing}"
-    if outcome.cp_size > 1:  # one all-gather per step for every region run on the whole sequence
-        gathered = sum(action == "gathered" for _, action in outcome.mixing)
-        assert outcome.comm.sequence_gathers == gathered, f"{case.name}: {outcome.comm}"
+    if outcome.cp_size > 1:  # one all-gather or halo exchange per step for every region, as the report says
+        for action, count in (("gathered", outcome.comm.sequence_gathers), ("halo", outcome.comm.sequence_halos)):
+            assert count == sum(a == action for _, a in outcome.mixing), f"{case.name}: {outcome.comm}"
     assert_parity(outcome)
     e = outcome.errors()
     print(f"\n{outcome.name}: logits {e['logits']:.1e} loss {e['loss']:.1e} grad {e['grad']:.1e} ({e['grad_param']})")
@@ -589,6 +625,7 @@ EXPECTED_CATCH: dict[str, dict] = {
     "wrong_window": {"error": "UnsupportedAttentionError", "message_includes": "sliding window"},
     "positions_off": {"error": "parity", "failing_includes": "logits"},
     "mixing_off": {"error": "parity", "failing_includes": "logits"},
+    "short_halo": {"error": "parity", "failing_includes": "logits"},
 }
 
 

@@ -9,7 +9,13 @@ split or merge it, transposes, element-wise ops; :func:`sequence_dims`) and look
 tensor with a sequence dim (:mod:`cpcompile.passes.vocabulary` says which ops keep tokens apart). For each
 mixing op (:class:`MixingOp`) :func:`check_op` decides:
 
-* ``gathered``: a causal region (:class:`CausalRegion`: a causal depthwise ``conv1d`` with its trim, a
+* ``halo``: a causal region whose output tokens read at most ``h`` tokens before them and that pads with zeros
+  (a causal depthwise ``conv1d`` with its trim, a pad-and-slice token shift): run on this rank's tokens with the
+  ``h`` tokens before each of its runs, fetched with the sliding-window halo exchange (zeros before the first
+  token, as the region's padding); the region's ops run once on ``c + MAX_RUNS * h`` tokens
+  (:func:`rewrite_region`). Exact under every layout, packed documents included (the region does not restart at
+  a document in one process either). Backward: the exchange returns the halo's gradients to their owners.
+* ``gathered``: another causal region (:class:`CausalRegion`: a causal depthwise ``conv1d`` with its trim, a
   pad-and-slice token shift, a forward ``cumsum``, a ``diff`` whose ``prepend`` comes from the first token) is
   run on the whole sequence: its input is all-gathered in
   global token order, the original ops run on it, and this rank's tokens are taken back (:func:`rewrite_region`).
@@ -52,8 +58,12 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
 * ``head_parallel``: the call of a known recurrent core (:mod:`cpcompile.cores`) that Dynamo traced through its
   head-parallel replacement: every node that reads a ``cpcompile::heads_from_sequence`` output, up to the
   ``cpcompile::sequence_from_heads`` that brings the result back, runs on the whole sequence of this rank's heads
-  as the one-process model runs it, and is not a mixing op; one report per ``sequence_from_heads``, named after
-  the core. A whole-sequence value that reaches the graph's output without the way back is refused.
+  as the one-process model runs it; one report per ``sequence_from_heads``, named after the core. That the region
+  is a map over the heads (channels) is proved, not trusted: the head dim is followed from the exchanges' outputs
+  and the per-head parameters the replacement narrows, and a node that mixes along it (by the rules that decide
+  the sequence dim) is refused, naming the op, the model's line and the fix
+  (:func:`~cpcompile.passes.mixing.find._head_map_refusals`). A whole-sequence value that reaches the graph's
+  output without the way back is refused.
 * ``state_passing``: the call of the gated delta rule that Dynamo traced through its state-passing replacement
   (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` or ``cpcompile::state_input`` output
   (the core on this rank's runs, the all-gather and fold of every run's state summary), up to the
@@ -110,6 +120,8 @@ from cpcompile.passes.mixing.regions import causal_region as causal_region
 from cpcompile.passes.positions import graph_facts, sequence_length
 
 __all__ = [
+    "EXCHANGED_ACTIONS",
+    "REGION_ACTIONS",
     "CausalRegion",
     "MixingOp",
     "MixingReport",
@@ -135,11 +147,19 @@ class MixingReport:
     reason: str = ""
     source: str = ""
     #: ``gathered``, and the picks of ``pooled``: bytes this rank receives per call in the all-gather of the region's
-    #: input or of the candidate rows (``(N - 1) * numel * itemsize``).
+    #: input or of the candidate rows (``(N - 1) * numel * itemsize``). ``0`` for ``halo``: its bytes depend on the
+    #: batch's layout (``CommStats.sequence_halo_bytes``).
     all_gather_bytes_per_call: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+#: The actions of a causal region (:func:`rewrite_region`), whose backward runs collectives.
+REGION_ACTIONS = ("halo", "gathered")
+#: The actions whose forward and backward exchange tokens or states across the CP ranks: the causal regions and the
+#: recurrent cores' replacements (:mod:`cpcompile.cores`). A graph that holds one mixes tokens across ranks.
+EXCHANGED_ACTIONS = (*REGION_ACTIONS, "head_parallel", "state_passing")
 
 
 def _bytes(region: CausalRegion, cp_size: int) -> int:
@@ -170,12 +190,12 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
     reports = []
     for op, action, reason in decided:
         nbytes = 0
-        if action == "gathered":
+        if action in REGION_ACTIONS:
             try:
                 rewrite_region(op.region, f"{ctx.site_prefix}:{op.where}", ctx, seq.symbols)
             except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
                 raise RuntimeError(f"cpcompile mixing pass failed while rewriting {op.where}: {e}") from e
-            nbytes = _bytes(op.region, ctx.cp_size)
+            nbytes = _bytes(op.region, ctx.cp_size) if action == "gathered" else 0
         if action == "summed":
             for write in count_uses(op.node)[0]:
                 _sum_over_ranks(op, write, ctx)
@@ -190,7 +210,7 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
         reports.append(
             MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
         )
-    if any(r.action in ("gathered", "summed", "mean_share", "pooled") for r in reports):
+    if any(r.action in (*REGION_ACTIONS, "summed", "mean_share", "pooled") for r in reports):
         finish(gm)
     return reports
 

@@ -1,4 +1,4 @@
-"""Check: what becomes of a mixing op (:func:`check_op`: gathered, a partial sum, MoE dispatch, per-token, or
+"""Check: what becomes of a mixing op (:func:`check_op`: a halo, gathered, a partial sum, MoE dispatch, per-token, or
 refused), and the refusal that names the layer, the op, the model's line and the fix."""
 
 from __future__ import annotations
@@ -18,9 +18,18 @@ __all__ = ["check_op", "count_uses"]
 
 #: What became of a mixing op (see :mod:`cpcompile.passes.mixing`).
 Action = Literal[
-    "gathered", "partial_sum", "mean_share", "dispatch", "summed", "per_token", "pooled", "head_parallel",
-    "state_passing", "refused",
-]  # fmt: skip
+    "halo",
+    "gathered",
+    "partial_sum",
+    "mean_share",
+    "dispatch",
+    "summed",
+    "per_token",
+    "pooled",
+    "head_parallel",
+    "state_passing",
+    "refused",
+]
 
 #: Dispatch ops that count expert assignments over this rank's tokens.
 _COUNTS = frozenset({"histc", "bincount", "sum"})
@@ -109,7 +118,7 @@ def check_op(op: MixingOp, data: frozenset, partials: frozenset = frozenset()) -
     if op.accounted:
         return op.accounted, ""
     if op.region is not None:
-        return "gathered", ""
+        return ("halo" if op.region.halo else "gathered"), ""
     reason = op.what + (f"; it cannot run on the whole sequence: {op.problem}" if op.problem else "")
     return "refused", reason
 
@@ -156,6 +165,13 @@ _TRANSFORMERS_MASKS = "transformers/masking_utils.py"
 
 
 def _fix(op: MixingOp) -> str:
+    if op.kind == "head_parallel":
+        if op.problem:  # a whole-sequence value that leaves the region: its ``what`` says what to return
+            return "return only the core's outputs from the head-parallel region"
+        return (
+            "this core mixes heads, so it cannot run head-parallel: run this model (or this layer) without context "
+            "parallelism, or report the model with the graphs cpcompile.backend(..., dump_dir=...) writes"
+        )
     outside = vocab.masks_built_outside_fix(op.node)
     if outside is not None:
         return outside
@@ -197,8 +213,10 @@ def _fix(op: MixingOp) -> str:
 
 def _refusal(op: MixingOp, reason: str) -> UnsupportedMixingError:
     code = f" Model code: {op.source}." if op.source else ""
+    held = "some tokens of the sequence"
+    if op.kind == "head_parallel" and not op.problem:
+        held = "the whole sequence of some heads (channels) in a head-parallel region"
     return UnsupportedMixingError(
         f"cpcompile cannot run {op.op} at {op.where} across CP ranks: {reason}.{code} Under context parallelism "
-        f"each rank holds only some tokens of the sequence, and this op would combine them without the others'. "
-        f"Fix: {_fix(op)}"
+        f"each rank holds only {held}, and this op would combine them without the others'. Fix: {_fix(op)}"
     )

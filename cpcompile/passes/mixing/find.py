@@ -15,9 +15,9 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from cpcompile import _compat
+from cpcompile import _compat, cores
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, source_line
+from cpcompile.passes.common import FoundAt, arg, dim_set, graph_modules, index_dims, size_hint, source_line
 from cpcompile.passes.common import node_value as _val
 from cpcompile.passes.mixing.graph import _SHAPE_ONLY_CASTS, _Graph, _index_entries, _seq_operands, _seq_tags
 from cpcompile.passes.mixing.pooling import pooled_picks
@@ -187,6 +187,14 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         if seq_dims & {len(tags) - 2, len(tags) - 1}:
             return found("index", f"{name} zeroes elements by their index along the sequence (the local index)")
         return None
+    if name in vocab.VMAP_DIMS:
+        return None
+    if g.heads and name in vocab.SPLITS:  # pieces of the rank's heads, by their local index: not the model's
+        pos, kw, default = vocab.SPLITS[name]
+        dim = arg(n, 1 + pos, kw, default)
+        if not isinstance(dim, int) or (tags and tags[dim % len(tags)]):
+            return found("selection", f"{name} splits the heads by their index on this rank")
+        return None
     if name in vocab.ELEMENTWISE or name in vocab.LAYOUT or name in vocab.RESHAPE or name in vocab.SPLITS:
         if name in ("repeat", "tile") and n.args[0] is x:
             sizes = list(n.args[1:]) if not isinstance(n.args[1], (tuple, list)) else list(n.args[1])
@@ -194,13 +202,13 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
             if any(sizes[lead + d] != 1 for d in seq_dims if lead + d >= 0):
                 return found("shift", f"{name} repeats the sequence")
         if name == "repeat_interleave":
-            return _check_repeat_interleave(n, name, x, operands, tags, found)
+            return _check_repeat_interleave(n, name, x, operands, tags, found, g.heads)
         return None
     if name in vocab.FEATURE_REDUCTIONS:
         return _check_feature(n, name, x, tags, found)
     if name in ("getitem", "setitem") or name in vocab.ROW_MOVES:
         return _check_index(n, name, x, g, found)
-    if name == "narrow":
+    if name in ("narrow", "slice"):
         return _check_narrow(n, x, tags, g, found)
     if name in vocab.LOSSES:
         return _check_loss(n, name, found, g)
@@ -222,6 +230,9 @@ def _classify(n: fx.Node, name: str, operands: list[fx.Node], g: _Graph) -> Mixi
         return found(kind, f"{name} along the sequence")
     if name in vocab.CONTRACTIONS:
         return _check_contraction(n, name, g, found)
+    if name in vocab.MATRIX_OPS:
+        matrices = any(any(_seq_tags(i, g)[-2:]) for i in operands)  # the dims it solves along
+        return found("contraction", f"{name} solves along the sequence dim") if matrices else None
     if name in vocab.GROUPED_MATMULS:
         if n.args and n.args[0] is x and len(operands) == 1:
             return None  # this rank's dispatched rows, each times its expert's weight
@@ -265,13 +276,17 @@ def _check_feature(n, name, x, tags, found) -> MixingOp | None:
     return found("reduction", f"{name} normalises over the sequence dim")
 
 
-def _check_repeat_interleave(n, name, x, operands, tags, found) -> MixingOp | None:
+def _check_repeat_interleave(n, name, x, operands, tags, found, blocks: bool = False) -> MixingOp | None:
     """``repeat_interleave(input, repeats, dim=None)`` keeps the tokens apart along a dim that is not a sequence
     dim (K/V heads); along the sequence (or with per-token ``repeats``) it moves every token after the first
-    repeated one, and without a dim it flattens the sequence."""
+    repeated one, and without a dim it flattens the sequence. ``blocks``: the tagged dims are held in contiguous
+    blocks, one per rank, in order (the heads of a head-parallel region), so a constant number of repeats along one
+    maps a rank's block onto its block of the output (key heads repeated to their value heads)."""
     dim = arg(n, 2, "dim")
     if not isinstance(dim, int):
         return found("selection", f"{name} without a dim flattens the sequence")
+    if blocks and arg(n, 0, "input") is x and len(operands) == 1 and isinstance(arg(n, 1, "repeats"), int):
+        return None
     if arg(n, 0, "input") is not x or len(operands) > 1 or tags[dim % len(tags)]:
         return found("selection", f"{name} repeats tokens along the sequence, which moves the tokens after them")
     return None
@@ -327,17 +342,26 @@ def _check_narrow(n, x, tags, g: _Graph, found) -> MixingOp | None:
     one when it keeps the whole dim: start 0 and ``length`` the dim's size, also when written with sizes of other
     inputs of the local length (IBM fms's RoPE: ``freqs.narrow(1, freqs.size(1) - q.size(1), q.size(1))``, the
     cache looked up at ``position_ids`` and ``q`` from ``input_ids``: two symbols of one length, guarded equal by
-    :func:`_same_length`). A part of the sequence picks tokens by their local index."""
-    dim = arg(n, 1, "dim")
+    :func:`_same_length`). A part of the sequence picks tokens by their local index. ``aten.slice(x, dim, start,
+    end, step)`` (traced from torch's own scans) is read as the index entry ``start:end:step`` along ``dim``
+    (:func:`_full_slice`)."""
+    name = vocab.op_name(n)
+    dim = arg(n, 1, "dim", 0 if name == "slice" else None)
     if n.args[0] is not x or not isinstance(dim, int) or not tags:
-        return found("selection", "narrow of sharded data along an unknown dim")
+        return found("selection", f"{name} of sharded data along an unknown dim")
     dim %= len(tags)
     if not tags[dim]:
         return None
-    start, length, size = scalar_value(arg(n, 2, "start")), scalar_value(arg(n, 3, "length")), shape_of(x)[dim]
-    if _same_length(start, 0, g.seq) and _same_length(length, size, g.seq):
-        return None
-    return found("selection", "narrow picks tokens of the sequence by their local index")
+    size = shape_of(x)[dim]
+    if name == "slice":
+        entry = slice(arg(n, 2, "start"), arg(n, 3, "end"), arg(n, 4, "step", 1))
+        if _full_slice(entry, size, g.seq):
+            return None
+    else:
+        start, length = scalar_value(arg(n, 2, "start")), scalar_value(arg(n, 3, "length"))
+        if _same_length(start, 0, g.seq) and _same_length(length, size, g.seq):
+            return None
+    return found("selection", f"{name} picks tokens of the sequence by their local index")
 
 
 def _same_length(a: object, b: object, seq: SequenceLength) -> bool:
@@ -523,33 +547,20 @@ def _exchange_name(n: fx.Node) -> str:
 
 
 def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
-    """The head-parallel and state-passing regions of ``g`` (:mod:`cpcompile.cores`). Head-parallel: every node
-    that reads, directly or through others, a ``cpcompile::heads_from_sequence`` (or ``heads_order``) output, up
-    to the ``cpcompile::sequence_from_heads`` that brings the result back to this rank's tokens; these nodes run
-    on the whole sequence of this rank's heads, as the one-process model runs them. State passing: every node that
-    reads a ``cpcompile::state_runs`` or ``cpcompile::state_input`` output (the core on this rank's runs, the fold
-    of every run's state summary), up to the ``cpcompile::state_output`` of this rank's tokens' outputs. Neither
-    region's nodes are mixing ops. One op per way back (``head_parallel``, ``state_passing``); a region whose
-    values reach anything else (the graph's output without the way back) is one refused op."""
-    heads, whole = _regions(g, _INTO_HEADS, _FROM_HEADS, 5, "head_parallel")
-    state, whole_state = _regions(g, _INTO_STATE, _FROM_STATE, 1, "state_passing")
+    """The head-parallel regions of ``g`` (:func:`_heads_regions`) and its state-passing ones
+    (:func:`_state_regions`): the ops that report them and the nodes they hold."""
+    heads, whole = _heads_regions(g)
+    state, whole_state = _state_regions(g)
     return heads + state, whole | whole_state
 
 
-#: What the report says of each region's way back.
-_REGION_WHAT = {
-    "head_parallel": "runs {0} on the whole sequence for this rank's heads (one all-to-all per tensor each way)",
-    "state_passing": "runs {0} on this rank's tokens, started from every earlier run's state (one all-gather of "
-    "fixed-size state summaries)",
-}
-
-
-def _regions(
-    g: fx.GraphModule, into: tuple[str, ...], back: str, site_arg: int, accounted: str
-) -> tuple[list[MixingOp], set[fx.Node]]:
-    """The regions of ``g`` that start at the ops ``into`` and end at the op ``back`` (its argument ``site_arg``
-    names the core), as :func:`_head_parallel_regions` describes them."""
-    starts = [n for n in g.graph.nodes if _exchange_name(n) in into]
+def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
+    """The state-passing regions of ``g`` (:mod:`cpcompile.cores`): every node that reads a
+    ``cpcompile::state_runs`` or ``cpcompile::state_input`` output (the core on this rank's runs, the all-gather and
+    fold of every run's state summary), up to the ``cpcompile::state_output`` of this rank's tokens' outputs. They
+    are exact and not mixing ops: one ``state_passing`` op per ``state_output``, named after the core; a region whose
+    values reach anything else (the graph's output without the way back) is one refused op."""
+    starts = [n for n in g.graph.nodes if _exchange_name(n) in _INTO_STATE]
     if not starts:
         return [], set()
     whole: set[fx.Node] = set(starts)
@@ -561,7 +572,7 @@ def _regions(
         for u in t.users:
             if u in whole:
                 continue
-            if _exchange_name(u) == back:
+            if _exchange_name(u) == _FROM_STATE:
                 if u not in ends:
                     ends.append(u)
                 continue
@@ -572,16 +583,180 @@ def _regions(
             queue.append(u)
     ops = []
     for n in ends:
-        site = n.args[site_arg] if len(n.args) > site_arg else ""
-        what = _REGION_WHAT[accounted].format(site)
-        op = _head_op(n, what, accounted, accounted)
+        site = n.args[1] if len(n.args) > 1 else ""
+        what = (
+            f"runs {site} on this rank's tokens, started from every earlier run's state (one all-gather of "
+            "fixed-size state summaries)"
+        )
+        op = _head_op(n, what, "state_passing", "state_passing")
         ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core"))
     for n in leaks:
-        what = f"is a value of a {accounted} region that leaves it without {back}; return the core's outputs only"
-        op = _head_op(n, what, "", accounted)
+        what = (
+            f"is a value of a state-passing region that leaves it without {_FROM_STATE}; return the core's outputs only"
+        )
+        op = _head_op(n, what, "", "state_passing")
         ops.append(dataclasses.replace(op, problem="it is not brought back to this rank's tokens"))
     whole.update(ends)
     return ops, whole
+
+
+def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
+    """The head-parallel regions of ``g`` (:mod:`cpcompile.cores`): every node that reads, directly or through
+    others, a ``cpcompile::heads_from_sequence`` (or ``heads_order``) output or a per-head parameter the replacement
+    narrowed to the rank's heads (:func:`_per_head_slices`), up to the ``cpcompile::sequence_from_heads`` that
+    brings the result back to this rank's tokens. These nodes run on the whole sequence of this rank's heads, as
+    the one-process model runs them, when they treat the head dim as a batch dim, which
+    :func:`_head_map_refusals` proves. One op per ``sequence_from_heads`` (``head_parallel``); each node that mixes
+    heads is one refused op, and so is a region whose whole-sequence values reach anything else (the graph's output
+    without the way back)."""
+    starts = [n for n in g.graph.nodes if _exchange_name(n) in _INTO_HEADS]
+    if not starts:
+        return [], set()
+    exchanges = [n for n in starts if _exchange_name(n) == "cpcompile::heads_from_sequence"]
+    core = {n: str(n.args[5]) for n in exchanges}  # region node -> the core it runs in (for messages)
+    whole: set[fx.Node] = set()
+    ends: list[fx.Node] = []
+    leaks: list[fx.Node] = []
+
+    def reach(sources: list[fx.Node]) -> None:
+        whole.update(sources)
+        queue = list(sources)
+        while queue:
+            t = queue.pop()
+            for u in t.users:
+                if u in whole:
+                    continue
+                if _exchange_name(u) == _FROM_HEADS:
+                    if u not in ends:
+                        ends.append(u)
+                    continue
+                if u.op == "output":
+                    leaks.append(t)
+                    continue
+                if t in core:
+                    core.setdefault(u, core[t])  # the first core that reaches it names it
+                whole.add(u)
+                queue.append(u)
+
+    reach(starts)
+    seeds = _per_head_slices(g, whole, core)
+    reach([n for n in seeds if n not in whole])
+    for n in exchanges:  # the head dim of the exchange's output (its ``head_dim`` argument)
+        ndim = _val(n).dim()
+        seeds[n] = tuple(d == arg(n, 3, "head_dim") % ndim for d in range(ndim))
+    ops = _head_map_refusals(g, whole, seeds, core)
+    for n in ends:
+        site = n.args[5] if len(n.args) > 5 else ""
+        what = f"runs {site} on the whole sequence for this rank's heads (one all-to-all per tensor each way)"
+        ops.append(dataclasses.replace(_head_op(n, what, "head_parallel"), op=str(site).rpartition(".")[2] or "core"))
+    for n in leaks:
+        what = (
+            "is a whole-sequence value of a head-parallel region that leaves it without "
+            "cpcompile::sequence_from_heads; return the core's outputs only"
+        )
+        ops.append(dataclasses.replace(_head_op(n, what, ""), problem="it is not brought back to this rank's tokens"))
+    whole.update(ends)
+    return ops, whole
+
+
+#: No size says that a dim holds heads (a rank's ``H / N`` is a constant, and so is the region's sequence for
+#: :func:`sequence_dims`' purpose): the head dim is followed from the region's seeds only.
+_HEADS = SequenceLength(frozenset(), None)
+
+
+def _per_head_slices(g: fx.GraphModule, region: set[fx.Node], core: dict[fx.Node, str]) -> dict[fx.Node, Tags]:
+    """The per-head parameters a replacement narrows to the rank's heads (SSD's ``A``, ``D``, ``dt_bias``, the
+    selective scan's ``A``, ``D``, ``delta_bias``, WKV's ``time_decay``, ``time_first``), with the narrowed dim
+    tagged: every ``narrow`` made by :mod:`cpcompile.cores` itself (its innermost frame) of a value outside
+    ``region``. Each is entered in ``core`` as the core of the ``heads_order`` before it (every replacement
+    computes its order first)."""
+    seeds, site = {}, ""
+    for n in g.graph.nodes:
+        if n.op != "call_function" and n.op != "call_method":
+            continue
+        name = vocab.op_name(n)
+        if name == "cpcompile::heads_order":
+            site = str(arg(n, 3, "site", ""))
+        if name != "narrow" or n in region:
+            continue
+        value, dim = _val(n), arg(n, 1, "dim")
+        if isinstance(value, torch.Tensor) and isinstance(dim, int) and _innermost_file(n) == _CORES_FILE:
+            seeds[n] = tuple(d == dim % value.dim() for d in range(value.dim()))
+            core[n] = site
+    return seeds
+
+
+_CORES_FILE = cores.__file__
+
+
+def _innermost_file(n: fx.Node) -> str:
+    """The file of the innermost frame of ``n``'s recorded stack trace (``""`` without one)."""
+    files = [x.strip() for x in (n.meta.get("stack_trace") or "").splitlines() if x.strip().startswith('File "')]
+    return files[-1][len('File "') :].partition('"')[0] if files else ""
+
+
+def _head_map_refusals(
+    g: fx.GraphModule, region: set[fx.Node], seeds: dict[fx.Node, Tags], core: dict[fx.Node, str]
+) -> list[MixingOp]:
+    """One refused op for every node of ``region`` that mixes values along the head dim.
+
+    The head dim is followed from ``seeds`` (the ``heads_from_sequence`` outputs at their ``head_dim``, the
+    per-head parameters at their narrowed dim) by the rules that follow the sequence dim
+    (:func:`~cpcompile.passes.sequence_dims.sequence_dims`: reshapes that split or merge it, transposes,
+    element-wise broadcasting, the leading dims an op keeps), and every node is decided by the rules that decide
+    whether an op keeps tokens apart (:func:`_classify`, the tables of :mod:`cpcompile.passes.vocabulary`), read
+    for heads: a rank holds a contiguous block of them in order, so anything those rules call mixing along the
+    sequence (a reduction, scan or norm over the head dim, a matmul or einsum contracting it, a merge of it with a
+    dim then contracted, a selection or move across it, an op not known to keep it apart) mixes heads, whatever
+    the sequence rules would account it as (a sum is no partial sum here), while a constant repeat of each head
+    (key heads to their value heads) keeps them apart. Ops on sizes only take no tagged operand. A node that reads
+    the head dim and whose value the rules cannot tag with it is refused too (:func:`_loses_heads`): what follows it
+    could not be checked. One pass over the region's nodes.
+
+    DTensor's sharding propagation (``Shard(head_dim)`` kept by an op's strategies) was not used: these are
+    Dynamo's torch-level nodes (functions, methods, before AOTAutograd), for which DTensor has no rules, and its
+    propagation needs a device mesh."""
+    nodes = [n for n in g.graph.nodes if n in region]
+    tags = sequence_dims(g, _HEADS, seeds, nodes)
+    info = _Graph(_HEADS, frozenset(region), frozenset(), tags, frozenset(), frozenset(), frozenset(), heads=True)
+    refused = []
+    for n in nodes:
+        if n in seeds or n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        operands = _seq_operands(n, info)
+        if not operands:
+            continue
+        name = vocab.op_name(n) if n.op != "call_module" else f"module {n.target}"
+        core_name = core.get(n, "").rpartition(".")[2] or "a core"
+        if _classify(n, name, operands, info) is not None:
+            what = (
+                f"{name} combines values of different heads (channels) inside the head-parallel region of "
+                f"{core_name}, whose heads cpcompile::heads_from_sequence splits over the CP ranks"
+            )
+            refused.append(_head_op(n, what, ""))
+        elif _loses_heads(n, operands, tags):
+            what = (
+                f"cpcompile cannot follow the head dim through {name} inside the head-parallel region of {core_name}, "
+                "so it cannot prove that the ops after it keep the heads apart"
+            )
+            refused.append(_head_op(n, what, ""))
+    return refused
+
+
+def _loses_heads(n: fx.Node, operands: list[fx.Node], tags: dict) -> bool:
+    """Whether ``n`` reads a head dim of more than one head and no dim of its value is known to hold heads (the
+    rules could not follow the dim through it). A dim of one head (``N`` copies exchanged, one per rank) may go."""
+    if not isinstance(_val(n), (torch.Tensor, tuple, list)):
+        return False
+    got = tags.get(n)
+    if isinstance(got, tuple) and any(x is True or (isinstance(x, tuple) and any(x)) for x in got):
+        return False
+    for i in operands:
+        t, shape = tags.get(i), shape_of(i)
+        if isinstance(t, tuple) and not is_nested(t) and shape is not None:
+            if any(tagged and size_hint(size) != 1 for tagged, size in zip(t, shape, strict=False)):
+                return True
+    return False
 
 
 def _head_op(n: fx.Node, what: str, accounted: str, kind: Kind = "head_parallel") -> MixingOp:

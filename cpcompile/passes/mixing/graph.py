@@ -26,6 +26,9 @@ class _Graph:
     expert_ids: frozenset
     dispatch_index: frozenset
     per_token: frozenset
+    #: The tags are head dims of a head-parallel region (:func:`~cpcompile.passes.mixing.find._head_map_refusals`),
+    #: not the sequence: a rank holds a contiguous block of the heads, in order.
+    heads: bool = False
 
 
 def _seq_tags(n: object, g: _Graph) -> Tags:
