@@ -554,6 +554,37 @@ def _head_parallel_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.No
     return heads + state, whole | whole_state
 
 
+def _reach(
+    sources: list[fx.Node],
+    back: str,
+    whole: set[fx.Node],
+    ends: list[fx.Node],
+    leaks: list[fx.Node],
+    core: dict[fx.Node, str] | None = None,
+) -> None:
+    """Add to ``whole`` ``sources`` and every node that reads them, directly or through others, stopping at the op
+    ``back`` (the region's way back: added to ``ends``) and at the graph's output (the value that reaches it added to
+    ``leaks``). With ``core``, every node reached gets the core of the first node that reached it (for messages)."""
+    whole.update(sources)
+    queue = list(sources)
+    while queue:
+        t = queue.pop()
+        for u in t.users:
+            if u in whole:
+                continue
+            if _exchange_name(u) == back:
+                if u not in ends:
+                    ends.append(u)
+                continue
+            if u.op == "output":
+                leaks.append(t)
+                continue
+            if core is not None and t in core:
+                core.setdefault(u, core[t])
+            whole.add(u)
+            queue.append(u)
+
+
 def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
     """The state-passing regions of ``g`` (:mod:`cpcompile.cores`): every node that reads a
     ``cpcompile::state_runs`` or ``cpcompile::state_input`` output (the core on this rank's runs, the all-gather and
@@ -563,24 +594,10 @@ def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
     starts = [n for n in g.graph.nodes if _exchange_name(n) in _INTO_STATE]
     if not starts:
         return [], set()
-    whole: set[fx.Node] = set(starts)
-    queue = list(starts)
+    whole: set[fx.Node] = set()
     ends: list[fx.Node] = []
     leaks: list[fx.Node] = []
-    while queue:
-        t = queue.pop()
-        for u in t.users:
-            if u in whole:
-                continue
-            if _exchange_name(u) == _FROM_STATE:
-                if u not in ends:
-                    ends.append(u)
-                continue
-            if u.op == "output":
-                leaks.append(t)
-                continue
-            whole.add(u)
-            queue.append(u)
+    _reach(starts, _FROM_STATE, whole, ends, leaks)
     ops = []
     for n in ends:
         site = n.args[1] if len(n.args) > 1 else ""
@@ -618,29 +635,9 @@ def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
     ends: list[fx.Node] = []
     leaks: list[fx.Node] = []
 
-    def reach(sources: list[fx.Node]) -> None:
-        whole.update(sources)
-        queue = list(sources)
-        while queue:
-            t = queue.pop()
-            for u in t.users:
-                if u in whole:
-                    continue
-                if _exchange_name(u) == _FROM_HEADS:
-                    if u not in ends:
-                        ends.append(u)
-                    continue
-                if u.op == "output":
-                    leaks.append(t)
-                    continue
-                if t in core:
-                    core.setdefault(u, core[t])  # the first core that reaches it names it
-                whole.add(u)
-                queue.append(u)
-
-    reach(starts)
+    _reach(starts, _FROM_HEADS, whole, ends, leaks, core)
     seeds = _per_head_slices(g, whole, core)
-    reach([n for n in seeds if n not in whole])
+    _reach([n for n in seeds if n not in whole], _FROM_HEADS, whole, ends, leaks, core)
     for n in exchanges:  # the head dim of the exchange's output (its ``head_dim`` argument)
         ndim = _val(n).dim()
         seeds[n] = tuple(d == arg(n, 3, "head_dim") % ndim for d in range(ndim))
