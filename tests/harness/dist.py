@@ -1,14 +1,16 @@
 """Run a function on N CPU processes with gloo, from pytest, with a timeout and the children's tracebacks.
 
-Spawning a rank costs about 6 s of CPU (importing torch, transformers and cpcompile, and Dynamo's first-compile
-set-up) against a fraction of a second for a tiny model's step, so by default :func:`run_distributed` runs on a
-*pool*: ``world_size`` ranks spawned once per pytest process and reused by every later call of that size. A call
-runs on a new process group (and store), with a clean Dynamo state, environment and cpcompile module state; a
-call that fails or times out takes its pool down (its ranks may be stuck in a collective), and the next call
-spawns a new one. Tests whose ranks fail, die or break their process group on purpose pass ``fresh=True`` and
-get processes of their own. Ranks run on ``cpcompile.gloo_backend()`` (one gloo worker thread per group: stock
-gloo's two corrupt the heap now and then, ``cpcompile.runtime.gloo``); a rank that dies in native code fails the
-call like any other rank that exits without a result.
+Starting a rank by ``spawn`` costs about 4 s of CPU (importing torch, transformers and cpcompile) against a
+fraction of a second for a tiny model's step. So ranks are forked from multiprocessing's fork server, which
+imports :data:`PRELOAD` once per pytest process (a rank then starts in well under a second, with the parent's
+environment of the moment, as a spawned one would), and by default :func:`run_distributed` runs on a *pool*:
+``world_size`` ranks started once per pytest process and reused by every later call of that size. A call runs on
+a new process group (and store), with a clean Dynamo state, environment and cpcompile module state; a call that
+fails or times out takes its pool down (its ranks may be stuck in a collective), and the next call starts a new
+one. Tests whose ranks fail, die or break their process group on purpose pass ``fresh=True`` and get processes of
+their own. Ranks run on ``cpcompile.gloo_backend()`` (one gloo worker thread per group: stock gloo's two corrupt
+the heap now and then, ``cpcompile.runtime.gloo``); a rank that dies in native code fails the call like any other
+rank that exits without a result.
 """
 
 from __future__ import annotations
@@ -43,6 +45,32 @@ DEFAULT_TIMEOUT_S = 240.0
 POOL_PG_TIMEOUT_S = 900.0
 #: Pooled ranks kept alive per pytest process, over all pool sizes (each holds a torch runtime, ~0.5 GB).
 MAX_POOLED_RANKS = 9
+#: What the fork server imports before it forks a rank: what every rank imports (nothing here starts a thread or
+#: touches a device; Dynamo's state is made per process on first compile).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._dynamo.backends.debugging",  # AOTAutograd and the first compile's imports
+    "torch._functorch.aot_autograd",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "cpcompile",
+    "tests.harness.parity",
+    "tests.harness.workers",
+)
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _adopt(environ: dict[str, str]) -> None:
+    """The parent's environment when it started this rank (the fork server's is the one it had at its start)."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def _setup_rank(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
@@ -68,7 +96,8 @@ def _run_job(fn, rank: int, world_size: int, args) -> tuple[str, object]:
         return "error", traceback.format_exc()
 
 
-def _child(rank: int, world_size: int, init_file: str, fn, args, results, timeout_s: float) -> None:
+def _child(rank: int, world_size: int, init_file: str, fn, args, results, timeout_s: float, environ) -> None:
+    _adopt(environ)
     try:
         _setup_rank(rank, world_size, init_file, timeout_s)
         status, payload = _run_job(fn, rank, world_size, args)
@@ -160,7 +189,8 @@ def _restore_module_state(state: dict) -> None:
         setattr(module, attr, obj)
 
 
-def _pool_child(rank: int, world_size: int, init_file: str, jobs, results) -> None:
+def _pool_child(rank: int, world_size: int, init_file: str, jobs, results, environ) -> None:
+    _adopt(environ)
     state = None
     while True:
         job = jobs.get()
@@ -193,7 +223,7 @@ class _Ranks:
     """Spawned ranks and the queue their results come back on."""
 
     def __init__(self, world_size: int, pooled: bool, fn=None, args=(), timeout_s: float = 0.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tmp = tempfile.mkdtemp(prefix="cpcompile-dist-")
@@ -202,9 +232,9 @@ class _Ranks:
         self.procs = [
             ctx.Process(
                 target=_pool_child if pooled else _child,
-                args=(r, world_size, init_file, self.jobs[r], self.results)
+                args=(r, world_size, init_file, self.jobs[r], self.results, dict(os.environ))
                 if pooled
-                else (r, world_size, init_file, fn, args, self.results, timeout_s),
+                else (r, world_size, init_file, fn, args, self.results, timeout_s, dict(os.environ)),
                 daemon=True,
             )
             for r in range(world_size)
