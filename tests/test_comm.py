@@ -11,9 +11,12 @@ from cpcompile.testing import packed_batch, tiny_config, tiny_model
 from tests.harness.dist import run_distributed
 from tests.harness.graphs import dynamo_graph, run_pass
 from tests.harness.parity import ParityCase, check_outcome
+from tests.harness.tiers import runs_slow, slow
 from tests.harness.workers import parity_worker
 
 FAMILIES = ["llama", "qwen3"]
+#: The family whose bytes the fast tier counts (its own head_dim); the slow tier adds the others.
+FAST_FAMILY = "qwen3"
 #: Layers of the spawned cases: what is counted is per layer, and one layer halves the compiling.
 LAYERS = 1
 
@@ -107,27 +110,28 @@ def _kv_bytes_per_gather(family: str, world: int, batch: int, chunk: int) -> int
 
 
 @pytest.fixture(scope="module")
-def profiled():
-    """One spawned CP=2 group: each family plainly, and qwen3 re-gathering K/V in backward, also with the
-    selective exchange (profiled steps)."""
-    cases = [_case(family, False) for family in FAMILIES] + [_case("qwen3", True), _case("qwen3", True, "selective")]
+def profiled(request):
+    """One spawned CP=2 group: each family plainly (the fast tier: ``FAST_FAMILY``), and qwen3 re-gathering K/V in
+    backward, also with the selective exchange (profiled steps)."""
+    families = FAMILIES if runs_slow(request) else [FAST_FAMILY]
+    cases = [_case(family, False) for family in families] + [_case("qwen3", True), _case("qwen3", True, "selective")]
     return run_distributed(parity_worker, 2, cases, None, True, timeout_s=400)
 
 
-def test_comm_stats_bytes_are_the_theoretical_minimum(profiled):
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == FAST_FAMILY else slow) for f in FAMILIES])
+def test_comm_stats_bytes_are_the_theoretical_minimum(profiled, family):
     world = 2
     for per_rank in profiled:
-        for family in FAMILIES:
-            case = _case(family, False)
-            layers = LAYERS
-            chunk = -(-sum(case.doc_lens[0]) // world)
-            outcome, _ = per_rank[case.name]
-            check_outcome(outcome)  # parity with the unsharded model, K and V gathered once per layer
-            assert outcome.comm.all_gather_bytes == 2 * layers * _kv_bytes_per_gather(family, world, 2, chunk)
-            assert outcome.comm.all_gathers == 2 * layers
-            assert outcome.comm.reduce_scatters == 2 * layers
-            # independent count from the profiler: one gloo all-gather per gathered tensor
-            assert outcome.collectives.get("gloo:all_gather", 0) == 2 * layers
+        case = _case(family, False)
+        layers = LAYERS
+        chunk = -(-sum(case.doc_lens[0]) // world)
+        outcome, _ = per_rank[case.name]
+        check_outcome(outcome)  # parity with the unsharded model, K and V gathered once per layer
+        assert outcome.comm.all_gather_bytes == 2 * layers * _kv_bytes_per_gather(family, world, 2, chunk)
+        assert outcome.comm.all_gathers == 2 * layers
+        assert outcome.comm.reduce_scatters == 2 * layers
+        # independent count from the profiler: one gloo all-gather per gathered tensor
+        assert outcome.collectives.get("gloo:all_gather", 0) == 2 * layers
 
 
 def test_regather_kv_in_backward_gathers_again_and_stays_exact(profiled):

@@ -17,9 +17,10 @@
   packed rows of changing length). The one-process reference is the same weights with an equivalent SDPA mask
   (explicit softmax where a score_mod or the logsumexp is needed; transformers' own SDPA path), since CPU flex
   cannot train.
-* The fast tier runs the hand-written document, soft-capping and sliding-window forms, transformers' LFM2 (its
-  packed-sequence ids, and its conv in the mixed graph) and the eager document ids at CP=2; transformers' Llama and
-  Qwen3-MoE, torchtitan's models and CP=4 are the slow tier.
+* The fast tier runs the hand-written document and sliding-window forms, transformers' LFM2 (its packed-sequence
+  ids, and its conv in the mixed graph) and the eager document ids at CP=2; soft-capping at CP=2 (its score_mod
+  and logsumexp: the kernel's tests in one process in the fast tier), transformers' Llama and Qwen3-MoE,
+  torchtitan's models and CP=4 are the slow tier.
 * Document ids made in eager code from one rank's tokens (``document_eager``, CP=2): refused at run time on each
   rank, and wrong (parity fails) with the check told every tensor is exact.
 * Negative controls, each must fail the parity check: the mask_mod evaluated at this rank's local query indices
@@ -194,9 +195,9 @@ def _hf_case(family: str, layers: int = 1, layout: str = "contiguous", backend_k
 
 #: CP=2 cases of the fast tier (``PAIR0``, ``PAIR1``) and those the slow tier adds (``*_SLOW``): transformers' flex path
 #: on more families, torchtitan's models, and CP=4.
-PAIR0 = [_case("document"), _case("softcap"), _case("document_eager")]
-#: transformers' Llama: its packed-sequence ids made on the whole sequence, as LFM2's in ``PAIR1`` are
-PAIR0_SLOW = [_hf_case("llama"), _hf_case("qwen3_moe")]
+PAIR0 = [_case("document"), _case("document_eager")]
+#: soft-capping; transformers' Llama: its packed-sequence ids made on the whole sequence, as LFM2's in ``PAIR1`` are
+PAIR0_SLOW = [_case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe")]
 #: Cases refused at run time on every rank (the document ids were made in eager code from one rank's tokens).
 REFUSED_AT_RUN_TIME = ("tests.models.flex:document_eager",)
 #: torchtitan's Llama 3 on its default FlexAttention (optional test dependency, installed by scripts/setup.sh).
@@ -417,8 +418,8 @@ def test_negative_controls_fail_parity(results):
     packed-sequence ids of transformers' llama computed from this rank's tokens, LFM2's conv not seen in the mixed
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
-    # document, softcap, transformers' LFM2, document_eager; the slow tier adds transformers' llama, torchtitan's two
-    expected = 4 + (1 + (TORCHTITAN in PAIR1_SLOW) + (TORCHTITAN_TRAINER in PAIR0_SLOW) if results["with_slow"] else 0)
+    # document, transformers' LFM2, document_eager; the slow tier adds softcap, transformers' llama, torchtitan's two
+    expected = 3 + (2 + (TORCHTITAN in PAIR1_SLOW) + (TORCHTITAN_TRAINER in PAIR0_SLOW) if results["with_slow"] else 0)
     assert len(controlled) == expected, [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
