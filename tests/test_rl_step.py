@@ -162,9 +162,10 @@ def forward_mode(model: torch.nn.Module, mode: str):
 
 
 def build_models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The policy (train mode) and the frozen reference (eval mode, no parameter requires grad)."""
-    policy = tiny_model("qwen3", seed=0)
-    reference = tiny_model("qwen3", seed=1).eval().requires_grad_(False)
+    """The policy (train mode) and the frozen reference (eval mode, no parameter requires grad), each with one
+    decoder layer: what hung is the order of the two models' calls, not their depth."""
+    policy = tiny_model("qwen3", seed=0, num_hidden_layers=1)
+    reference = tiny_model("qwen3", seed=1, num_hidden_layers=1).eval().requires_grad_(False)
     return policy, reference
 
 
