@@ -283,18 +283,21 @@ FAIL_GRACE_S = 1.0
 FIRST_CALL_PEER_TIMEOUT_S = 30.0
 
 
-def _fail_setup(world_size: int):
+def _fail_setup(world_size: int, inner: str = "eager"):
     """A fresh CP group and a compiled tiny LM whose bool mask is causal + same document, from position_ids."""
     group = dist.new_group(list(range(world_size)))
-    return group, _fail_model(group)
+    return group, _fail_model(group, inner)
 
 
-def _fail_model(group):
+def _fail_model(group, inner: str = "eager"):
+    """The fail-together model. ``inner="eager"`` (the rewritten graph as traced) unless a scenario is about the
+    compiled joint graph: the failure paths are cpcompile's control rounds, and AOTAutograd's compile of every
+    fresh model doubled the fail-together fixtures' time."""
     import cpcompile
     from tests.models import attention as _models
 
     torch._dynamo.reset()
-    return torch.compile(_models.attention_lm("packed_docs"), backend=cpcompile.backend(group, inner="aot_eager"))
+    return torch.compile(_models.attention_lm("packed_docs"), backend=cpcompile.backend(group, inner=inner))
 
 
 def _short_waits(group, peer_timeout_s: float = FAIL_PEER_TIMEOUT_S) -> None:
@@ -428,7 +431,7 @@ def killed_rank_worker(rank: int, world_size: int, where: str) -> dict | None:
     from cpcompile.testing import packed_batch
 
     batch = packed_batch(FAIL_DOCS, seed=0)
-    group, cm = _fail_setup(world_size)
+    group, cm = _fail_setup(world_size, inner="aot_eager")  # a peer dies while this rank runs a compiled backward
     if where == "between_forward_and_backward":
         _step(cm, batch, group)
 
