@@ -290,9 +290,8 @@ def _fail_setup(world_size: int, inner: str = "eager"):
 
 
 def _fail_model(group, inner: str = "eager"):
-    """The fail-together model. ``inner="eager"`` (the rewritten graph as traced) unless a scenario is about the
-    compiled joint graph: the failure paths are cpcompile's control rounds, and AOTAutograd's compile of every
-    fresh model doubled the fail-together fixtures' time."""
+    """The fail-together model, compiled afresh. ``inner="eager"`` (the rewritten graph as traced: the failure
+    paths under test are cpcompile's control rounds) unless a scenario is about a compiled joint graph."""
     import cpcompile
     from tests.models import attention as _models
 
