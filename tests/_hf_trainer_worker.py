@@ -135,8 +135,8 @@ REFUSALS = {
 }
 
 
-def run_refusals(a: argparse.Namespace) -> None:
-    """Build the CP trainer with each refused setting; rank 0 writes {case: error message} to ``refusals.pt``."""
+def refusal_messages() -> dict[str, str]:
+    """Build the CP trainer with each refused setting; return {case: error message}."""
     from transformers import DataCollatorWithFlattening, TrainingArguments
 
     from cpcompile.integrations.transformers import CPTrainer
@@ -159,8 +159,7 @@ def run_refusals(a: argparse.Namespace) -> None:
             messages[case] = "no error"
         except ValueError as e:
             messages[case] = str(e)
-    if int(os.environ.get("RANK", "0")) == 0:
-        torch.save(messages, os.path.join(a.out, "refusals.pt"))
+    return messages
 
 
 def run_example(a: argparse.Namespace) -> None:
@@ -191,7 +190,7 @@ def main() -> None:
     p.add_argument("--mode", choices=["cp", "reference"], required=True)
     p.add_argument(
         "--job",
-        choices=[*sorted(JOBS), "refusals", "example"],
+        choices=[*sorted(JOBS), "example"],
         action="append",
         required=True,
         help="run these, in order",
@@ -224,7 +223,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     for name in a.job:
-        {"refusals": run_refusals, "example": run_example}.get(name, lambda a: run_job(name, a))(a)
+        {"example": run_example}.get(name, lambda a: run_job(name, a))(a)
 
 
 if __name__ == "__main__":

@@ -1,75 +1,65 @@
 """A backend survives wrappers that copy or pickle their arguments (Lightning's ``torch.compile`` deep-copies them).
 
-The copy/pickle checks run in fresh interpreters with a fake process group (no other test's default group in the
-way); the Lightning check runs CP=2 on two gloo processes that imported ``lightning`` first.
+The copy/pickle checks run in new processes forked from the test harness's fork server, with a fake process group
+(no other test's default group in the way); the Lightning check runs CP=2 on two gloo processes that imported
+``lightning`` first.
 """
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness.dist import run_distributed
+from tests.harness.dist import run_alone, run_distributed
 from tests.harness.tiers import slow
 from tests.harness.tolerances import LOGITS_TOL, LOSS_TOL
 
-ROOT = Path(__file__).resolve().parents[1]
 
-_SAME_PROCESS = """
-import base64, copy, json, pickle
-import cpcompile
-from cpcompile import _compat
-with _compat.fake_process_group(0, 2) as group:
-    b = cpcompile.backend(group, inner="aot_eager", block_size=64)
-    out = {
-        "deepcopy_is_same": copy.deepcopy(b) is b,
-        "copy_is_same": copy.copy(b) is b,
-        "deepcopy_in_dict_is_same": copy.deepcopy({"backend": b, "mode": None})["backend"] is b,
-        "unpickled_is_same": pickle.loads(pickle.dumps(b)) is b,
-        "payload": base64.b64encode(pickle.dumps(b)).decode(),
-    }
-print(json.dumps(out))
-"""
+def _copies() -> dict:
+    import copy
+    import pickle
 
-_OTHER_PROCESS = """
-import base64, json, pickle, sys
-import cpcompile
-from cpcompile import _compat
-payload = base64.b64decode(sys.argv[1])
-out = {}
-try:
-    pickle.loads(payload)
-    out["without_group"] = "no error"
-except TypeError as e:
-    out["without_group"] = str(e)
-with _compat.fake_process_group(1, 2):
-    b = pickle.loads(payload)
-    out["type"] = type(b).__name__
-    out["group_name"], out["cp_rank"], out["cp_size"] = b.group_name, b.cp_rank, b.cp_size
-    out["inner"], out["block_size"] = b.options.inner, b.options.block_size
-print(json.dumps(out))
-"""
+    import cpcompile
+    from cpcompile import _compat
+
+    with _compat.fake_process_group(0, 2) as group:
+        b = cpcompile.backend(group, inner="aot_eager", block_size=64)
+        return {
+            "deepcopy_is_same": copy.deepcopy(b) is b,
+            "copy_is_same": copy.copy(b) is b,
+            "deepcopy_in_dict_is_same": copy.deepcopy({"backend": b, "mode": None})["backend"] is b,
+            "unpickled_is_same": pickle.loads(pickle.dumps(b)) is b,
+            "payload": pickle.dumps(b),
+        }
 
 
-def _python(code: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _unpickled(payload: bytes) -> dict:
+    import pickle
+
+    from cpcompile import _compat
+
+    out = {}
+    try:
+        pickle.loads(payload)
+        out["without_group"] = "no error"
+    except TypeError as e:
+        out["without_group"] = str(e)
+    with _compat.fake_process_group(1, 2):
+        b = pickle.loads(payload)
+        out["type"] = type(b).__name__
+        out["group_name"], out["cp_rank"], out["cp_size"] = b.group_name, b.cp_rank, b.cp_size
+        out["inner"], out["block_size"] = b.options.inner, b.options.block_size
+    return out
 
 
 def test_copy_and_pickle_give_the_backend_back():
-    same = _python(_SAME_PROCESS)
+    same = run_alone(_copies)
     for key in ("deepcopy_is_same", "copy_is_same", "deepcopy_in_dict_is_same", "unpickled_is_same"):
         assert same[key] is True, key
 
-    other = _python(_OTHER_PROCESS, same["payload"])
-    # no group of that name in a fresh process: a TypeError that names the fix
+    other = run_alone(_unpickled, same["payload"])
+    # no group of that name in a new process: a TypeError that names the fix
     assert "process group '0' is not registered in this process" in other["without_group"], other
     assert "cpcompile.backend(cp_group)" in other["without_group"], other
     # with the same groups created, a new backend over this process's rank of the group, with the same options

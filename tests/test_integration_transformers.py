@@ -5,8 +5,9 @@ CPU, gloo) and compared with the same trainer class run in one plain process on 
 (``tests/_hf_trainer_worker.py``): the loss and grad norm the Trainer logs at every step, and the parameters after
 the last step. Batches are taken in order, except in the dp=2 x cp=2 run, which shuffles (the Trainer's default).
 
-The training launches are the slow tier; the fast tier launches the refusals alone (they come before any step) and
-checks the message without torchrun.
+The training launches are the slow tier. The fast tier checks the refusals (they come before any step) on two gloo
+ranks forked from the test harness's fork server with torchrun's environment, and the message without torchrun in a
+process with no process group.
 
 Measured differences and the negative control's error: BENCHMARKS.md ("parity errors").
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness.dist import run_alone, run_distributed
 from tests.harness.tiers import slow
 from tests.harness.tolerances import LOSS_TOL, NORM_TOL, TRAINER_PARAM_TOL
 
@@ -162,32 +164,43 @@ def test_negative_control_fails_the_same_check(cp2, reference):
         _assert_matches(cp2["control"], first_step, "control")
 
 
-def test_refusals_name_the_setting_and_the_fix(tmp_path):
-    # a launch of its own (the refusals come before any step): the fast tier checks them without training
-    messages = _launch(_torchrun(2, "--cp", "2", "--batch", "4", *_jobs("refusals")), tmp_path)["refusals"]
-    assert (
-        "eval_strategy='steps'" in messages["eval_strategy"] and "set eval_strategy='no'" in messages["eval_strategy"]
-    )
-    assert "label_smoothing_factor=0.1" in messages["label_smoothing"]
-    assert "set label_smoothing_factor=0" in messages["label_smoothing"]
-    assert "average_tokens_across_devices=False" in messages["average_tokens"]
-    assert "cp_size=3 does not divide the world size 2" in messages["cp_size"]
+def _refusals(rank: int, world: int) -> dict:
+    """The refusals on gloo ranks with the environment torchrun gives its workers (accelerate reads it)."""
+    from tests import _hf_trainer_worker
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    return _hf_trainer_worker.refusal_messages()
+
+
+def test_refusals_name_the_setting_and_the_fix():
+    # the refusals come before any step: ranks forked from the harness's fork server, not a torchrun launch
+    for messages in run_distributed(_refusals, 2, fresh=True):
+        assert "eval_strategy='steps'" in messages["eval_strategy"], messages
+        assert "set eval_strategy='no'" in messages["eval_strategy"], messages
+        assert "label_smoothing_factor=0.1" in messages["label_smoothing"]
+        assert "set label_smoothing_factor=0" in messages["label_smoothing"]
+        assert "average_tokens_across_devices=False" in messages["average_tokens"]
+        assert "cp_size=3 does not divide the world size 2" in messages["cp_size"]
+
+
+def _without_torchrun(output_dir: str) -> str:
+    from transformers import TrainingArguments
+
+    from cpcompile.integrations.transformers import CPTrainer
+    from cpcompile.testing import tiny_model
+
+    args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to="none")
+    try:
+        CPTrainer(model=tiny_model("qwen3"), args=args, train_dataset=[{"input_ids": [1, 2]}], cp_size=2)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
 
 
 def test_cp_trainer_without_torchrun_says_how_to_launch(tmp_path):
-    code = (
-        "from transformers import TrainingArguments\n"
-        "from cpcompile.integrations.transformers import CPTrainer\n"
-        "from cpcompile.testing import tiny_model\n"
-        f"args = TrainingArguments(output_dir={str(tmp_path)!r}, use_cpu=True, report_to='none')\n"
-        "CPTrainer(model=tiny_model('qwen3'), args=args, train_dataset=[{'input_ids': [1, 2]}], cp_size=2)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode != 0
-    assert "ValueError: CPTrainer needs torch.distributed" in proc.stderr, proc.stderr[-3000:]
-    assert "torchrun --nproc-per-node N" in proc.stderr
+    message = run_alone(_without_torchrun, str(tmp_path))
+    assert message.startswith("ValueError: CPTrainer needs torch.distributed"), message
+    assert "torchrun --nproc-per-node N" in message
 
 
 @pytest.mark.skipif(

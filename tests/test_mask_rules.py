@@ -463,7 +463,7 @@ def _worker(rank, world_size):
     lookup_summary = check_case(lookup, group, controls=("merge_documents", "plan_merges_documents"))
     model = attention_lm("chunked")
     batch = packed_batch([[16]])  # c = 8: each rank's block is one chunk, which looks causal from inside
-    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
+    compiled = torch.compile(model, backend=cpcompile.backend(group, inner="eager"))
     try:
         with cpcompile.shard(batch, group) as local:
             compiled(**local)

@@ -372,5 +372,49 @@ def run_distributed(
     ]
 
 
+def _alone_child(fn, args, results, environ) -> None:
+    _adopt(environ)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        out = fn(*args)
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put(("ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - the traceback is sent to the parent, which fails the test
+        results.put(("error", traceback.format_exc()))
+
+
+def run_alone(fn, *args, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Run ``fn(*args)`` in a new process forked from the fork server (no process group, nothing imported past
+    :data:`PRELOAD`: a fresh interpreter's state at a fraction of its start-up cost); return its result. Raises
+    ``AssertionError`` with the traceback when it raises or exits without a result, ``TimeoutError`` past
+    ``timeout_s``."""
+    ctx = _context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=_alone_child, args=(fn, args, results, dict(os.environ)), daemon=True)
+    proc.start()
+    name = getattr(fn, "__name__", str(fn))
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    try:
+        while True:
+            try:
+                status, payload = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if datetime.datetime.now() > deadline:
+                    raise TimeoutError(f"{name} did not finish within {timeout_s:.0f}s") from None
+                if not proc.is_alive() and results.empty():
+                    raise AssertionError(f"{name} exited without a result (exit code {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status == "error":
+        raise AssertionError(f"{name} failed:\n{payload}")
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def _failures(outcome: dict) -> str:
     return "\n".join(f"--- rank {r} ---\n{p}" for r, (s, p) in sorted(outcome.items()) if s == "error") or "none"

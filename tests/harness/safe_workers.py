@@ -338,7 +338,7 @@ def misuse_worker(rank: int, world_size: int) -> dict:
     torch._dynamo.reset()
     long_waits = cpcompile.failsafe.FailsafeOptions(peer_timeout_s=120, report_grace_s=GRACE_S)
     cpcompile.failsafe.configure(group, long_waits)  # a compile may take longer on one rank
-    dyn = torch.compile(tiny_model("llama").eval(), backend=cpcompile.backend(group, inner="aot_eager"), dynamic=True)
+    dyn = torch.compile(tiny_model("llama").eval(), backend=cpcompile.backend(group, inner="eager"), dynamic=True)
 
     def dynamic_true():
         with cpcompile.shard(batch, group) as local:

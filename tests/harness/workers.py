@@ -211,13 +211,13 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     # the compiled model called outside shard: fails in the first attention's mask op, before any collective
     torch._dynamo.reset()
     model = tiny_model("llama")
-    cm = torch.compile(model, backend=cpcompile.backend(group, inner="aot_eager"))
+    cm = torch.compile(model, backend=cpcompile.backend(group, inner="eager"))
     out["model_outside_shard"] = _error_of(lambda: cm(**batch, use_cache=False))
 
     # eager attention under CP: refused at compile time, naming the layer and the fix
     torch._dynamo.reset()
     eager = tiny_model("llama", attn_implementation="eager")
-    ce = torch.compile(eager, backend=cpcompile.backend(group, inner="aot_eager"))
+    ce = torch.compile(eager, backend=cpcompile.backend(group, inner="eager"))
 
     def eager_run():
         with cpcompile.shard(batch, group) as local:
