@@ -9,8 +9,9 @@ One spawned run of 4 gloo processes (module fixture ``runs``) trains the same 3 
 ranks' partial gradients never summed) and FSDP's default averaging over dp x cp. The same run checks
 gathered log-probs / entropy / per-sample means with CP=4, ``clip_grad_norm_`` on DTensor gradients and
 examples/train_fsdp_cp.py's training function (dp=2, cp=2) with its own single-process check. The fast tier runs
-(2, 2), the wrong setups, the log-probs, per-sample means and clipping; (1, 2) with inductor, (2, 1), (1, 1) and
-the example are the slow tier. Every
+(2, 2) with the rewritten graph as traced (``inner="eager"``), the wrong setups, the log-probs, per-sample means
+and clipping; the slow tier runs (2, 2) under ``aot_eager`` instead, and adds (1, 2) with inductor, (2, 1), (1, 1)
+and the example. Every
 expected value comes from the unsharded eager model (or ``torch.nn.utils.clip_grad_norm_``) in the pytest
 process.
 """
@@ -314,9 +315,10 @@ def _worker(rank: int, world: int, with_slow: bool):
         if rank == 3:
             res["dp1_cp1"], _ = _train(m11, inner="eager")
     dist.barrier()
-    res["dp2_cp2"], be = _train(m22, inner="aot_eager")
-    res["seed_dp2_cp2"], _ = _train(m22, inner="aot_eager", mode="seed", be=be)
-    res["averaged_dp2_cp2"], _ = _train(m22, inner="aot_eager", mode="averaged", be=be)
+    inner = "aot_eager" if with_slow else "eager"  # the fast tier: the rewritten graph as traced
+    res["dp2_cp2"], be = _train(m22, inner=inner)
+    res["seed_dp2_cp2"], _ = _train(m22, inner=inner, mode="seed", be=be)
+    res["averaged_dp2_cp2"], _ = _train(m22, inner=inner, mode="averaged", be=be)
     res["logprobs"] = _logprobs(world)
     res["per_sample_dp"] = _per_sample_mean_dp(m22)
     res["clip"] = _clip(rank, world)

@@ -20,7 +20,7 @@ import torch
 import cpcompile
 from cpcompile.__main__ import main
 from cpcompile.testing import packed_batch, tiny_config, tiny_model
-from tests.harness.dist import run_distributed
+from tests.harness.dist import run_alone, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA_DOCS = [10, 20, 34]  # T = 64, CP = 2: document 3 straddles the two ranks
@@ -41,6 +41,17 @@ def _run_cli(*args, timeout=240):
         text=True,
         timeout=timeout,
     )
+
+
+def _main_captured(argv: list[str]) -> tuple[int, str, str]:
+    """``cpcompile inspect``'s ``main(argv)``: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
 
 
 def _expected_files(ranks, graphs=1):
@@ -74,13 +85,13 @@ def configs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_llama(configs, tmp_path_factory):
-    """One real command-line run on tiny Llama, CP=2, T=64, with a dump."""
+    """One command-line run on tiny Llama, CP=2, T=64, with a dump, in a new process forked from the harness's fork
+    server (the console entry point itself: ``test_console_entry_point_exit_code_and_message``)."""
     dump = str(tmp_path_factory.mktemp("cli") / "dump")
-    proc = _run_cli(
-        configs["llama"], "--cp-size", "2", "--seq-len", "64", "--docs", _docs_arg(LLAMA_DOCS), "--dump", dump
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc, dump
+    argv = [configs["llama"], "--cp-size", "2", "--seq-len", "64", "--docs", _docs_arg(LLAMA_DOCS), "--dump", dump]
+    code, stdout, stderr = run_alone(_main_captured, ["inspect", *argv])
+    assert code == 0, stderr
+    return stdout, dump
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +100,9 @@ def qwen3_inspection(configs):
 
 
 def test_cli_table_and_summary_rows_llama(cli_llama):
-    proc, dump = cli_llama
+    stdout, dump = cli_llama
     config = tiny_config("llama")
-    site_lines = [line for line in proc.stdout.splitlines() if "self_attn" in line]
+    site_lines = [line for line in stdout.splitlines() if "self_attn" in line]
     assert len(site_lines) == config.num_hidden_layers  # one row per site: identical on both ranks
     for i, line in enumerate(site_lines):
         assert f"model.layers.{i}.self_attn" in line and "rewritten" in line and "bool-mask" in line
@@ -397,51 +408,28 @@ def tiny_llama_one_layer():
     return tiny_config("llama", num_hidden_layers=1, max_position_embeddings=1 << 16)
 
 
-_PEAK_RSS_CHILD = """
-import sys, tempfile
-from cpcompile.__main__ import main
-T = int(sys.argv[1])
-with tempfile.TemporaryDirectory() as tmp:
-    argv = ["inspect", "tests.test_inspect:tiny_llama_one_layer", "--cp-size", "4", "--seq-len", str(T),
-            "--docs", f"{T // 3},{T - T // 3}", "--rank", "0", "--dump", tmp + "/dump"]
-    assert main(argv) == 0
-with open("/proc/self/status") as f:
-    print("VmHWM_kB", next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")))
-"""
+def _inspect_peak_rss_kb(seq_len: int) -> int:
+    """Peak resident memory (VmHWM) of this process after ``cpcompile inspect ... --dump`` at ``seq_len``."""
+    import tempfile
 
-
-def _inspect_peak_rss_kb(*seq_lens: int) -> list[int]:
-    """Peak resident memory of fresh processes (run side by side) doing ``cpcompile inspect ... --dump``."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PEAK_RSS_CHILD, str(n)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for n in seq_lens
-    ]
-    peaks = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err
-        peaks.append(int(out.split("VmHWM_kB")[-1]))
-    return peaks
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["inspect", "tests.test_inspect:tiny_llama_one_layer", "--cp-size", "4", "--seq-len", str(seq_len)]
+        argv += ["--docs", f"{seq_len // 3},{seq_len - seq_len // 3}", "--rank", "0", "--dump", tmp + "/dump"]
+        assert main(argv) == 0
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc (Linux)")
 def test_inspect_peak_memory_at_4x_the_length_stays_under_2x():
     """Inspect with a dump (trace, totals, summary.json, the PNG) needs no memory quadratic in the length.
 
-    Peak RSS of a fresh process (VmHWM: this process only, not the pytest parent's pages), CP=4, one traced
-    rank, 8,192 vs 32,768 tokens. A quadratic term would show: drawing the picture from every rank's dense
-    mask needed T^2 bytes of bool plus 4 T^2 of int32 (0.3 GB at 8k, 5 GB at 32k). Measured (torch 2.13 CPU):
-    figures in BENCHMARKS.md ("inspect at long lengths").
+    Peak RSS of a new process forked from the test harness's fork server (VmHWM: that process only, the same
+    preloaded modules in both), CP=4, one traced rank, 8,192 vs 32,768 tokens. A quadratic term would show:
+    drawing the picture from every rank's dense mask needed T^2 bytes of bool plus 4 T^2 of int32 (0.3 GB at 8k,
+    5 GB at 32k). Measured (torch 2.13 CPU): figures in BENCHMARKS.md ("inspect at long lengths").
     """
-    small, large = _inspect_peak_rss_kb(8192, 4 * 8192)
+    small, large = (run_alone(_inspect_peak_rss_kb, n) for n in (8192, 4 * 8192))
     print(f"peak RSS: {small / 1024:.0f} MiB at 8k, {large / 1024:.0f} MiB at 32k")
     assert large < 2 * small, (small, large)
 
