@@ -471,6 +471,7 @@ def test_parity_cp4(results):
     _check(results["cp4"])
 
 
+@slow  # the fast tier: transformers' LFM2 on its flex path at CP=2 (the same ids gathered, parity, its control)
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_transformers_flex_path_runs_the_packed_ids_on_the_whole_sequence(world):
     """transformers' flex path (tiny llama): the packed-sequence ids (``position_ids[:, :1] - 1``, ``diff``,

@@ -1,7 +1,8 @@
 """torch.compile's own tooling shows the backend's work: ``TORCH_LOGS=cpcompile`` and ``TORCH_TRACE`` + ``tlparse``.
 
 Each case compiles a tiny Qwen3 (2 attention layers) as rank 0 of a CP group of 2 (a fake process group) in a
-fresh interpreter, with the environment variables (or ``torch._logging.set_logs``) set as a user would set them.
+process of its own: a fresh interpreter with the environment variables set as a user would set them, or, for
+``torch._logging.set_logs``, a process forked from the test harness's fork server.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness.dist import run_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,11 +65,34 @@ def test_torch_logs_plus_cpcompile_adds_the_graphs(debug_run):
     assert _lines_with(err, "cpcompile__compat_all_gather_start"), "the rewritten graph gathers K/V"
 
 
+def _unasked_then_info() -> str:
+    """What a process with no log settings writes to its stderr (fd 2) while it compiles one model (backend 0),
+    turns cpcompile's INFO logs on (what ``TORCH_LOGS=cpcompile`` does) and compiles another."""
+    import logging
+    import tempfile
+
+    import torch
+
+    torch._logging.set_logs()  # torch's defaults, as in an interpreter started without TORCH_LOGS
+    with tempfile.TemporaryFile() as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            exec(_IMPORTS + _RUN, {})
+            torch._logging.set_logs(modules={"cpcompile": logging.INFO})
+            exec(_IMPORTS + _RUN, {})
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        return captured.read().decode()
+
+
 def test_nothing_is_printed_unasked_and_info_prints_every_site_as_graphs_compile():
-    # the script compiles one model (backend 0) with no log settings, then turns cpcompile's INFO logs on (what
-    # TORCH_LOGS=cpcompile does) and compiles another
-    script = _IMPORTS + _RUN + "torch._logging.set_logs(modules={'cpcompile': logging.INFO})" + _RUN
-    err = _compile(script=script).stderr
+    # a new process forked from the harness's fork server (started without TORCH_LOGS)
+    err = run_alone(_unasked_then_info)
     assert "backend0" not in err, err[-3000:]
     assert len(_lines_with(err, SUMMARY.replace("backend0", "backend1"))) == 1, err[-3000:]
     for layer in ("model.layers.0.self_attn", "model.layers.1.self_attn"):
