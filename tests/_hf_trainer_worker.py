@@ -144,21 +144,21 @@ def refusal_messages() -> dict[str, str]:
 
     messages = {}
     for case, (overrides, cp_size) in REFUSALS.items():
-        out = tempfile.mkdtemp(prefix="hf-trainer-")
-        args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", **overrides)
-        docs = documents(4)
-        try:
-            CPTrainer(
-                model=tiny_model("qwen3", seed=0, vocab_size=VOCAB),
-                args=args,
-                train_dataset=docs,
-                eval_dataset=docs,
-                data_collator=DataCollatorWithFlattening(),
-                cp_size=cp_size,
-            )
-            messages[case] = "no error"
-        except ValueError as e:
-            messages[case] = str(e)
+        with tempfile.TemporaryDirectory(prefix="hf-trainer-") as out:
+            args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", **overrides)
+            docs = documents(4)
+            try:
+                CPTrainer(
+                    model=tiny_model("qwen3", seed=0, vocab_size=VOCAB),
+                    args=args,
+                    train_dataset=docs,
+                    eval_dataset=docs,
+                    data_collator=DataCollatorWithFlattening(),
+                    cp_size=cp_size,
+                )
+                messages[case] = "no error"
+            except ValueError as e:
+                messages[case] = str(e)
     return messages
 
 
