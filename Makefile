@@ -3,6 +3,9 @@
 # `make test`: set up, lint and run the fast tier (every claim once, at CP=2; the tests not marked `slow`).
 # `make test-all`: set up, lint and run every test, both tiers (what CI runs: .ci/run).
 .PHONY: setup demo lint test test-all
+# Python may cache compiled bytecode (.venv and __pycache__/ are git-ignored): with PYTHONDONTWRITEBYTECODE set, as
+# on some machines, every test process and rank would compile torch's and transformers' sources again on import.
+unexport PYTHONDONTWRITEBYTECODE
 setup:
 	bash scripts/setup.sh
 demo: setup
