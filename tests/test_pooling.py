@@ -53,7 +53,8 @@ def seq_cls(family: str) -> nn.Module:
 
     from cpcompile.testing import tiny_config
 
-    config = tiny_config(family, num_labels=3, pad_token_id=PAD)
+    # one decoder layer: the pooling follows the last one, and Dynamo traces every layer anew
+    config = tiny_config(family, num_labels=3, pad_token_id=PAD, num_hidden_layers=1)
     torch.manual_seed(0)
     return transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa").train()
 
@@ -189,7 +190,7 @@ def test_cp2_exact_on_every_rank(cp2):
             r = out[f"{m}/{layout}"]
             assert r["failing"] == [], f"rank {rank} {m}/{layout}: {r}"
             assert r["mixing"] == POOLED, f"{m}/{layout}: {r['mixing']}"
-            assert r["sites"] == (1 if m == "tied" else 2), r
+            assert r["sites"] == 1, r  # one attention layer in each model
             assert (r["runs"] > 1) == (layout == "balanced"), r  # balanced: local order is not global order
 
 
