@@ -37,11 +37,11 @@ SUMMARY = "cpcompile backend0 graph 0, CP rank 0 of 2: 2 SDPA site(s): 2 rewritt
 GRAPH_AFTER = "after the cpcompile passes"
 
 
-def _compile(script: str = _COMPILE, **env: str) -> subprocess.CompletedProcess:
+def _compile(**env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
     environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env={**environ, **env}, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", _COMPILE], cwd=ROOT, env={**environ, **env}, capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -79,9 +79,9 @@ def _unasked_then_info() -> str:
         saved = os.dup(2)
         os.dup2(captured.fileno(), 2)
         try:
-            exec(_IMPORTS + _RUN, {})
+            exec(_COMPILE, {})
             torch._logging.set_logs(modules={"cpcompile": logging.INFO})
-            exec(_IMPORTS + _RUN, {})
+            exec(_COMPILE, {})
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)

@@ -376,13 +376,7 @@ def _alone_child(fn, args, results, environ) -> None:
     _adopt(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    try:
-        out = fn(*args)
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        results.put(("ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - the traceback is sent to the parent, which fails the test
-        results.put(("error", traceback.format_exc()))
+    results.put(_run_job(lambda _rank, _world_size, *a: fn(*a), 0, 1, args))
 
 
 def run_alone(fn, *args, timeout_s: float = DEFAULT_TIMEOUT_S):
