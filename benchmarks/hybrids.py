@@ -5,8 +5,8 @@ delta-net layer before an attention layer; ``bamba``, a Mamba2 layer before an a
 ``--hidden`` so that the recurrent mixer dominates: the mixer's heads grow with the hidden size (key, value and SSD
 head counts divisible by 4, so that CP=4 takes whole heads and groups), ``use_cache=False``. Under CP the mixer's
 core runs head-parallel (:mod:`cpcompile.cores`: one all-to-all per exchanged tensor and direction) or, for the gated
-delta rule, by state passing (``--recurrence state`` or ``heads``, the default; ``state,heads`` runs both, one row
-each), the causal conv before it takes a halo of ``kernel - 1`` tokens before each of the rank's runs
+delta rule and Mamba2's SSD, by state passing (``--recurrence state`` or ``heads``, the default; ``state,heads``
+runs both, one row each), the causal conv before it takes a halo of ``kernel - 1`` tokens before each of the rank's runs
 (:mod:`cpcompile.passes.mixing`: the rank's tokens and its halo, not the whole sequence), and the attention layer
 gathers K/V.
 

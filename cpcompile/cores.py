@@ -65,18 +65,23 @@ dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``o
 ``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``, WKV's ``state`` and
 ``return_state``), ``cu_seqlens``/``seq_idx``.
 
-State passing (the gated delta rule under ``shard(recurrence="state")``; :data:`STATE_RUNS`): the rule
-is affine in its state, so no heads are exchanged. Every run of consecutive global tokens a rank holds gets a
-slot (the rank's tokens with the other runs' zeroed: a zero token is an identity step), the library's function runs
-once on all slots from the state ``[0 | I]`` on the values ``[v | 0]``, which gives each run's zero-state output,
-the rows that map a start state to its outputs, and a fixed-size summary (its state from zero and the product of
-its transitions); ``cpcompile::state_gather`` all-gathers the summaries of every rank
+State passing (the gated delta rule and Mamba2's SSD under ``shard(recurrence="state")``; :data:`STATE_RUNS`):
+both are affine in their state, so no heads are exchanged. Every run of consecutive global tokens a rank holds gets
+a slot (the rank's tokens with the other runs' zeroed: a zero token is an identity step), the library's function
+runs once on all slots from the state ``[0 | I]`` on the values ``[v | 0]``, which gives each run's zero-state
+output, the rows that map a start state to its outputs, and a fixed-size summary (its state from zero and the
+product of its transitions); ``cpcompile::state_gather`` all-gathers the summaries of every rank
 (:mod:`cpcompile.ops.state`), each rank folds them in global token order in fp32 and corrects its runs' outputs by
-the state each run starts from (:func:`_gated_delta_rule_state`). Exact under every layout and whatever ``T``
-(padding comes last), with any number of heads (no padding); bytes independent of ``T``; the core runs once per
-slot with ``dv + dk`` value columns. Same refusals as head-parallel, except the head counts need only ``Hk``
-dividing ``Hv``. Dynamo guards on :data:`STATE_RUNS` (the mode and the number of slots). State passing is not
-implemented for the other cores: they run head-parallel whatever ``recurrence`` says.
+the state each run starts from (:func:`_gated_delta_rule_state`, :func:`_ssd_state`, both through
+:func:`_passed`). Exact under every layout and whatever ``T`` (padding comes last), with any number of heads (no
+padding); bytes independent of ``T``; the core runs once per slot with ``dv + dk`` value columns (the SSD: ``P +
+N`` channels per head, its head dim and state size). Same refusals as head-parallel, except the head counts need
+only ``Hk`` dividing ``Hv`` (``G`` dividing ``H``). Dynamo guards on :data:`STATE_RUNS` (the mode and the number of
+slots). State passing is not implemented for the other cores, which run head-parallel whatever ``recurrence``
+says: the selective scan's state is diagonal (one decay per channel and state entry) and its output sums over the
+state entries, so no start state of the library's function gives the rows that map a start state to the outputs
+(the ``[0 | I]`` start needs a state dim of its own to hold ``I``); the RG-LRU's, WKV's and the lightning layer's
+forms were not attempted.
 
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
@@ -433,25 +438,40 @@ def _gated_delta_rule_state(core, heads, runs: int, site: str, query, key, value
     ``j`` and zeros elsewhere: a zero token (``k = q = v = 0``, ``g = beta = 0``) is an identity step with a zero
     output, so each slot's core sees its run alone, and the output is the sum over slots. Padding tokens come last
     in global order, so no real token's state includes them."""
-    group_name, n, rank = heads
-    b, c, hv, dv = value.shape
+    n = heads[1]
+    hv, dv = value.shape[2:]
     slots, order = torch.ops.cpcompile.state_runs(value.detach(), 1, n, runs, site)
-    in_run = (slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)).float()  # [runs, c]
-
-    def per_run(t):  # [B, c, H, ...] -> [runs * B, c, H, ...] in fp32: slot j keeps run j's tokens, zeros elsewhere
-        mask = in_run.reshape(runs, 1, c, *([1] * (t.dim() - 2)))
-        return _heads_major((t.unsqueeze(0) * mask).flatten(0, 1))
-
-    if key.shape[2] != hv:  # the core's own repeat, done here so that the layout of per_run reaches it
+    if key.shape[2] != hv:  # the core's own repeat, done here so that the layout of the slots reaches it
         query, key = (t.repeat_interleave(hv // key.shape[2], dim=2) for t in (query, key))
     # each input as a contiguous copy whose gradient is a contiguous copy too (cpcompile::state_input)
-    q, k, gg, bb, v = (per_run(torch.ops.cpcompile.state_input(t, site)) for t in (query, key, g, beta, value))
+    q, k, gg, bb, v = (
+        _heads_major(_per_run(torch.ops.cpcompile.state_input(t, site), slots, runs))
+        for t in (query, key, g, beta, value)
+    )
     out, final = _from_identity(core, q, k, v, gg, bb)
-    every = torch.ops.cpcompile.state_gather(final.unflatten(0, (runs, b)), group_name, site, final.requires_grad)
+    fixed = _passed(out, final, slots, order, runs, dv, heads, site)
+    return torch.ops.cpcompile.state_output(fixed.to(query.dtype), site)
+
+
+def _per_run(t, slots, runs: int):
+    """``t`` (``[B, c, ...]``, this rank's tokens) as ``[runs * B, c, ...]`` in fp32: slot ``j`` keeps the tokens
+    of the rank's run ``j`` (``slots`` of ``cpcompile::state_runs``) and zeros elsewhere."""
+    in_run = slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)  # [runs, c]
+    mask = in_run.float().reshape(runs, 1, t.shape[1], *([1] * (t.dim() - 2)))
+    return (t.unsqueeze(0) * mask).flatten(0, 1)
+
+
+def _passed(out, final, slots, order, runs: int, dv: int, heads, site: str):
+    """This rank's outputs ``[B, c, H, dv]`` (fp32) from the core's outputs and final states of every run slot
+    from the state ``[0 | I]`` (``out`` ``[runs * B, c, H, dv + dk]``, ``final`` ``[runs * B, H, dk, dv + dk]``,
+    :func:`_from_identity`): the final states of every rank's runs all-gathered (``cpcompile::state_gather``),
+    folded in global order (``order`` of ``cpcompile::state_runs``), and each slot's outputs corrected by the state
+    its run starts from, summed over the slots."""
+    group_name, _, rank = heads
+    every = torch.ops.cpcompile.state_gather(final.unflatten(0, (runs, -1)), group_name, site, final.requires_grad)
     in_order = every.flatten(0, 1).index_select(0, order)  # [N * runs, B, H, dk, dv + dk], runs in global order
     starts = _fold(in_order, dv).index_select(0, torch.argsort(order)).narrow(0, rank * runs, runs)
-    fixed = _corrected(out.unflatten(0, (runs, b)), starts, dv)  # [runs, B, c, H, dv]
-    return torch.ops.cpcompile.state_output(fixed.sum(0).to(query.dtype), site)
+    return _corrected(out.unflatten(0, (runs, -1)), starts, dv).sum(0)  # [runs, B, c, H, dv] summed over slots
 
 
 def _from_identity(core, query, key, value, g, beta):
@@ -533,6 +553,11 @@ def _mamba2_chunk_scan_replacement(original, site: str):
         h, groups = hidden_states.shape[2], B.shape[2]
         if h % groups != 0:
             _refuse(hidden_states, site, f"has {groups} groups for {h} heads", "use groups that divide the heads")
+        runs = STATE_RUNS  # a global of this module: Dynamo guards on its value
+        if runs is not None:
+            core = functools.partial(original, chunk_size=chunk_size, D=D, **kwargs)
+            step = (dt_bias, dt_softplus, dt_limit)
+            return _ssd_state(core, heads, runs, site, hidden_states, dt, A, B, C, step)
         if groups % n != 0:  # groups cannot stay whole on a rank: every rank gets the groups of its heads
             B = B.repeat_interleave(h // groups, dim=2)
             C = C.repeat_interleave(h // groups, dim=2)
@@ -564,6 +589,52 @@ def _mamba2_chunk_scan_replacement(original, site: str):
         return _to_sequence(out, order, group_name, site)[:, :, :h]
 
     return mamba2_chunk_scan
+
+
+def _ssd_state(core, heads, runs: int, site: str, x, dt, A, B, C, step):
+    """Mamba2's SSD under CP by state passing (as :func:`_gated_delta_rule_state`): ``core`` (the library's
+    function) runs on this rank's tokens only, once per run slot, and the state each run starts from comes from the
+    other runs' summaries.
+
+    Per head, the state ``h`` (``[P, N]``) moves by one scalar per token: ``h_t = a_t h_{t-1} + dt_t x_t B_t^T``
+    with ``a_t = exp(dt_t A)``, output ``y_t = h_t C_t + D x_t``. The step sizes are discretised here as the
+    library does (``step``: ``dt_bias`` added, softplus if asked, clamped to ``dt_limit``; the same ops in the same
+    order) and the core gets them as they are, so that a zero token (``dt = 0``: decay 1, no input; ``C = 0``: no
+    output) is an identity step. Run from the state ``[0 ; I]`` (``[P + N, N]``) on the inputs ``[x | 0]``, the
+    core's outputs are ``[y_t(0) | a_1 ... a_t C_t]`` and its final state ``[S_0 ; a_1 ... a_c I]``: transposed, the
+    gated delta rule's form with ``dv = P`` and ``dk = N``, which :func:`_passed` folds and corrects. The core runs
+    once per slot with ``P + N`` columns per head."""
+    n = heads[1]
+    p = x.shape[-1]
+    slots, order = torch.ops.cpcompile.state_runs(x.detach(), 1, n, runs, site)
+    x, dt, B, C = (torch.ops.cpcompile.state_input(t, site) for t in (x, dt, B, C))
+    x, dt, B, C = (_per_run(t, slots, runs) for t in (x, _ssd_steps(dt, step), B, C))
+    out, final = _ssd_from_identity(core, x, dt, A, B, C)
+    fixed = _passed(out, final.transpose(-1, -2), slots, order, runs, p, heads, site)
+    return torch.ops.cpcompile.state_output(fixed.to(out.dtype), site)
+
+
+def _ssd_steps(dt, step):
+    """The step sizes ``dt`` as Mamba2's SSD discretises them before its scan: ``step`` is its ``(dt_bias,
+    dt_softplus, dt_limit)``."""
+    dt_bias, dt_softplus, dt_limit = step
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+
+
+def _ssd_from_identity(core, x, dt, A, B, C):
+    """``core`` (Mamba2's SSD, ``x`` ``[B, S, H, P]`` and ``dt`` already discretised) run from the state ``[0 ; I]``
+    on the inputs ``[x | 0]``: ``(out [B, S, H, P + N], final [B, H, P + N, N])`` (see :func:`_ssd_state`)."""
+    b, _, h, p = x.shape
+    state = B.shape[-1]
+    eye = torch.eye(state, dtype=torch.float32, device=x.device)
+    start = torch.cat([eye.new_zeros(p, state), eye]).expand(b, h, p + state, state).contiguous()
+    whole = (float("-inf"), float("inf"))  # dt is clamped already: the zero steps stay zero
+    padded = torch.nn.functional.pad(x, (0, state))
+    return _core_call(core, padded, dt, A, B, C, initial_states=start, dt_limit=whole, return_final_states=True)
 
 
 def _selective_scan_replacement(original, site: str):

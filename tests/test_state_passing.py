@@ -1,12 +1,16 @@
-"""State passing of the gated delta rule (:mod:`cpcompile.cores`): the fold and correction in one process, and
-Qwen3-Next at CP=2 and 3 against the one-process model.
+"""State passing of the gated delta rule and of Mamba2's SSD (:mod:`cpcompile.cores`): the fold and correction in
+one process, and Qwen3-Next and Bamba at CP=2, 3 and 4 against the one-process model.
 
-Fast tier: the library's own core (transformers' ``torch_chunk_gated_delta_rule``, chunks of 8 tokens) run on three
-runs of a 45-token sequence from the state ``[0 | I]`` on the values ``[v | 0]`` (``cores._from_identity``), the
-runs' final states folded in order (``cores._fold``) and each run's output corrected (``cores._corrected``), equals
-the core run on the whole sequence; so does the form the CP path runs, each run in a slot of the whole length with
-zeros elsewhere (zero tokens are identity steps), summed over the slots. The negative control drops the incoming
-state (every run from zero): not close.
+Fast tier: each library core (transformers' ``torch_chunk_gated_delta_rule`` and Bamba's ``mamba2_chunk_scan``,
+chunks of 8 tokens) run on three runs of a 45-token sequence from the state ``[0 | I]`` (``cores._from_identity``,
+``cores._ssd_from_identity``), the runs' final states folded in order (``cores._fold``) and each run's output
+corrected (``cores._corrected``), equals the core run on the whole sequence; so does the form the CP path runs,
+each run in a slot of the whole length with zeros elsewhere (zero tokens are identity steps), summed over the slots.
+The negative control drops the incoming state (every run from zero): not close.
+
+Slow tier: Qwen3-Next (contiguous, balanced, ``aot_eager``) and Bamba (contiguous, balanced) at CP=2 with one
+control per core (every run from a zero state: parity fails) and the bytes against the length; Qwen3-Next balanced
+at CP=3; both balanced at CP=4 (three runs on a rank).
 """
 
 from __future__ import annotations
@@ -16,75 +20,96 @@ import torch
 
 from tests.harness.parity import report
 from tests.harness.tiers import slow
-from tests.harness.tolerances import STATE_FOLD_TOL
-from tests.test_hybrids_parity import DOCS, EXPECTED
+from tests.harness.tolerances import SSD_STATE_FOLD_TOL, STATE_FOLD_TOL
+from tests.test_hybrids_parity import DOCS, EXPECTED, EXPECTED_BY_MODEL
 
-#: Runs of the 45-token sequence: cuts inside and at the edge of the core's 8-token chunks.
+#: Runs of the 45-token sequence: cuts inside and at the edge of the cores' 8-token chunks.
 CUTS = (0, 11, 16, 45)
+T_FOLD = CUTS[-1]
 
 
-def _inputs(seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    T = CUTS[-1]
-    q, k = (torch.randn(2, T, 2, 8, generator=gen) for _ in range(2))  # 2 key heads for 4 value heads
-    v = torch.randn(2, T, 4, 6, generator=gen)
-    g = -torch.rand(2, T, 4, generator=gen)
-    beta = torch.rand(2, T, 4, generator=gen)
-    return q, k, v, g, beta
-
-
-def _core():
+def _gdr():
+    """The gated delta rule's fold form: ``(core, inputs, from_identity, dv, transpose_final)``: 2 key heads for 4
+    value heads."""
     import functools
 
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    library = modeling_qwen3_next.torch_chunk_gated_delta_rule.__wrapped__
-    return functools.partial(library, chunk_size=8, use_qk_l2norm_in_kernel=True)
-
-
-def _by_runs(drop_incoming: bool = False) -> torch.Tensor:
     from cpcompile import cores
 
-    core, inputs = _core(), _inputs()
-    dv = inputs[2].shape[-1]
-    runs = [[t[:, a:b] for t in inputs] for a, b in zip(CUTS, CUTS[1:])]
-    outs, finals = zip(*(cores._from_identity(core, *run) for run in runs))
-    starts = cores._fold(torch.stack(finals), dv)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, T_FOLD, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(2, T_FOLD, 4, 6, generator=gen)
+    g = -torch.rand(2, T_FOLD, 4, generator=gen)
+    beta = torch.rand(2, T_FOLD, 4, generator=gen)
+    library = modeling_qwen3_next.torch_chunk_gated_delta_rule.__wrapped__
+    core = functools.partial(library, chunk_size=8, use_qk_l2norm_in_kernel=True)
+    whole, _ = core(q, k, v, g, beta)
+    return whole, (q, k, v, g, beta), lambda *run: cores._from_identity(core, *run), 6, False
+
+
+def _ssd():
+    """Mamba2's SSD: 4 heads of 6 channels in 2 groups, state 5, the step sizes biased, softplus'd and clamped
+    (a lower limit above zero: the zero steps of the slots must not be clamped)."""
+    import functools
+
+    from transformers.models.bamba import modeling_bamba
+
+    from cpcompile import cores
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, T_FOLD, 4, 6, generator=gen)
+    dt = torch.randn(2, T_FOLD, 4, generator=gen)
+    A = -torch.rand(4, generator=gen) - 0.5
+    B, C = (torch.randn(2, T_FOLD, 2, 5, generator=gen) for _ in range(2))
+    D, dt_bias = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    step = (dt_bias, True, (0.01, 5.0))
+    library = modeling_bamba.mamba2_chunk_scan.__wrapped__
+    core = functools.partial(library, chunk_size=8, D=D)
+    whole = core(x, dt, A, B, C, dt_bias=dt_bias, dt_softplus=True, dt_limit=step[2])
+    steps = cores._ssd_steps(dt, step)
+    return whole, (x, steps, B, C), lambda x, s, b, c: cores._ssd_from_identity(core, x, s, A, b, c), 6, True
+
+
+FORMS = {"gated_delta_rule": (_gdr, STATE_FOLD_TOL), "ssd": (_ssd, SSD_STATE_FOLD_TOL)}
+
+
+def _folded(form: str, slots: bool, drop_incoming: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(whole, got)``: the core on the whole sequence, and by runs (each run alone; with ``slots``, each run in
+    a slot of the whole length with zeros elsewhere, summed over the slots) folded and corrected."""
+    from cpcompile import cores
+
+    whole, inputs, from_identity, dv, transpose = FORMS[form][0]()
+    pieces = []
+    for a, b in zip(CUTS, CUTS[1:]):
+        if slots:
+            keep = torch.zeros(T_FOLD)
+            keep[a:b] = 1
+            pieces.append([t * keep.reshape(1, T_FOLD, *([1] * (t.dim() - 2))) for t in inputs])
+        else:
+            pieces.append([t[:, a:b] for t in inputs])
+    outs, finals = zip(*(from_identity(*piece) for piece in pieces))
+    starts = cores._fold(torch.stack([f.transpose(-1, -2) if transpose else f for f in finals]), dv)
     if drop_incoming:
         starts = torch.zeros_like(starts)
-    return torch.cat([cores._corrected(o, s, dv) for o, s in zip(outs, starts)], dim=1)
+    corrected = [cores._corrected(o, s, dv) for o, s in zip(outs, starts)]
+    return whole, sum(corrected) if slots else torch.cat(corrected, dim=1)
 
 
-def _by_slots() -> torch.Tensor:
-    """Each run in a slot of the whole length, zeros elsewhere; the slots' corrected outputs summed."""
-    from cpcompile import cores
-
-    core, inputs = _core(), _inputs()
-    dv = inputs[2].shape[-1]
-    T = CUTS[-1]
-    slots = []
-    for a, b in zip(CUTS, CUTS[1:]):
-        keep = torch.zeros(T)
-        keep[a:b] = 1
-        slots.append([t * keep.reshape(1, T, *([1] * (t.dim() - 2))) for t in inputs])
-    outs, finals = zip(*(cores._from_identity(core, *slot) for slot in slots))
-    starts = cores._fold(torch.stack(finals), dv)
-    return sum(cores._corrected(o, s, dv) for o, s in zip(outs, starts))
+@pytest.mark.parametrize("form", FORMS)
+def test_runs_folded_in_order_equal_the_whole_sequence(form):
+    for slots in (False, True):
+        whole, got = _folded(form, slots)
+        print(f"\n{form} {'slots' if slots else 'runs'}: max |diff| {(got - whole).abs().max().item():.2e}")
+        torch.testing.assert_close(got, whole, **FORMS[form][1])
 
 
-def test_runs_folded_in_order_equal_the_whole_sequence():
-    whole, _ = _core()(*_inputs())
-    for name, got in (("runs", _by_runs()), ("slots", _by_slots())):
-        print(f"\n{name}: max |diff| {(got - whole).abs().max().item():.2e}")
-        torch.testing.assert_close(got, whole, **STATE_FOLD_TOL)
-
-
-def test_runs_without_their_incoming_state_are_not_the_whole_sequence():
-    whole, _ = _core()(*_inputs())
-    got = _by_runs(drop_incoming=True)
-    print(f"\ncontrol: max |diff| {(got - whole).abs().max().item():.2e}")
+@pytest.mark.parametrize("form", FORMS)
+def test_runs_without_their_incoming_state_are_not_the_whole_sequence(form):
+    whole, got = _folded(form, slots=False, drop_incoming=True)
+    print(f"\ncontrol {form}: max |diff| {(got - whole).abs().max().item():.2e}")
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(got, whole, **STATE_FOLD_TOL)
+        torch.testing.assert_close(got, whole, **FORMS[form][1])
 
 
 # -- CP=2 and 3: Qwen3-Next against one process ----------------------------------------------------------------
@@ -95,6 +120,10 @@ STATE_EXPECTED = tuple(
     ("torch_chunk_gated_delta_rule", "state_passing") if op == "torch_chunk_gated_delta_rule" else (op, action)
     for op, action in EXPECTED
 )
+#: Bamba's (tests/test_hybrids_parity.py), the SSD core ``state_passing``.
+SSD_STATE_EXPECTED = tuple(
+    (op, "state_passing") if op == "mamba2_chunk_scan" else (op, action) for op, action in EXPECTED_BY_MODEL["bamba"]
+)
 
 
 def _aot_case():
@@ -103,16 +132,16 @@ def _aot_case():
     return dataclasses.replace(_state_case(doc_lens=((100, 156), (256,))), inner="aot_eager")
 
 
-def _state_case(layout: str = "contiguous", doc_lens=DOCS):
+def _state_case(layout: str = "contiguous", doc_lens=DOCS, model: str = "qwen3_next"):
     import dataclasses
 
     from tests.test_hybrids_parity import _case
 
-    case = _case(layout=layout)
+    case = _case(layout=layout, model=model)
     return dataclasses.replace(
         case,
         doc_lens=doc_lens,
-        expected_mixing=STATE_EXPECTED,
+        expected_mixing=SSD_STATE_EXPECTED if model == "bamba" else STATE_EXPECTED,
         shard_kwargs=(*case.shard_kwargs, ("recurrence", "state")),
     )
 
@@ -121,8 +150,19 @@ def _state_case(layout: str = "contiguous", doc_lens=DOCS):
 #: CP=2 with these documents: two runs on a rank); and under ``aot_eager`` at T = 256, whose 128 local tokens need no
 #: padding to the core's 64-token chunks (before ``cpcompile::state_input`` its backward failed there with torch's
 #: view error, pytorch/pytorch#144187).
-CP2 = [_state_case(), _state_case("balanced"), _aot_case()]
+#: Bamba (Mamba2's SSD) under the contiguous and the balanced layout at T = 37.
+CP2 = [
+    _state_case(),
+    _state_case("balanced"),
+    _aot_case(),
+    _state_case(model="bamba"),
+    _state_case("balanced", model="bamba"),
+]
+#: The cases whose negative control (every run from a zero state) runs too: one per core.
+CONTROLS = (0, 3)
 CP3 = [_state_case("balanced")]
+#: CP=4 balanced at T = 37: three runs on a rank for both cores, so the fold crosses runs of every rank in between.
+CP4 = [_state_case("balanced"), _state_case("balanced", model="bamba")]
 #: Two global lengths of one document each (contiguous: one run per rank whatever T): the state bytes per step must
 #: be the same, the head-parallel bytes grow with T.
 BYTES_LENGTHS = (37, 101)
@@ -160,19 +200,21 @@ def _worker(rank: int, world: int, cases: list, extras: bool) -> dict:
         return out
     from tests.harness.parity import ParityRunner, assert_parity, failing_quantities
 
-    torch.compiler.reset()
-    saved = cores._fold
-    cores._fold = _no_incoming
-    try:
-        bad = ParityRunner(cases[0], group).run()
-    finally:
-        cores._fold = saved
+    out["controls"] = {}
+    for i in CONTROLS:
         torch.compiler.reset()
-    try:
-        assert_parity(bad)
-        out["control"] = {"caught": False, **bad.errors()}
-    except AssertionError:
-        out["control"] = {"caught": True, "failing": failing_quantities(bad), **bad.errors()}
+        saved = cores._fold
+        cores._fold = _no_incoming
+        try:
+            bad = ParityRunner(cases[i], group).run()
+        finally:
+            cores._fold = saved
+            torch.compiler.reset()
+        try:
+            assert_parity(bad)
+            out["controls"][cases[i].model] = {"caught": False, **bad.errors()}
+        except AssertionError:
+            out["controls"][cases[i].model] = {"caught": True, "failing": failing_quantities(bad), **bad.errors()}
     out["bytes"] = {(T, r): _bytes(group, T, r) for T in BYTES_LENGTHS for r in ("state", "heads")}
     return out
 
@@ -189,20 +231,22 @@ def cp2():
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
-def test_cp2_contiguous_balanced_and_aot_eager_equal_one_process(cp2):
+def test_cp2_both_cores_contiguous_balanced_and_aot_eager_equal_one_process(cp2):
     summaries = cp2[0]["cases"]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in CP2]
-    assert [s["runs"] for s in summaries] == [1, 2, 1], summaries
+    assert [s["runs"] for s in summaries] == [1, 2, 1, 1, 2], summaries
 
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_cp2_without_the_incoming_state_fails_parity(cp2):
     for per_rank in cp2:
-        control = per_rank["control"]
-        print(f"\ncontrol: every run from a zero state: {control}")
-        assert control["caught"] and "logits" in control["failing"], control
+        controls = per_rank["controls"]
+        print(f"\ncontrols: every run from a zero state: {controls}")
+        assert sorted(controls) == ["bamba", "qwen3_next"], controls
+        for control in controls.values():
+            assert control["caught"] and "logits" in control["failing"], control
 
 
 @slow
@@ -224,6 +268,17 @@ def test_cp3_balanced_equals_one_process():
     summaries = run_distributed(_worker, 3, CP3, False, timeout_s=TIMEOUT_S)[0]["cases"]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in CP3]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_cp4_balanced_both_cores_equal_one_process():
+    from tests.harness.dist import run_distributed
+
+    summaries = run_distributed(_worker, 4, CP4, False, timeout_s=TIMEOUT_S)[0]["cases"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in CP4]
+    assert [s["runs"] for s in summaries] == [3, 3], summaries
 
 
 def test_an_unknown_recurrence_is_refused_naming_the_choices():

@@ -186,8 +186,8 @@ def activated(context: Active) -> Iterator[Active]:
     """Make ``context`` the active one of this thread for the ``with`` block; its counts stay readable after.
 
     With a group of more than one rank it also switches the known mixer cores to their CP form for the block
-    (:mod:`cpcompile.cores`: head-parallel, or state passing for the gated delta rule with ``recurrence="state"``,
-    for the plan's largest number of runs per rank)."""
+    (:mod:`cpcompile.cores`: head-parallel, or state passing for the gated delta rule and the SSD with
+    ``recurrence="state"``, for the plan's largest number of runs per rank)."""
     cores.register_known_cores()
     group = context.group
     heads = (
