@@ -9,8 +9,9 @@ each run in a slot of the whole length with zeros elsewhere (zero tokens are ide
 The negative control drops the incoming state (every run from zero): not close.
 
 Slow tier: Qwen3-Next (contiguous, balanced, ``aot_eager``) and Bamba (contiguous, balanced) at CP=2 with one
-control per core (every run from a zero state: parity fails) and the bytes against the length; Qwen3-Next balanced
-at CP=3; both balanced at CP=4 (three runs on a rank).
+control per core (every run from a zero state: parity fails) and the bytes against the length; Granite-4 hybrid,
+Falcon-H1, Mamba2, Nemotron-H and Zamba2 balanced at CP=2; Qwen3-Next balanced at CP=3; Qwen3-Next and Bamba
+balanced at CP=4 (three runs on a rank).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from tests.harness.parity import report
 from tests.harness.tiers import slow
 from tests.harness.tolerances import SSD_STATE_FOLD_TOL, STATE_FOLD_TOL
-from tests.test_hybrids_parity import DOCS, EXPECTED, EXPECTED_BY_MODEL
+from tests.test_hybrids_parity import DOCS, EXPECTED_BY_MODEL
 
 #: Runs of the 45-token sequence: cuts inside and at the edge of the cores' 8-token chunks.
 CUTS = (0, 11, 16, 45)
@@ -112,18 +113,16 @@ def test_runs_without_their_incoming_state_are_not_the_whole_sequence(form):
         torch.testing.assert_close(got, whole, **FORMS[form][1])
 
 
-# -- CP=2 and 3: Qwen3-Next against one process ----------------------------------------------------------------
+# -- CP=2, 3 and 4: the models against one process --------------------------------------------------------------
 
-#: The mixing Qwen3-Next reports with state passing: as head-parallel (tests/test_hybrids_parity.py), the core
-#: ``state_passing``.
-STATE_EXPECTED = tuple(
-    ("torch_chunk_gated_delta_rule", "state_passing") if op == "torch_chunk_gated_delta_rule" else (op, action)
-    for op, action in EXPECTED
-)
-#: Bamba's (tests/test_hybrids_parity.py), the SSD core ``state_passing``.
-SSD_STATE_EXPECTED = tuple(
-    (op, "state_passing") if op == "mamba2_chunk_scan" else (op, action) for op, action in EXPECTED_BY_MODEL["bamba"]
-)
+#: The cores that run by state passing, as the mixing pass names them.
+STATE_CORES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
+
+
+def _state_expected(model: str) -> tuple[tuple[str, str], ...]:
+    """The mixing ``model`` reports with state passing: as head-parallel (tests/test_hybrids_parity.py), its core
+    ``state_passing``."""
+    return tuple((op, "state_passing") if op in STATE_CORES else (op, a) for op, a in EXPECTED_BY_MODEL[model])
 
 
 def _aot_case():
@@ -141,7 +140,7 @@ def _state_case(layout: str = "contiguous", doc_lens=DOCS, model: str = "qwen3_n
     return dataclasses.replace(
         case,
         doc_lens=doc_lens,
-        expected_mixing=SSD_STATE_EXPECTED if model == "bamba" else STATE_EXPECTED,
+        expected_mixing=_state_expected(model),
         shard_kwargs=(*case.shard_kwargs, ("recurrence", "state")),
     )
 
@@ -161,6 +160,11 @@ CP2 = [
 #: The cases whose negative control (every run from a zero state) runs too: one per core.
 CONTROLS = (0, 3)
 CP3 = [_state_case("balanced")]
+#: The other families of the SSD core (their mixers call it with their own configs: Falcon-H1's SSD beside
+#: attention, Granite-4's beside MoE feed-forwards, Zamba2's shared attention), balanced at CP=2 (two runs on a rank).
+SSD_FAMILIES_CP2 = [
+    _state_case("balanced", model=m) for m in ("granitemoehybrid", "falcon_h1", "mamba2", "nemotron_h", "zamba2")
+]
 #: CP=4 balanced at T = 37: three runs on a rank for both cores, so the fold crosses runs of every rank in between.
 CP4 = [_state_case("balanced"), _state_case("balanced", model="bamba")]
 #: Two global lengths of one document each (contiguous: one run per rank whatever T): the state bytes per step must
@@ -268,6 +272,17 @@ def test_cp3_balanced_equals_one_process():
     summaries = run_distributed(_worker, 3, CP3, False, timeout_s=TIMEOUT_S)[0]["cases"]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in CP3]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_cp2_every_other_ssd_family_equals_one_process():
+    from tests.harness.dist import run_distributed
+
+    summaries = run_distributed(_worker, 2, SSD_FAMILIES_CP2, False, timeout_s=TIMEOUT_S)[0]["cases"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in SSD_FAMILIES_CP2]
+    assert all(s["runs"] == 2 for s in summaries), summaries
 
 
 @slow

@@ -64,7 +64,7 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   the sequence dim) is refused, naming the op, the model's line and the fix
   (:func:`~cpcompile.passes.mixing.find._head_map_refusals`). A whole-sequence value that reaches the graph's
   output without the way back is refused.
-* ``state_passing``: the call of the gated delta rule that Dynamo traced through its state-passing replacement
+* ``state_passing``: the call of the gated delta rule or the SSD that Dynamo traced through its state-passing form
   (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` or ``cpcompile::state_input`` output
   (the core on this rank's runs, the all-gather and fold of every run's state summary), up to the
   ``cpcompile::state_output`` of this rank's tokens' outputs, is exact and not a mixing op; one report per
