@@ -264,36 +264,26 @@ def test_cp2_state_bytes_do_not_grow_with_the_length(cp2):
     assert got[(short, "heads")]["state"] == 0 and got[(long, "heads")]["heads"] > got[(short, "heads")]["heads"], got
 
 
-@slow
-@pytest.mark.timeout(TIMEOUT_S + 60)
-def test_cp3_balanced_equals_one_process():
-    from tests.harness.dist import run_distributed
-
-    summaries = run_distributed(_worker, 3, CP3, False, timeout_s=TIMEOUT_S)[0]["cases"]
-    report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP3]
-
-
-@slow
-@pytest.mark.timeout(TIMEOUT_S + 60)
-def test_cp2_every_other_ssd_family_equals_one_process():
-    from tests.harness.dist import run_distributed
-
-    summaries = run_distributed(_worker, 2, SSD_FAMILIES_CP2, False, timeout_s=TIMEOUT_S)[0]["cases"]
-    report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in SSD_FAMILIES_CP2]
-    assert all(s["runs"] == 2 for s in summaries), summaries
+#: The jobs beyond the CP=2 fixture: the CP size, the cases, and the runs of consecutive tokens the most loaded rank
+#: holds in each.
+REPEATS = {
+    "cp2_other_ssd_families": (2, SSD_FAMILIES_CP2, [2] * len(SSD_FAMILIES_CP2)),
+    "cp3_balanced": (3, CP3, [3]),
+    "cp4_balanced_both_cores": (4, CP4, [3, 3]),
+}
 
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
-def test_cp4_balanced_both_cores_equal_one_process():
+@pytest.mark.parametrize("repeat", REPEATS)
+def test_more_families_and_ranks_equal_one_process(repeat):
     from tests.harness.dist import run_distributed
 
-    summaries = run_distributed(_worker, 4, CP4, False, timeout_s=TIMEOUT_S)[0]["cases"]
+    cp, cases, runs = REPEATS[repeat]
+    summaries = run_distributed(_worker, cp, cases, False, timeout_s=TIMEOUT_S)[0]["cases"]
     report(summaries)
-    assert [s["case"] for s in summaries] == [c.name for c in CP4]
-    assert [s["runs"] for s in summaries] == [3, 3], summaries
+    assert [s["case"] for s in summaries] == [c.name for c in cases]
+    assert [s["runs"] for s in summaries] == runs, summaries
 
 
 def test_an_unknown_recurrence_is_refused_naming_the_choices():
