@@ -65,23 +65,26 @@ dividing ``H``), a recurrent state in or out (a cache: ``initial_state(s)``, ``o
 ``return_final_states``, ``return_last_state``, the RG-LRU's ``recurrent_states``, WKV's ``state`` and
 ``return_state``), ``cu_seqlens``/``seq_idx``.
 
-State passing (the gated delta rule and Mamba2's SSD under ``shard(recurrence="state")``; :data:`STATE_RUNS`):
-both are affine in their state, so no heads are exchanged. Every run of consecutive global tokens a rank holds gets
-a slot (the rank's tokens with the other runs' zeroed: a zero token is an identity step), the library's function
-runs once on all slots from the state ``[0 | I]`` on the values ``[v | 0]``, which gives each run's zero-state
-output, the rows that map a start state to its outputs, and a fixed-size summary (its state from zero and the
-product of its transitions); ``cpcompile::state_gather`` all-gathers the summaries of every rank
-(:mod:`cpcompile.ops.state`), each rank folds them in global token order in fp32 and corrects its runs' outputs by
-the state each run starts from (:func:`_gated_delta_rule_state`, :func:`_ssd_state`, both through
-:func:`_passed`). Exact under every layout and whatever ``T`` (padding comes last), with any number of heads (no
-padding); bytes independent of ``T``; the core runs once per slot with ``dv + dk`` value columns (the SSD: ``P +
-N`` channels per head, its head dim and state size). Same refusals as head-parallel, except the head counts need
-only ``Hk`` dividing ``Hv`` (``G`` dividing ``H``). Dynamo guards on :data:`STATE_RUNS` (the mode and the number of
-slots). State passing is not implemented for the other cores, which run head-parallel whatever ``recurrence``
-says: the selective scan's state is diagonal (one decay per channel and state entry) and its output sums over the
-state entries, so no start state of the library's function gives the rows that map a start state to the outputs
-(the ``[0 | I]`` start needs a state dim of its own to hold ``I``); the RG-LRU's, WKV's and the lightning layer's
-forms were not attempted.
+State passing (the gated delta rule, Mamba2's SSD and the RG-LRU under ``shard(recurrence="state")``;
+:data:`STATE_RUNS`): all three are affine in their state, so no heads are exchanged. Every run of consecutive global
+tokens a rank holds gets a slot (the rank's tokens with the other runs' made identity steps: zero tokens for the
+gated delta rule and the SSD, a gate of one and a zero input for the RG-LRU), the library's function runs once on
+all slots from the state ``[0 | I]`` on the values ``[v | 0]``, which gives each run's zero-state output, the rows
+that map a start state to its outputs, and a fixed-size summary (its state from zero and the product of its
+transitions); ``cpcompile::state_gather`` all-gathers the summaries of every rank (:mod:`cpcompile.ops.state`),
+each rank folds them in global token order in fp32 and corrects its runs' outputs by the state each run starts from
+(:func:`_gated_delta_rule_state`, :func:`_ssd_state`, :func:`_rg_lru_state`, all through :func:`_passed`). Exact
+under every layout and whatever ``T`` (padding comes last), with any number of heads (no padding); bytes independent
+of ``T``; the core runs once per slot with ``dv + dk`` value columns (the SSD: ``P + N`` channels per head, its head
+dim and state size; the RG-LRU: twice its channels). The RG-LRU's document restarts (``reset``) are applied to the
+gate first, as the library applies them, so a restart inside a run stops the incoming state there. Same refusals as
+head-parallel, except the head counts need only ``Hk`` dividing ``Hv`` (``G`` dividing ``H``). Dynamo guards on
+:data:`STATE_RUNS` (the mode and the number of slots). State passing is not implemented for the other cores, which
+run head-parallel whatever ``recurrence`` says: the selective scan's state is diagonal (one decay per channel and
+state entry) and its output sums over the state entries, so no start state of the library's function gives the rows
+that map a start state to the outputs (the ``[0 | I]`` start needs a state dim of its own to hold ``I``); WKV's
+(a ratio of two recurrences, rescaled by a running maximum) and the lightning layer's (inline in the layer) forms
+were not attempted.
 
 The substitution is registered for every core whose model module is imported when a backend for a CP group of
 more than one rank is made and when :func:`cpcompile.shard` is entered (:func:`register_known_cores`); it is
@@ -116,7 +119,7 @@ __all__ = [
 #: rank, else ``None``. Read by the replacements while Dynamo traces them (Dynamo guards on its value).
 HEADS_GROUP: tuple[str, int, int] | None = None
 
-#: The number of run slots per rank the gated delta rule runs state passing with (:func:`_gated_delta_rule_state`):
+#: The number of run slots per rank the state-passing cores run with (:func:`_gated_delta_rule_state`):
 #: the active plan's largest number of runs of consecutive tokens on one rank, while a shard context of more than
 #: one rank with ``recurrence="state"`` is active, else ``None`` (head-parallel). Read by the replacement while
 #: Dynamo traces it (Dynamo guards on its value, so a graph traced under one mode, or for another number of runs,
@@ -729,6 +732,10 @@ def _rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, a
     group_name, n, _ = heads
     if recurrent_states is not None:
         _refuse(hidden_states, site, "got a recurrent state (a cache)", "train with use_cache=False")
+    runs = STATE_RUNS  # a global of this module: Dynamo guards on its value
+    if runs is not None:
+        core = functools.partial(original, self, acc_dtype=acc_dtype)
+        return _rg_lru_state(core, heads, runs, site, hidden_states, recurrent_gate, reset), None
     # [B, S, W]: tokens on dim 1, channels on dim 2; a diagonal recurrence, so every channel is a head of its own
     channels = hidden_states.shape[2]
     padded = -(-channels // n) * n  # channels a CP size does not divide: zero channels up to the next multiple
@@ -747,6 +754,42 @@ def _rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, a
     # the layer keeps the state returned here (read only with a cache, refused): under CP no rank holds every
     # channel of the last token's state, so none is returned
     return _to_sequence(out, order, group_name, site)[:, :, :channels], None
+
+
+def _rg_lru_state(core, heads, runs: int, site: str, x, gate, reset):
+    """The RG-LRU's recurrence under CP by state passing (as :func:`_gated_delta_rule_state`): ``core`` (the
+    library's scan) runs on this rank's tokens only, once per run slot, and the state each run starts from comes from
+    the other runs' summaries.
+
+    Per channel the state is one number, ``h_t = a_t h_{t-1} + x_t`` with ``a_t`` the gate (zero at a document's
+    first token: ``reset``, applied here as the library applies it first; the core then gets no reset), and the
+    output is ``h_t``. A token outside the slot's run gets ``a = 1`` and ``x = 0`` (an identity step). The channels
+    are doubled: the core runs from the state ``[0 | 1]`` on ``[x | 0]``, so its outputs are ``[y_t(0) | a_1 ...
+    a_t]`` and its final state ``[S_0 | a_1 ... a_c]``: per channel, the gated delta rule's form with ``dv = dk =
+    1``, which :func:`_passed` folds and corrects. A reset inside a run zeroes its product, so the incoming state
+    stops there, as in one process. The slot's outputs outside its run are not zero (the state is carried), so
+    they are zeroed before the correction. Returns the outputs in ``x``'s dtype."""
+    n = heads[1]
+    slots, order = torch.ops.cpcompile.state_runs(x.detach(), 1, n, runs, site)
+    x, gate = (torch.ops.cpcompile.state_input(t, site) for t in (x, gate))
+    in_run = (slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)).unsqueeze(-1)  # [runs,c,1]
+    xs = _per_run(x, slots, runs)
+    gs = torch.where(in_run.unsqueeze(1), (gate * ~reset).float().unsqueeze(0), 1.0).flatten(0, 1)
+    out, final = _rg_lru_from_identity(core, xs, gs)
+    out = (out.unflatten(0, (runs, -1)) * in_run.reshape(runs, 1, -1, 1, 1)).flatten(0, 1)  # zero outside the run
+    fixed = _passed(out, final, slots, order, runs, 1, heads, site)
+    return torch.ops.cpcompile.state_output(fixed.squeeze(-1).to(x.dtype), site)
+
+
+def _rg_lru_from_identity(core, x, gate):
+    """``core`` (the RG-LRU's scan, ``x`` and ``gate`` ``[B, S, W]`` in fp32, the resets already in ``gate``) run
+    from the state ``[0 | 1]`` on ``[x | 0]`` with its channels doubled: ``(out [B, S, W, 2], final [B, W, 1, 2])``
+    (see :func:`_rg_lru_state`)."""
+    b, s, w = x.shape
+    start = torch.cat([x.new_zeros(b, w), x.new_ones(b, w)], dim=-1)
+    no_reset = torch.zeros(b, s, 1, dtype=torch.bool, device=x.device)
+    out, final = _core_call(core, torch.cat([x, torch.zeros_like(x)], -1), gate.repeat(1, 1, 2), no_reset, start)
+    return out.unflatten(-1, (2, w)).transpose(-1, -2), final.unflatten(-1, (2, w)).transpose(-1, -2).unsqueeze(-2)
 
 
 #: The copy of transformers' ``MiniMaxLightningAttention.forward`` that :func:`_lightning_layer` runs.

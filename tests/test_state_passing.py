@@ -1,17 +1,19 @@
-"""State passing of the gated delta rule and of Mamba2's SSD (:mod:`cpcompile.cores`): the fold and correction in
-one process, and Qwen3-Next and Bamba at CP=2, 3 and 4 against the one-process model.
+"""State passing of the gated delta rule, Mamba2's SSD and the RG-LRU (:mod:`cpcompile.cores`): the fold and
+correction in one process, and Qwen3-Next, Bamba and RecurrentGemma at CP=2, 3 and 4 against the one-process model.
 
 Fast tier: each library core (transformers' ``torch_chunk_gated_delta_rule`` and Bamba's ``mamba2_chunk_scan``,
-chunks of 8 tokens) run on three runs of a 45-token sequence from the state ``[0 | I]`` (``cores._from_identity``,
-``cores._ssd_from_identity``), the runs' final states folded in order (``cores._fold``) and each run's output
-corrected (``cores._corrected``), equals the core run on the whole sequence; so does the form the CP path runs,
-each run in a slot of the whole length with zeros elsewhere (zero tokens are identity steps), summed over the slots.
-The negative control drops the incoming state (every run from zero): not close.
+chunks of 8 tokens; RecurrentGemma's ``RecurrentGemmaRglru._rnn_scan``, with documents restarting inside a run and
+at a run's first token) run on three runs of a 45-token sequence from the state ``[0 | I]``
+(``cores._from_identity``, ``cores._ssd_from_identity``, ``cores._rg_lru_from_identity``), the runs' final states
+folded in order (``cores._fold``) and each run's output corrected (``cores._corrected``), equals the core run on the
+whole sequence; so does the form the CP path runs for the first two, each run in a slot of the whole length with
+zeros elsewhere (zero tokens are identity steps), summed over the slots. The negative control drops the incoming
+state (every run from zero): not close.
 
-Slow tier: Qwen3-Next (contiguous, balanced, ``aot_eager``) and Bamba (contiguous, balanced) at CP=2 with one
-control per core (every run from a zero state: parity fails) and the bytes against the length; Granite-4 hybrid,
-Falcon-H1, Mamba2, Nemotron-H and Zamba2 balanced at CP=2; Qwen3-Next balanced at CP=3; Qwen3-Next and Bamba
-balanced at CP=4 (three runs on a rank).
+Slow tier: Qwen3-Next (contiguous, balanced, ``aot_eager``), Bamba and RecurrentGemma (contiguous, balanced) at
+CP=2 with one control per core (every run from a zero state: parity fails) and the bytes against the length;
+Granite-4 hybrid, Falcon-H1, Mamba2, Nemotron-H and Zamba2 balanced at CP=2; Qwen3-Next and RecurrentGemma balanced
+at CP=3; Qwen3-Next, Bamba and RecurrentGemma balanced at CP=4 (three runs on a rank).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from tests.harness.parity import report
 from tests.harness.tiers import slow
 from tests.harness.tolerances import SSD_STATE_FOLD_TOL, STATE_FOLD_TOL
-from tests.test_hybrids_parity import DOCS, EXPECTED_BY_MODEL
+from tests.test_hybrids_parity import DOCS
 
 #: Runs of the 45-token sequence: cuts inside and at the edge of the cores' 8-token chunks.
 CUTS = (0, 11, 16, 45)
@@ -72,7 +74,33 @@ def _ssd():
     return whole, (x, steps, B, C), lambda x, s, b, c: cores._ssd_from_identity(core, x, s, A, b, c), 6, True
 
 
-FORMS = {"gated_delta_rule": (_gdr, STATE_FOLD_TOL), "ssd": (_ssd, SSD_STATE_FOLD_TOL)}
+def _rg_lru():
+    """The RG-LRU's diagonal recurrence over 6 channels, with a document restarting inside the second run (token
+    13) and one at the third run's first token (16): the resets are folded into the gate (a zero step) before the
+    runs, as the CP path does."""
+    import functools
+
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from cpcompile import cores
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, T_FOLD, 6, generator=gen)
+    gate = torch.rand(2, T_FOLD, 6, generator=gen) * 0.5 + 0.5
+    reset = torch.zeros(2, T_FOLD, 1, dtype=torch.bool)
+    reset[:, [0, 13, 16]] = True
+    core = functools.partial(RecurrentGemmaRglru._rnn_scan, None, acc_dtype=torch.float32)
+    whole, _ = core(x, gate, reset, None)
+    return whole.unsqueeze(-1), (x, gate * ~reset), lambda *run: cores._rg_lru_from_identity(core, *run), 1, False
+
+
+#: Each form: how to build it, its tolerance, and whether it runs in slots (zero tokens are identity steps: not so
+#: for the RG-LRU, whose zero gate restarts the state; its CP path sets the gate to one outside a run).
+FORMS = {
+    "gated_delta_rule": (_gdr, STATE_FOLD_TOL, True),
+    "ssd": (_ssd, SSD_STATE_FOLD_TOL, True),
+    "rg_lru": (_rg_lru, STATE_FOLD_TOL, False),
+}
 
 
 def _folded(form: str, slots: bool, drop_incoming: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +127,7 @@ def _folded(form: str, slots: bool, drop_incoming: bool = False) -> tuple[torch.
 
 @pytest.mark.parametrize("form", FORMS)
 def test_runs_folded_in_order_equal_the_whole_sequence(form):
-    for slots in (False, True):
+    for slots in (False, True)[: 1 + FORMS[form][2]]:
         whole, got = _folded(form, slots)
         print(f"\n{form} {'slots' if slots else 'runs'}: max |diff| {(got - whole).abs().max().item():.2e}")
         torch.testing.assert_close(got, whole, **FORMS[form][1])
@@ -116,13 +144,22 @@ def test_runs_without_their_incoming_state_are_not_the_whole_sequence(form):
 # -- CP=2, 3 and 4: the models against one process --------------------------------------------------------------
 
 #: The cores that run by state passing, as the mixing pass names them.
-STATE_CORES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
+STATE_CORES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "_rnn_scan")
 
 
-def _state_expected(model: str) -> tuple[tuple[str, str], ...]:
-    """The mixing ``model`` reports with state passing: as head-parallel (tests/test_hybrids_parity.py), its core
-    ``state_passing``."""
-    return tuple((op, "state_passing") if op in STATE_CORES else (op, a) for op, a in EXPECTED_BY_MODEL[model])
+def _head_parallel_case(model: str, layout: str):
+    """``model``'s head-parallel case: RecurrentGemma's from tests/test_recurrent_parity.py, the others' from
+    tests/test_hybrids_parity.py."""
+    if model == "recurrent_gemma":
+        from tests.test_recurrent_parity import _case
+    else:
+        from tests.test_hybrids_parity import _case
+    return _case(layout=layout, model=model)
+
+
+def _state_expected(expected) -> tuple[tuple[str, str], ...]:
+    """The mixing a model reports with state passing: as head-parallel (``expected``), its core ``state_passing``."""
+    return tuple((op, "state_passing") if op in STATE_CORES else (op, a) for op, a in expected)
 
 
 def _aot_case():
@@ -134,13 +171,11 @@ def _aot_case():
 def _state_case(layout: str = "contiguous", doc_lens=DOCS, model: str = "qwen3_next"):
     import dataclasses
 
-    from tests.test_hybrids_parity import _case
-
-    case = _case(layout=layout, model=model)
+    case = _head_parallel_case(model, layout)
     return dataclasses.replace(
         case,
         doc_lens=doc_lens,
-        expected_mixing=_state_expected(model),
+        expected_mixing=_state_expected(case.expected_mixing),
         shard_kwargs=(*case.shard_kwargs, ("recurrence", "state")),
     )
 
@@ -149,24 +184,32 @@ def _state_case(layout: str = "contiguous", doc_lens=DOCS, model: str = "qwen3_n
 #: CP=2 with these documents: two runs on a rank); and under ``aot_eager`` at T = 256, whose 128 local tokens need no
 #: padding to the core's 64-token chunks (before ``cpcompile::state_input`` its backward failed there with torch's
 #: view error, pytorch/pytorch#144187).
-#: Bamba (Mamba2's SSD) under the contiguous and the balanced layout at T = 37.
+#: Bamba (Mamba2's SSD) and RecurrentGemma (the RG-LRU, ``inner="eager"`` as in tests/test_recurrent_parity.py:
+#: its loop over tokens traced by AOTAutograd and inductor was checked by hand) under the contiguous and the
+#: balanced layout at T = 37.
 CP2 = [
     _state_case(),
     _state_case("balanced"),
     _aot_case(),
     _state_case(model="bamba"),
     _state_case("balanced", model="bamba"),
+    _state_case(model="recurrent_gemma"),
+    _state_case("balanced", model="recurrent_gemma"),
 ]
 #: The cases whose negative control (every run from a zero state) runs too: one per core.
-CONTROLS = (0, 3)
-CP3 = [_state_case("balanced")]
+CONTROLS = (0, 3, 5)
+CP3 = [_state_case("balanced"), _state_case("balanced", model="recurrent_gemma")]
 #: The other families of the SSD core (their mixers call it with their own configs: Falcon-H1's SSD beside
 #: attention, Granite-4's beside MoE feed-forwards, Zamba2's shared attention), balanced at CP=2 (two runs on a rank).
 SSD_FAMILIES_CP2 = [
     _state_case("balanced", model=m) for m in ("granitemoehybrid", "falcon_h1", "mamba2", "nemotron_h", "zamba2")
 ]
-#: CP=4 balanced at T = 37: three runs on a rank for both cores, so the fold crosses runs of every rank in between.
-CP4 = [_state_case("balanced"), _state_case("balanced", model="bamba")]
+#: CP=4 balanced at T = 37: three runs on a rank for every core, so the fold crosses runs of every rank in between.
+CP4 = [
+    _state_case("balanced"),
+    _state_case("balanced", model="bamba"),
+    _state_case("balanced", model="recurrent_gemma"),
+]
 #: Two global lengths of one document each (contiguous: one run per rank whatever T): the state bytes per step must
 #: be the same, the head-parallel bytes grow with T.
 BYTES_LENGTHS = (37, 101)
@@ -235,11 +278,11 @@ def cp2():
 
 @slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
-def test_cp2_both_cores_contiguous_balanced_and_aot_eager_equal_one_process(cp2):
+def test_cp2_every_core_contiguous_balanced_and_aot_eager_equal_one_process(cp2):
     summaries = cp2[0]["cases"]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in CP2]
-    assert [s["runs"] for s in summaries] == [1, 2, 1, 1, 2], summaries
+    assert [s["runs"] for s in summaries] == [1, 2, 1, 1, 2, 1, 2], summaries
 
 
 @slow
@@ -248,7 +291,7 @@ def test_cp2_without_the_incoming_state_fails_parity(cp2):
     for per_rank in cp2:
         controls = per_rank["controls"]
         print(f"\ncontrols: every run from a zero state: {controls}")
-        assert sorted(controls) == ["bamba", "qwen3_next"], controls
+        assert sorted(controls) == ["bamba", "qwen3_next", "recurrent_gemma"], controls
         for control in controls.values():
             assert control["caught"] and "logits" in control["failing"], control
 
@@ -268,8 +311,8 @@ def test_cp2_state_bytes_do_not_grow_with_the_length(cp2):
 #: holds in each.
 REPEATS = {
     "cp2_other_ssd_families": (2, SSD_FAMILIES_CP2, [2] * len(SSD_FAMILIES_CP2)),
-    "cp3_balanced": (3, CP3, [3]),
-    "cp4_balanced_both_cores": (4, CP4, [3, 3]),
+    "cp3_balanced": (3, CP3, [3, 3]),
+    "cp4_balanced_every_core": (4, CP4, [3, 3, 3]),
 }
 
 

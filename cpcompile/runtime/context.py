@@ -186,7 +186,7 @@ def activated(context: Active) -> Iterator[Active]:
     """Make ``context`` the active one of this thread for the ``with`` block; its counts stay readable after.
 
     With a group of more than one rank it also switches the known mixer cores to their CP form for the block
-    (:mod:`cpcompile.cores`: head-parallel, or state passing for the gated delta rule and the SSD with
+    (:mod:`cpcompile.cores`: head-parallel, or state passing for the gated delta rule, the SSD and the RG-LRU with
     ``recurrence="state"``, for the plan's largest number of runs per rank)."""
     cores.register_known_cores()
     group = context.group

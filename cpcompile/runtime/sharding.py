@@ -102,8 +102,8 @@ def shard(
             (default: every rank computes the same attention work for this batch, :mod:`cpcompile.layouts`),
             ``"contiguous"`` (rank ``r`` holds ``[r*c, (r+1)*c)``) or ``"head_tail"`` (pieces ``r`` and
             ``2N-1-r`` of ``2N``). Chosen per batch; changing it, or the documents, between steps does not
-            recompile (but for a model with the gated delta rule or the SSD under ``recurrence="state"``, once per new
-            largest number of runs per rank).
+            recompile (but for a model with a state-passing core under ``recurrence="state"``, once per new largest
+            number of runs per rank).
         workload: what ``"balanced"`` evens out (:class:`cpcompile.plan.Workload`). Default: the attention
             forms (documents, sliding window, number of layers) and the kernel's block size of the layers
             compiled for ``cp_group`` so far (:func:`compiled_workload`); before the first compilation, full
@@ -115,15 +115,16 @@ def shard(
             padding stays out of losses that ignore ``-100`` or weight tokens by a mask. Losses of any other
             form mask padding with :func:`real_tokens`.
         recurrence: how the gated delta rule (transformers' ``torch_chunk_gated_delta_rule``: Qwen3-Next,
-            Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) and Mamba2's SSD (``mamba2_chunk_scan``: Mamba2, Bamba, Granite-4
-            hybrid, Falcon-H1, Nemotron-H, Zamba2) run under CP (:mod:`cpcompile.cores`): ``"heads"`` (default:
-            head-parallel, an all-to-all gives each rank the whole sequence for its heads, bytes growing with
-            ``T``) or ``"state"`` (state passing: each rank runs the core on its own tokens and the ranks
-            all-gather one fixed-size state summary per run, whatever ``T``; the core then runs once per run of
-            the rank's tokens with ``dv + dk`` value columns, the SSD with ``P + N`` channels per head, so it costs
-            more compute and memory than ``"heads"`` and moves fewer bytes). The other recurrent cores (the
-            selective scan, the RG-LRU, WKV, the lightning-attention layer) run as they do with ``"heads"``
-            whatever it says: state passing is not implemented for them. Compiled graphs are guarded on it (and,
+            Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid), Mamba2's SSD (``mamba2_chunk_scan``: Mamba2, Bamba, Granite-4
+            hybrid, Falcon-H1, Nemotron-H, Zamba2) and RecurrentGemma's RG-LRU run under CP
+            (:mod:`cpcompile.cores`): ``"heads"`` (default: head-parallel, an all-to-all gives each rank the whole
+            sequence for its heads, bytes growing with ``T``) or ``"state"`` (state passing: each rank runs the
+            core on its own tokens and the ranks all-gather one fixed-size state summary per run, whatever ``T``;
+            the core then runs once per run of the rank's tokens with ``dv + dk`` value columns, the SSD with
+            ``P + N`` channels per head, the RG-LRU with twice its channels, so it costs more compute and memory
+            than ``"heads"`` and moves fewer bytes). The other recurrent cores (the selective scan, WKV, the
+            lightning-attention layer) run as they do with ``"heads"`` whatever it says: state passing is not
+            implemented for them. Compiled graphs are guarded on it (and,
             with ``"state"``, on the plan's largest number of runs per rank: one compile per number of runs).
 
     With ``dynamic`` (the default) the sequence dim of every local per-token tensor is marked dynamic, so

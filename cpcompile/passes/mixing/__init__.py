@@ -64,11 +64,11 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   the sequence dim) is refused, naming the op, the model's line and the fix
   (:func:`~cpcompile.passes.mixing.find._head_map_refusals`). A whole-sequence value that reaches the graph's
   output without the way back is refused.
-* ``state_passing``: the call of the gated delta rule or the SSD that Dynamo traced through its state-passing form
-  (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` or ``cpcompile::state_input`` output
-  (the core on this rank's runs, the all-gather and fold of every run's state summary), up to the
-  ``cpcompile::state_output`` of this rank's tokens' outputs, is exact and not a mixing op; one report per
-  ``state_output``, named after the core.
+* ``state_passing``: the call of the gated delta rule, the SSD or the RG-LRU that Dynamo traced through its
+  state-passing form (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` or
+  ``cpcompile::state_input`` output (the core on this rank's runs, the all-gather and fold of every run's state
+  summary), up to the ``cpcompile::state_output`` of this rank's tokens' outputs, is exact and not a mixing op; one
+  report per ``state_output``, named after the core.
 * ``refused``: anything else that mixes: :class:`UnsupportedMixingError` at compile time, on every rank (each
   rank compiles the same graph), naming the layer, the op, the model's source line and the fix.
 
