@@ -1,14 +1,15 @@
 """Hybrid (recurrent) models under CP: per-rank peak memory, step time and bytes of a training step, CP=1/2/4.
 
 The model is a tiny hybrid of :data:`cpcompile.testing.HYBRID_FAMILIES` (``--family``: ``qwen3_next``, a gated
-delta-net layer before an attention layer; ``bamba``, a Mamba2 layer before an attention layer; ...), widened with
+delta-net layer before an attention layer; ``bamba``, a Mamba2 layer before an attention layer; ``recurrent_gemma``,
+an RG-LRU layer before an attention layer; ...), widened with
 ``--hidden`` so that the recurrent mixer dominates: the mixer's heads grow with the hidden size (key, value and SSD
 head counts divisible by 4, so that CP=4 takes whole heads and groups), ``use_cache=False``. Under CP the mixer's
 core runs head-parallel (:mod:`cpcompile.cores`: one all-to-all per exchanged tensor and direction) or, for the gated
-delta rule and Mamba2's SSD, by state passing (``--recurrence state`` or ``heads``, the default; ``state,heads``
-runs both, one row each), the causal conv before it takes a halo of ``kernel - 1`` tokens before each of the rank's runs
-(:mod:`cpcompile.passes.mixing`: the rank's tokens and its halo, not the whole sequence), and the attention layer
-gathers K/V.
+delta rule, Mamba2's SSD and the RG-LRU, by state passing (``--recurrence state`` or ``heads``, the default;
+``state,heads`` runs both, one row each), the causal conv before it takes a halo of ``kernel - 1`` tokens before
+each of the rank's runs (:mod:`cpcompile.passes.mixing`: the rank's tokens and its halo, not the whole sequence),
+and the attention layer gathers K/V.
 
 Each rank is a CPU process (gloo, one thread). After two warm-up steps (compilation), the peak resident set (VmHWM)
 is reset and one forward+backward step runs; the memory column is the peak above the rank's resident size just
@@ -82,12 +83,22 @@ def _overrides(family: str, hidden: int, layers: int) -> dict:
             "mamba_expand": 2,
             "mamba_chunk_size": 64,
         }
-    raise ValueError(f"no overrides for family {family!r}; known: qwen3_next, qwen3_5(_moe), olmo_hybrid, bamba, ...")
+    if family == "recurrent_gemma":  # the RG-LRU as wide as the hidden size, its attention's window the whole row
+        return {**common, "lru_width": hidden, "attention_window_size": 65536}
+    raise ValueError(
+        f"no overrides for family {family!r}; known: qwen3_next, qwen3_5(_moe), olmo_hybrid, bamba, "
+        "granitemoehybrid, recurrent_gemma"
+    )
 
 
 def _mixer_channels(config) -> tuple[int, int, int]:
     """(mixer layers, channels of the mixer's input, channels of its core's inputs) of ``config``."""
     types = list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+    if hasattr(config, "lru_width"):  # RecurrentGemma: its block types cycle over the layers
+        layers = sum(
+            config.block_types[i % len(config.block_types)] == "recurrent" for i in range(config.num_hidden_layers)
+        )
+        return layers, config.hidden_size, 2 * config.lru_width + 1  # x, the gate, the reset flag
     if hasattr(config, "linear_num_value_heads"):
         layers = sum(t == "linear_attention" for t in types)
         key = config.linear_num_key_heads * config.linear_key_head_dim
