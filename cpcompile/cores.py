@@ -112,6 +112,7 @@ __all__ = [
     "in_core",
     "register_known_cores",
     "registered_cores",
+    "replicated",
     "traced_in_core",
 ]
 
@@ -153,8 +154,18 @@ CORES: dict[str, str] = {
 _METHOD_FORMS = frozenset({"rg_lru_scan", "lightning_layer"})
 #: Forms whose core is a plain function (no fused-kernel wrapper): the replacement runs a copy of it.
 _PLAIN_FORMS = frozenset({"wkv"})
+#: Forms whose replacement runs the library's layer on the whole sequence on every rank (its input all-gathered as
+#: ``N`` copies through the heads exchange, each rank keeping its own tokens' output) instead of a share of the heads:
+#: the mixing pass reports them ``replicated`` (:func:`replicated`).
+_REPLICATED_FORMS = frozenset({"lightning_layer"})
 
 _REGISTERED: dict[str, object] = {}
+
+
+def replicated(site: str) -> bool:
+    """Whether the core ``site`` (a :data:`CORES` key, the ``site`` its exchanges carry) runs whole on every rank
+    rather than head-parallel."""
+    return CORES.get(site) in _REPLICATED_FORMS
 
 
 def registered_cores() -> dict[str, object]:

@@ -41,7 +41,7 @@ EXPECTED = {
     "recurrent_gemma": (("conv1d", "halo"), ("_rnn_scan", "head_parallel"), _LOSS),
     "rwkv": (*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS),
     # the lightning-attention layer run whole on every rank (reported as its core, the layer's forward)
-    "minimax": (("forward", "head_parallel"), *_MOE_LAYER, *_MOE_LAYER, _LOSS),
+    "minimax": (("forward", "replicated"), *_MOE_LAYER, *_MOE_LAYER, _LOSS),
 }
 SITES = {"recurrent_gemma": 1, "rwkv": 0, "minimax": 1}
 

@@ -260,8 +260,9 @@ class Inspection:
                 "partial_sum: a sum the ranks' values add up to; dispatch: MoE token bookkeeping; summed: an MoE "
                 "count written into module state, summed over the ranks; pooled: the winning token's rows of an argmax "
                 "over the sequence, handed to every rank; per_token: a listed custom op; head_parallel: a recurrent "
-                "core run on the whole sequence for this rank's heads; state_passing: a recurrent core run on this "
-                "rank's tokens from the state the other ranks' summaries give; refused):",
+                "core run on the whole sequence for this rank's heads; replicated: a layer run whole on every rank; "
+                "state_passing: a recurrent core run on this rank's tokens from the state the other ranks' summaries "
+                "give; refused):",
                 self.mixing_table(),
             ]
         return "\n".join(lines) + "\n"

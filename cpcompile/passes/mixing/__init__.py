@@ -64,6 +64,11 @@ mixing op (:class:`MixingOp`) :func:`check_op` decides:
   the sequence dim) is refused, naming the op, the model's line and the fix
   (:func:`~cpcompile.passes.mixing.find._head_map_refusals`). A whole-sequence value that reaches the graph's
   output without the way back is refused.
+* ``replicated``: a known layer that cannot be split by heads (MiniMax's lightning-attention layer, whose block
+  loop sits between per-token projections and a norm across heads), traced through its replacement: its input is
+  all-gathered in global token order through the heads exchange (``N`` copies), the library's layer runs on the
+  whole sequence on every rank, and each rank keeps its own tokens' output: exact, at ``N`` times the layer's work.
+  Its nodes are proved as a head-parallel region's are.
 * ``state_passing``: the call of the gated delta rule, the SSD or the RG-LRU that Dynamo traced through its
   state-passing form (:mod:`cpcompile.cores`): every node that reads a ``cpcompile::state_runs`` or
   ``cpcompile::state_input`` output (the core on this rank's runs, the all-gather and fold of every run's state
@@ -159,7 +164,7 @@ class MixingReport:
 REGION_ACTIONS = ("halo", "gathered")
 #: The actions whose forward and backward exchange tokens or states across the CP ranks: the causal regions and the
 #: recurrent cores' replacements (:mod:`cpcompile.cores`). A graph that holds one mixes tokens across ranks.
-EXCHANGED_ACTIONS = (*REGION_ACTIONS, "head_parallel", "state_passing")
+EXCHANGED_ACTIONS = (*REGION_ACTIONS, "head_parallel", "replicated", "state_passing")
 
 
 def _bytes(region: CausalRegion, cp_size: int) -> int:

@@ -27,6 +27,7 @@ Action = Literal[
     "per_token",
     "pooled",
     "head_parallel",
+    "replicated",
     "state_passing",
     "refused",
 ]

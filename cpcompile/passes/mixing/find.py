@@ -47,8 +47,8 @@ class MixingOp(FoundAt):
     layer: str
     #: What it does along the sequence, in words.
     what: str
-    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled``/``head_parallel``/``state_passing`` when
-    #: the finder already knows it is accounted for.
+    #: ``partial_sum``/``mean_share``/``dispatch``/``per_token``/``pooled``/``head_parallel``/``replicated``/
+    #: ``state_passing`` when the finder already knows it is accounted for.
     accounted: str = ""
     region: CausalRegion | None = None
     #: Why it cannot be run on the whole sequence (when a region was looked for and not found).
@@ -645,7 +645,11 @@ def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
     for n in ends:
         site = n.args[5] if len(n.args) > 5 else ""
         what = f"runs {site} on the whole sequence for this rank's heads (one all-to-all per tensor each way)"
-        ops.append(dataclasses.replace(_head_op(n, what, "head_parallel"), op=str(site).rpartition(".")[2] or "core"))
+        accounted = "head_parallel"
+        if cores.replicated(str(site)):
+            what = f"runs {site} on the whole sequence on every rank (its input all-gathered), each keeping its tokens"
+            accounted = "replicated"
+        ops.append(dataclasses.replace(_head_op(n, what, accounted), op=str(site).rpartition(".")[2] or "core"))
     for n in leaks:
         what = (
             "is a whole-sequence value of a head-parallel region that leaves it without "
