@@ -17,7 +17,8 @@ original function (the gated delta rule's inputs laid out heads-major, values un
 under CP is never reused without it and the other way round. Eager calls never see the replacement.
 
 Known cores (a registry, not a general mechanism: it chooses which functions are substituted; the mixing pass
-proves that each traced region is a map over the heads, :mod:`cpcompile.passes.mixing`): transformers'
+proves that each traced region is a map over the heads, :mod:`cpcompile.passes.mixing`; a user adds a function of
+their own with :func:`register_head_parallel`): transformers'
 ``torch_chunk_gated_delta_rule`` of Qwen3-Next,
 Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid (one function, defined in each model's module: ``query``, ``key``
 ``[B, S, Hk, Dk]``, ``value`` ``[B, S, Hv, Dv]``, ``g``, ``beta`` ``[B, S, Hv]``; output ``[B, S, Hv, Dv]``), on
@@ -95,11 +96,13 @@ the library's core and no guard on :data:`HEADS_GROUP`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
 import types
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -110,6 +113,7 @@ __all__ = [
     "HEADS_GROUP",
     "STATE_RUNS",
     "in_core",
+    "register_head_parallel",
     "register_known_cores",
     "registered_cores",
     "replicated",
@@ -137,7 +141,8 @@ _LIGHTNING = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAtten
 #: ``"module.function"`` (``"module.Class.method"`` for a method) -> the form of that core: the cores
 #: :func:`register_known_cores` substitutes. Forms: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`),
 #: ``"mamba2_chunk_scan"`` (:func:`_mamba2_chunk_scan_replacement`), ``"selective_scan"``
-#: (:func:`_selective_scan_replacement`), ``"rg_lru_scan"`` (:func:`_rg_lru_scan_replacement`, a method).
+#: (:func:`_selective_scan_replacement`), ``"rg_lru_scan"`` (:func:`_rg_lru_scan_replacement`, a method), ``"wkv"``,
+#: ``"lightning_layer"``, and ``"registered"`` for the cores a user registers (:func:`register_head_parallel`).
 CORES: dict[str, str] = {
     **{_GDN.format(m): "gated_delta_rule" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")},
     **{
@@ -267,6 +272,8 @@ def _torch_path(wrapped) -> object | None:
 def register_known_cores() -> None:
     """Substitute every core of :data:`CORES` whose module is imported and not substituted yet."""
     for key, form in CORES.items():
+        if form == "registered":  # substituted by register_head_parallel itself
+            continue
         if form in _METHOD_FORMS:
             _register_method(key, form)
             continue
@@ -858,6 +865,151 @@ def _wkv_replacement(original, site: str):
         return _to_sequence(out, order, group_name, site)[:, :, :channels], None
 
     return rwkv_linear_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadSpec:
+    """How :func:`register_head_parallel` runs a user's core: which arguments are exchanged by heads, narrowed to
+    the rank's heads or passed unchanged, and where the sequence and head dims of the per-token ones are."""
+
+    names: tuple[str, ...]
+    defaults: tuple[tuple[str, object], ...]
+    per_token: tuple[str, ...]
+    per_head: tuple[str, ...]
+    shared: tuple[str, ...]
+    seq_dim: int
+    head_dim: int
+
+
+#: ``"module.function"`` -> the :class:`_HeadSpec` of each core registered by :func:`register_head_parallel`.
+_HEAD_SPECS: dict[str, _HeadSpec] = {}
+
+
+def register_head_parallel(
+    fn,
+    *,
+    per_token: Sequence[str],
+    per_head: Sequence[str] = (),
+    shared: Sequence[str] = (),
+    seq_dim: int = 1,
+    head_dim: int = 2,
+) -> None:
+    """Run the module-level function ``fn``, a sequence mixer that is a map over heads, head-parallel under CP.
+
+    While a :func:`cpcompile.shard` context of more than one rank is active, Dynamo traces a replacement of ``fn``
+    (as it does the known cores of :data:`CORES`): each argument named in ``per_token`` (a tensor whose dim
+    ``seq_dim`` is the sequence and dim ``head_dim`` the heads, the same head count in each) goes through
+    ``cpcompile::heads_from_sequence`` (this rank's tokens of every head -> every token, in global order, of
+    ``H / N`` heads), each argument named in ``per_head`` (a tensor whose dim 0 is the heads) is narrowed to the
+    rank's heads (its gradient summed over the group, as every parameter's is), and the arguments named in
+    ``shared`` pass unchanged. ``fn`` runs on the whole sequence of those heads, and every tensor it returns (one,
+    or a tuple or list of tensors and ``None``), laid out as the per-token arguments, is brought back to this
+    rank's tokens. The mixing pass proves the traced region a map over the heads and refuses, at compile time on
+    every rank, an op in it that combines heads, naming the op and the model's line. Outside a shard context, and
+    in eager calls, ``fn`` runs unchanged. Exact under every layout, with packed documents as far as ``fn`` treats
+    them as the one-process model does (it sees the whole sequence, in order).
+
+    Refused while tracing, on every rank: a tensor argument not named in any of the three lists, and heads that
+    the CP size does not divide. Register before the first compiled call under CP; registering ``fn`` again with
+    the same arguments does nothing.
+
+    Raises ``TypeError`` when ``fn`` is not a module-level Python function with named parameters only (no
+    ``*args``, ``**kwargs`` or positional-only ones), and ``ValueError`` for a name that is not a parameter of
+    ``fn``, a name in two lists, an empty ``per_token``, equal or negative dims, or a second registration of
+    ``fn`` with other arguments.
+    """
+    if not isinstance(fn, types.FunctionType) or fn.__qualname__ != fn.__name__:
+        raise TypeError(
+            f"register_head_parallel expects a module-level Python function, got {fn!r}; register the function "
+            "the model calls (a method or a nested function cannot be substituted: call a module-level one from it)"
+        )
+    params = inspect.signature(fn).parameters.values()
+    odd = [p.name for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if odd:
+        raise TypeError(
+            f"register_head_parallel needs {fn.__name__}'s parameters named, got *args, **kwargs or positional-only "
+            f"parameters {odd}; give the core named parameters"
+        )
+    names = tuple(p.name for p in params)
+    lists = {"per_token": tuple(per_token), "per_head": tuple(per_head), "shared": tuple(shared)}
+    for kind, listed in lists.items():
+        unknown = [x for x in listed if x not in names]
+        if unknown:
+            raise ValueError(f"{kind}={listed!r} names {unknown}, not parameters of {fn.__name__}{names}")
+    every = [x for listed in lists.values() for x in listed]
+    if len(set(every)) != len(every):
+        raise ValueError(f"a parameter of {fn.__name__} is named in two of per_token, per_head, shared: {lists}")
+    if not lists["per_token"]:
+        raise ValueError(f"per_token is empty; name the arguments of {fn.__name__} that hold the tokens")
+    if seq_dim < 0 or head_dim < 0 or seq_dim == head_dim:
+        raise ValueError(
+            f"seq_dim={seq_dim}, head_dim={head_dim}: expected two different non-negative dims of the per-token "
+            "arguments (e.g. seq_dim=1, head_dim=2 for [B, S, H, ...])"
+        )
+    defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
+    spec = _HeadSpec(names, defaults, *lists.values(), seq_dim, head_dim)
+    key = f"{fn.__module__}.{fn.__name__}"
+    if key in _HEAD_SPECS:
+        if _HEAD_SPECS[key] != spec:
+            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
+        return
+    _HEAD_SPECS[key] = spec
+    CORES[key] = "registered"
+    if not _compat.substituted_in_graph(fn):
+        torch.compiler.substitute_in_graph(fn)(_registered_replacement(_copy(fn), key, spec))
+    _REGISTERED[key] = fn
+
+
+def _registered_replacement(original, site: str, spec: _HeadSpec):
+    # plain tuples and ints in the closure: Dynamo traces the replacement as a polyfill, which cannot hold objects
+    names, defaults, per_token, per_head = spec.names, spec.defaults, spec.per_token, spec.per_head
+    classified = spec.per_token + spec.per_head + spec.shared
+    seq_dim, head_dim = spec.seq_dim, spec.head_dim
+
+    def registered_core(*args, **kwargs):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        if heads is None:
+            return original(*args, **kwargs)
+        group_name, n, rank = heads
+        values = dict(defaults)
+        values.update(zip(names, args))
+        values.update(kwargs)
+        first = values[per_token[0]]
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and name not in classified:
+                _refuse(
+                    value,
+                    site,
+                    f"got the tensor argument {name!r}, which register_head_parallel did not classify",
+                    "name it in per_token, per_head or shared of cpcompile.cores.register_head_parallel",
+                )
+        count = first.shape[head_dim]
+        if count % n:
+            _refuse(
+                first,
+                site,
+                f"has {count} heads (dim {head_dim} of {per_token[0]!r}), which the CP size {n} does not divide",
+                "use a CP size that divides the heads",
+            )
+        per = count // n
+        order = torch.ops.cpcompile.heads_order(first.detach(), seq_dim, n, site)
+        for name in per_token:
+            values[name] = _to_heads(values[name], order, group_name, site, seq_dim, head_dim)
+        for name in per_head:
+            values[name] = values[name].narrow(0, rank * per, per)
+        tokens = [values[name] for name in per_token]
+        out = _core_call(lambda *ts: original(**{**values, **dict(zip(per_token, ts))}), *tokens)
+
+        def back(t):
+            if t is None:
+                return None
+            return _to_sequence(t, order, group_name, site, seq_dim, head_dim)
+
+        if isinstance(out, (tuple, list)):
+            return type(out)(back(t) for t in out)
+        return back(out)
+
+    return registered_core
 
 
 _FORMS = {

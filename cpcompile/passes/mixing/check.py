@@ -170,8 +170,10 @@ def _fix(op: MixingOp) -> str:
         if op.problem:  # a whole-sequence value that leaves the region: its ``what`` says what to return
             return "return only the core's outputs from the head-parallel region"
         return (
-            "this core mixes heads, so it cannot run head-parallel: run this model (or this layer) without context "
-            "parallelism, or report the model with the graphs cpcompile.backend(..., dump_dir=...) writes"
+            "this core mixes heads, so it cannot run head-parallel: if it is a function registered with "
+            "cpcompile.cores.register_head_parallel, move the op that mixes heads out of it (apply it to what the "
+            "function returns); otherwise run this model (or this layer) without context parallelism, or report "
+            "the model with the graphs cpcompile.backend(..., dump_dir=...) writes"
         )
     outside = vocab.masks_built_outside_fix(op.node)
     if outside is not None:

@@ -1,0 +1,85 @@
+"""A sequence mixer of the user's own code, a map over heads, run head-parallel under CP by registering it with
+:func:`cpcompile.cores.register_head_parallel` (``tests/test_registered_cores.py``).
+
+:func:`decayed_heads` is a per-head linear recurrence written in plain torch, as in a user's model file: for head
+``h``, ``y_t = sum_{s <= t} lambda_h^(t - s) sigmoid(g_s) x_s`` with ``lambda_h = sigmoid(decay_h)``, computed as one
+``[S, S]`` decay matrix per head (an ``arange`` of the length, a ``where``, an ``einsum`` that contracts the
+sequence). ``x`` is ``[B, S, H, D]``, ``g`` ``[B, S, H]``, ``decay`` ``[H]``. The mixing pass refuses it under CP
+unless it is registered (its einsum mixes tokens). :func:`mixed_heads` is the same recurrence plus the mean over
+heads: registered, it is refused for the op that combines heads.
+
+:func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
+embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
+packed-document attention layer. It registers the core in its process (the spawned ranks build the model too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tests.models.attention import sdpa
+from tests.models.tiny import TinyLM, seeded
+
+HEADS = 6
+HEAD_DIM = 4
+#: How each core is registered: its per-token, per-head and shared arguments.
+REGISTRATION = {"per_token": ("x", "g"), "per_head": ("decay",)}
+
+
+def _decayed(x, g, decay):
+    s = x.shape[1]
+    pos = torch.arange(s, device=x.device)
+    lag = (pos[:, None] - pos[None, :]).to(x.dtype)  # [S, S]: t - s
+    rate = torch.sigmoid(decay)[:, None, None]  # [H, 1, 1]
+    weights = torch.where(lag >= 0, rate ** lag.clamp(min=0), torch.zeros_like(lag))  # [H, S, S], causal
+    return torch.einsum("hts,bshd->bthd", weights, x * torch.sigmoid(g).unsqueeze(-1))
+
+
+def decayed_heads(x, g, decay):
+    return _decayed(x, g, decay)
+
+
+def mixed_heads(x, g, decay):
+    y = _decayed(x, g, decay)
+    return y + y.mean(dim=2, keepdim=True)
+
+
+CORES = {"decayed_heads": decayed_heads, "mixed_heads": mixed_heads}
+
+
+def register(core: str) -> None:
+    from cpcompile.cores import register_head_parallel
+
+    register_head_parallel(CORES[core], **REGISTRATION)
+
+
+class UserMixer(nn.Module):
+    def __init__(self, core: str, hidden: int, heads: int = HEADS) -> None:
+        super().__init__()
+        self.core = core
+        self.heads = heads
+        self.inp = nn.Linear(hidden, heads * HEAD_DIM)
+        self.gate = nn.Linear(hidden, heads)
+        self.decay = nn.Parameter(torch.linspace(-1.0, 2.0, heads))
+        self.out = nn.Linear(heads * HEAD_DIM, hidden)
+
+    def forward(self, x, batch=None):
+        import tests.models.user_cores as module
+
+        y = getattr(module, self.core)(self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)), self.gate(x), self.decay)
+        return x + self.out(y.flatten(-2))
+
+
+def user_core_lm(
+    *, seed: int = 0, core: str = "decayed_heads", registered: bool = True, hidden: int = 32, heads: int = HEADS
+) -> TinyLM:
+    """:class:`TinyLM` with a :class:`UserMixer` of ``heads`` heads calling ``core``, registered first when
+    ``registered``."""
+    if registered:
+        register(core)
+
+    def build() -> TinyLM:
+        return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=UserMixer(core, hidden, heads))
+
+    return seeded(build, seed=seed)

@@ -1,0 +1,155 @@
+"""A sequence mixer of the user's own code made exact under CP by :func:`cpcompile.cores.register_head_parallel`.
+
+Model (``tests.models.user_cores``): a :class:`tests.models.tiny.TinyLM` whose mixer calls ``decayed_heads``, a
+per-head linear recurrence in plain torch (6 heads of 4 channels, a per-head decay parameter, a per-token gate),
+before a packed-document attention layer. T = 37 with the packed documents of tests/test_hybrids_parity.py.
+
+Fast tier (one process, fake CP group of 2, compile time): registered, the core is reported ``head_parallel``;
+not registered, the same model is refused at compile time (its einsum contracts the sequence); registered, a core
+that adds the mean over heads is refused naming the op; a tensor argument left out of the registration is refused
+naming it, and so are heads that the CP size does not divide (5 heads at CP=2); bad registrations raise
+``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced) against the one-process model,
+logits, loss and gradients (the decay parameter's gradient is summed over the ranks' heads), and a negative control:
+the core run on each rank's own tokens (``cores._run_core`` replaced by a call per rank chunk) must fail. Slow tier:
+parity at CP=3 (balanced). (``aot_eager`` and inductor at CP=2 were checked by hand.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile import cores
+from cpcompile.testing import packed_batch
+from tests.harness.parity import ParityCase, report
+from tests.harness.tiers import slow
+from tests.models import user_cores
+from tests.test_hybrids_parity import DOCS
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+FACTORY = "tests.models.user_cores:user_core_lm"
+EXPECTED = (("decayed_heads", "head_parallel"), ("cross_entropy", "partial_sum"))
+
+
+def _compile(model, group):
+    backend = cpcompile.backend(group, inner="eager")
+    with cpcompile.shard(packed_batch([list(d) for d in DOCS]), group) as local:
+        torch.compile(model, backend=backend)(**local)
+    return [(r.op, r.action) for r in backend.mixing_reports]
+
+
+def test_a_registered_core_is_head_parallel(world):
+    assert _compile(user_cores.user_core_lm(), world) == list(EXPECTED)
+
+
+def test_the_same_core_not_registered_is_refused(world):
+    """The control: without the registration the core's einsum contracts the sequence (its decay matrix built from
+    an ``arange`` of the local length): refused by the positions pass, before the mixing pass sees it."""
+    model = user_cores.user_core_lm(registered=False)
+    model.mixer.core = "_decayed"  # the same recurrence, a function no one registered
+    refusals = (cpcompile.UnsupportedMixingError, cpcompile.UnsupportedPositionError)
+    with pytest.raises(refusals, match="einsum contracts the sequence"):
+        _compile(model, world)
+
+
+def test_a_registered_core_that_mixes_heads_is_refused(world):
+    with pytest.raises(cpcompile.UnsupportedMixingError, match=r"mean.*mixed_heads|mixed_heads.*mean"):
+        _compile(user_cores.user_core_lm(core="mixed_heads"), world)
+
+
+def _unclassified(x, g, decay):
+    return user_cores._decayed(x, g, decay)
+
+
+def test_a_tensor_argument_left_out_of_the_registration_is_refused(world, monkeypatch):
+    cores.register_head_parallel(_unclassified, per_token=("x",), per_head=("decay",))
+    model = user_cores.user_core_lm(registered=False)
+    model.mixer.core = "_unclassified"
+    monkeypatch.setattr(user_cores, "_unclassified", _unclassified, raising=False)
+    with pytest.raises(Exception, match="got the tensor argument 'g', which register_head_parallel did not classify"):
+        _compile(model, world)
+
+
+def test_heads_the_cp_size_does_not_divide_are_refused(world):
+    with pytest.raises(Exception, match=r"has 5 heads \(dim 2 of 'x'\), which the CP size 2 does not divide"):
+        _compile(user_cores.user_core_lm(heads=5), world)
+
+
+def _two_args(a, b=1):
+    return a
+
+
+def _star(*a):
+    return a
+
+
+def test_bad_registrations_name_the_value():
+    with pytest.raises(TypeError, match="module-level Python function"):
+        cores.register_head_parallel(torch.sin, per_token=("x",))
+    with pytest.raises(TypeError, match=r"\*args, \*\*kwargs or positional-only"):
+        cores.register_head_parallel(_star, per_token=("a",))
+    with pytest.raises(ValueError, match=r"per_token=\('q',\) names \['q'\], not parameters of _two_args"):
+        cores.register_head_parallel(_two_args, per_token=("q",))
+    with pytest.raises(ValueError, match="named in two of"):
+        cores.register_head_parallel(_two_args, per_token=("a",), shared=("a",))
+    with pytest.raises(ValueError, match="per_token is empty"):
+        cores.register_head_parallel(_two_args, per_token=())
+    with pytest.raises(ValueError, match="seq_dim=1, head_dim=1"):
+        cores.register_head_parallel(_two_args, per_token=("a",), head_dim=1)
+    cores.register_head_parallel(user_cores.decayed_heads, **user_cores.REGISTRATION)  # again, the same: no-op
+    with pytest.raises(ValueError, match="is registered already"):
+        cores.register_head_parallel(user_cores.decayed_heads, per_token=("x", "g"), shared=("decay",))
+
+
+# -- CP=2 and 3 against one process ------------------------------------------------------------------------------
+
+
+def _case(layout: str = "contiguous") -> ParityCase:
+    from cpcompile.layouts import Workload
+
+    return ParityCase(
+        model=FACTORY,
+        doc_lens=DOCS,
+        expected_sites=1,
+        layout=layout,
+        expected_mixing=EXPECTED,
+        shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
+    )
+
+
+CP2 = [_case(), _case("balanced")]
+CP3 = [_case("balanced")]
+
+
+def _worker(rank: int, world: int, cases: list, control: bool) -> dict:
+    import torch.distributed as dist
+
+    from tests.test_hybrids_parity import _control, _local_core, _run
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    out = {"cases": _run(cases, group)}
+    if control:
+        out["control"] = _control(dataclasses.replace(cases[0], expected_mixing=None), group, _local_core)
+    return out
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("cp", [2, pytest.param(3, marks=slow)])
+def test_a_registered_core_equals_one_process(cp):
+    from tests.harness.dist import run_distributed
+
+    cases = CP2 if cp == 2 else CP3
+    per_rank = run_distributed(_worker, cp, cases, cp == 2, timeout_s=600)
+    summaries = per_rank[0]["cases"]
+    report(summaries)
+    assert [s["case"] for s in summaries] == [c.name for c in cases]
+    if cp == 2:
+        for mine in per_rank:
+            control = mine["control"]
+            print(f"\ncontrol (the core on each rank's own tokens): {control}")
+            assert control["caught"] and "logits" in control["failing"], control
