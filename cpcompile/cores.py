@@ -306,8 +306,12 @@ def _register_method(key: str, form: str) -> None:
     if not isinstance(fn, types.FunctionType):
         _REGISTERED[key] = None  # not the function this form was written for: left alone
         return
+    # the form's factory sets the module global its replacement reads (the library's copy) every time, so a reset
+    # of this module's state (``_REGISTERED`` and that global) cannot leave the replacement given to Dynamo
+    # before without its library function
+    replacement = _FORMS[form](_copy(fn), key)
     if not _compat.inlined_in_graph(fn):  # once per process, even when this module's state is reset
-        _compat.inline_in_graph(fn, _FORMS[form](_copy(fn), key))
+        _compat.inline_in_graph(fn, replacement)
     _REGISTERED[key] = fn
 
 

@@ -22,7 +22,8 @@ fail the parity check on the logits: each recurrence (MiniMax's: the whole layer
 only (``cores._run_core`` replaced by a call per rank chunk), and RecurrentGemma's run on the whole sequence without
 its resets (``reset`` all false: shows that the check sees where documents restart). Single process (fast): each
 core is given its replacement, which outside a CP context is the library's recurrence, and a cache under CP is
-refused while tracing (RG-LRU, WKV).
+refused while tracing (RG-LRU, WKV); the method cores registered again after a reset of the cores module's state
+get their library functions back.
 """
 
 from __future__ import annotations
@@ -192,6 +193,26 @@ def test_rg_lru_method_replaced_library_outside_cp_and_cache_under_cp_refused():
     finally:
         cores._run_core = saved
         torch.compiler.reset()
+
+
+def test_method_cores_registered_again_after_a_state_reset_get_their_library_back(monkeypatch):
+    """A reset of :mod:`cpcompile.cores`' module state (as the pooled test ranks do between jobs) drops the method
+    cores from ``_REGISTERED`` and their library copies; registering again must give the replacements Dynamo
+    already holds their library functions back (before, the RG-LRU's replacement then called ``None``, Dynamo fell
+    back to calling it unbound, and a later CP run failed with a ``TypeError``)."""
+    from transformers.models.minimax import modeling_minimax  # noqa: F401 - registers the lightning layer
+    from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg
+
+    from cpcompile import cores
+
+    cores.register_known_cores()
+    monkeypatch.setattr(cores, "_REGISTERED", {})
+    monkeypatch.setattr(cores, "_RG_LRU_LIBRARY", None)
+    monkeypatch.setattr(cores, "_LIGHTNING_LIBRARY", None)
+    cores.register_known_cores()
+    library = cores._RG_LRU_LIBRARY
+    assert library is not None and library.__code__ is rg.RecurrentGemmaRglru._rnn_scan.__code__
+    assert cores._LIGHTNING_LIBRARY is not None
 
 
 def test_wkv_substituted_library_outside_cp_and_cache_under_cp_refused():
