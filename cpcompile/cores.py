@@ -478,11 +478,16 @@ def _gated_delta_rule_state(core, heads, runs: int, site: str, query, key, value
     return torch.ops.cpcompile.state_output(fixed.to(query.dtype), site)
 
 
+def _run_mask(slots, runs: int):
+    """``[runs, c]`` bool: whether each of this rank's tokens is in run ``j`` (``slots`` of
+    ``cpcompile::state_runs``)."""
+    return slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)
+
+
 def _per_run(t, slots, runs: int):
     """``t`` (``[B, c, ...]``, this rank's tokens) as ``[runs * B, c, ...]`` in fp32: slot ``j`` keeps the tokens
-    of the rank's run ``j`` (``slots`` of ``cpcompile::state_runs``) and zeros elsewhere."""
-    in_run = slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)  # [runs, c]
-    mask = in_run.float().reshape(runs, 1, t.shape[1], *([1] * (t.dim() - 2)))
+    of the rank's run ``j`` (:func:`_run_mask`) and zeros elsewhere."""
+    mask = _run_mask(slots, runs).float().reshape(runs, 1, t.shape[1], *([1] * (t.dim() - 2)))
     return (t.unsqueeze(0) * mask).flatten(0, 1)
 
 
@@ -794,11 +799,11 @@ def _rg_lru_state(core, heads, runs: int, site: str, x, gate, reset):
     n = heads[1]
     slots, order = torch.ops.cpcompile.state_runs(x.detach(), 1, n, runs, site)
     x, gate = (torch.ops.cpcompile.state_input(t, site) for t in (x, gate))
-    in_run = (slots.unsqueeze(0) == torch.arange(runs, device=slots.device).unsqueeze(1)).unsqueeze(-1)  # [runs,c,1]
+    in_run = _run_mask(slots, runs)
     xs = _per_run(x, slots, runs)
-    gs = torch.where(in_run.unsqueeze(1), (gate * ~reset).float().unsqueeze(0), 1.0).flatten(0, 1)
+    gs = torch.where(in_run[:, None, :, None], (gate * ~reset).float().unsqueeze(0), 1.0).flatten(0, 1)
     out, final = _rg_lru_from_identity(core, xs, gs)
-    out = (out.unflatten(0, (runs, -1)) * in_run.reshape(runs, 1, -1, 1, 1)).flatten(0, 1)  # zero outside the run
+    out = (out.unflatten(0, (runs, -1)) * in_run[:, None, :, None, None]).flatten(0, 1)  # zero outside the run
     fixed = _passed(out, final, slots, order, runs, 1, heads, site)
     return torch.ops.cpcompile.state_output(fixed.squeeze(-1).to(x.dtype), site)
 
