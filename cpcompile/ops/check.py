@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.fx as fx
 
-from cpcompile import failsafe
+from cpcompile import _compat, failsafe
 from cpcompile.errors import MaskMismatchError, UnsupportedAttentionError
 from cpcompile.ops.sites import SiteSpec, after_placeholders, site_context, site_name, site_spec
 from cpcompile.plan import CPPlan
@@ -22,7 +22,7 @@ from cpcompile.runtime.context import Active, active_context, is_exact, is_prove
 MASK_CHECK_ROWS = 1024
 
 
-#: Sites that ran their first-call control round (written only by _check_site).
+#: Sites that ran their first-call control round (written only by _check_site and exchange_round).
 _VERIFIED: set[str] = set()
 
 
@@ -87,6 +87,28 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
         context.checked_forms.add(form)
     else:
         context.checked_masks.add(model_mask, form)
+
+
+#: The per-step key of :func:`exchange_round` in ``Active.checked_forms`` (apart from the attention forms).
+_EXCHANGE_FORM = ("exchange",)
+
+
+def exchange_round(context: Active, site: str, what: str) -> None:
+    """The control round of a mixing exchange (a head-parallel core, state passing, a causal region), held before
+    its first collective is issued: on the site's first call in this process, then once per step for every such
+    site together, decided with the other CP ranks (:func:`cpcompile.failsafe.agree`), as an attention site's
+    step check without a model mask is.
+
+    A peer that failed before reaching the exchange (its graph refused at compile time, an error in its own code
+    between graphs) or that reaches another round raises here, on every rank, instead of leaving this rank waiting
+    in the exchange's collective. ``what`` names the exchange in the round. Nothing is held in the autograd
+    engine's backward (activation checkpointing runs the forward again there, after the step's backward round).
+    """
+    if _compat.in_backward() or (site in _VERIFIED and _EXCHANGE_FORM in context.checked_forms):
+        return
+    failsafe.agree(context.group, "site", None, what=f"the step check of {what}", stats=context.comm)
+    _VERIFIED.add(site)
+    context.checked_forms.add(_EXCHANGE_FORM)
 
 
 def _mask_checked(context: Active, model_mask: torch.Tensor | None, form: tuple) -> bool:

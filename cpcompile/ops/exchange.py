@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from cpcompile import _compat
 from cpcompile import kernels as _kernels
+from cpcompile.ops.check import exchange_round
 from cpcompile.ops.sites import (
     SiteSpec,
     after_placeholders,
@@ -34,9 +35,14 @@ from cpcompile.runtime.context import active_context
 @torch.library.custom_op("cpcompile::halo_routing", mutates_args=())
 def halo_routing(k: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(send_slots [N * S], counts [2, N])`` of this rank for the halo site ``site``
-    (:class:`cpcompile.plan.HaloRouting`; ``k`` only carries the local length for the checks)."""
+    (:class:`cpcompile.plan.HaloRouting`; ``k`` only carries the local length for the checks). For a causal
+    region's halo (a ``"sequence_halo"`` site) it holds the region's control round first
+    (:func:`~cpcompile.ops.check.exchange_round`); an attention site held its own in ``cpcompile::site_check``."""
     spec = site_spec(site)
-    routing = site_routing(site_context(spec, k).plan, spec)
+    context = site_context(spec, k)
+    if spec.exchange == "sequence_halo":  # an attention site held its round in its site_check
+        exchange_round(context, site, f"the sequence-mixing op at {spec.layer or site}")
+    routing = site_routing(context.plan, spec)
     return routing.send_slots.clone(), routing.counts.clone()
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from cpcompile import _compat
+from cpcompile.ops.check import exchange_round
 from cpcompile.ops.tokens import chunk_context
 from cpcompile.runtime.context import active_context
 
@@ -90,9 +91,11 @@ def heads_order(like: torch.Tensor, seq_dim: int, cp_size: int, site: str) -> to
     """Int64 ``[N * c]``: the active plan's permutation from rank-major chunks to token order
     (:meth:`~cpcompile.plan.CPPlan.gathered_order`), for the exchanges of a tensor whose local tokens ``like``
     (detached; only its size and device are read) has along ``seq_dim``. ``RuntimeError`` when the group size or the
-    local length is not the active plan's."""
-    plan = chunk_context(like, seq_dim, cp_size, _what(site)).plan
-    return plan.gathered_order().to(like.device)
+    local length is not the active plan's. Holds the exchanges' control round first
+    (:func:`~cpcompile.ops.check.exchange_round`)."""
+    context = chunk_context(like, seq_dim, cp_size, _what(site))
+    exchange_round(context, site, _what(site))
+    return context.plan.gathered_order().to(like.device)
 
 
 @heads_order.register_fake

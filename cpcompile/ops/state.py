@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cpcompile import _compat
+from cpcompile.ops.check import exchange_round
 from cpcompile.ops.tokens import chunk_context
 from cpcompile.runtime.context import active_context
 
@@ -50,8 +51,11 @@ def state_runs(
     like: torch.Tensor, seq_dim: int, cp_size: int, runs: int, site: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots [c], order [N * runs])``, int64, of the active plan for a tensor whose local tokens ``like``
-    (detached; only its size and device are read) has along ``seq_dim`` (see the module docstring)."""
-    plan = chunk_context(like, seq_dim, cp_size, _what(site)).plan
+    (detached; only its size and device are read) has along ``seq_dim`` (see the module docstring). Holds the
+    state exchange's control round first (:func:`~cpcompile.ops.check.exchange_round`)."""
+    context = chunk_context(like, seq_dim, cp_size, _what(site))
+    exchange_round(context, site, _what(site))
+    plan = context.plan
     starts = []
     slots = None
     for rank in range(plan.cp_size):

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from cpcompile import _compat
+from cpcompile.ops.check import exchange_round
 from cpcompile.ops.sites import SiteSpec
 from cpcompile.runtime.context import Active, active_context
 
@@ -121,9 +122,12 @@ def sequence_order(
     order after ``index_select(dim, order)``, padding tokens last; ``local`` are this rank's global token indices,
     which take its tokens back from a tensor in token order. ``like`` (detached) has this rank's ``c`` tokens
     along ``dim``: only its size and device are read, and its bytes are counted as one sequence all-gather
-    (``CommStats.sequence_gathers``; with ``needs_grad``, one reduce-scatter in backward).
+    (``CommStats.sequence_gathers``; with ``needs_grad``, one reduce-scatter in backward). Holds the region's
+    control round first (:func:`~cpcompile.ops.check.exchange_round`).
     """
-    context = chunk_context(like, dim, cp_size, f"the sequence-mixing op at {site}")
+    what = f"the sequence-mixing op at {site.partition('#')[0]}"  # the digest after '#' differs between ranks
+    context = chunk_context(like, dim, cp_size, what)
+    exchange_round(context, site, what)
     plan = context.plan
     context.comm.record_sequence_gather(like, cp_size, needs_grad)
     order = plan.gathered_order()
