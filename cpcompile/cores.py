@@ -903,7 +903,7 @@ def register_head_parallel(
     seq_dim: int = 1,
     head_dim: int = 2,
 ) -> None:
-    """Run the module-level function ``fn``, a sequence mixer that is a map over heads, head-parallel under CP.
+    """Run the module-level function ``fn``, a causal sequence mixer that is a map over heads, head-parallel under CP.
 
     While a :func:`cpcompile.shard` context of more than one rank is active, Dynamo traces a replacement of ``fn``
     (as it does the known cores of :data:`CORES`): each argument named in ``per_token`` (a tensor whose dim
@@ -916,7 +916,9 @@ def register_head_parallel(
     rank's tokens. The mixing pass proves the traced region a map over the heads and refuses, at compile time on
     every rank, an op in it that combines heads, naming the op and the model's line. Outside a shard context, and
     in eager calls, ``fn`` runs unchanged. Exact under every layout, with packed documents as far as ``fn`` treats
-    them as the one-process model does (it sees the whole sequence, in order).
+    them as the one-process model does (it sees the whole sequence, in order), when ``fn`` is causal: a token's
+    outputs read only tokens at or before it. ``fn`` runs on the padded sequence (padding tokens last, when ``T`` is
+    not a multiple of the CP size), and causality, which is not checked, keeps the padding from every real token.
 
     Refused while tracing, on every rank: a tensor argument not named in any of the three lists, and heads that
     the CP size does not divide. Register before the first compiled call under CP; registering ``fn`` again with

@@ -4,13 +4,18 @@ Model (``tests.models.user_cores``): a :class:`tests.models.tiny.TinyLM` whose m
 per-head linear recurrence in plain torch (6 heads of 4 channels, a per-head decay parameter, a per-token gate),
 before a packed-document attention layer. T = 37 with the packed documents of tests/test_hybrids_parity.py.
 
+``looped_heads`` is the same recurrence written as a Python loop over the tokens.
+
 Fast tier (one process, fake CP group of 2, compile time): registered, the core is reported ``head_parallel``;
-not registered, the same model is refused at compile time (its einsum contracts the sequence); registered, a core
+not registered, the same model is refused at compile time (its einsum contracts the sequence; the loop picks a
+token by its index), and both refusals name the registration of the function, with its parameters, while a mixer
+written in a method gets no such fix; registered, a core
 that adds the mean over heads is refused naming the op; a tensor argument left out of the registration is refused
 naming it, and so are heads that the CP size does not divide (5 heads at CP=2); bad registrations raise
-``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced) against the one-process model,
-logits, loss and gradients (the decay parameter's gradient is summed over the ranks' heads), and a negative control:
-the core run on each rank's own tokens (``cores._run_core`` replaced by a call per rank chunk) must fail. Slow tier:
+``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced; the loop balanced) against
+the one-process model, logits, loss and gradients (the decay parameter's gradient is summed over the ranks' heads),
+and a negative control: the core run on each rank's own tokens (``cores._run_core`` replaced by a call per rank
+chunk) must fail. Slow tier:
 parity at CP=3 (balanced). (``aot_eager`` and inductor at CP=2 were checked by hand.)
 """
 
@@ -46,14 +51,38 @@ def test_a_registered_core_is_head_parallel(world):
     assert _compile(user_cores.user_core_lm(), world) == list(EXPECTED)
 
 
-def test_the_same_core_not_registered_is_refused(world):
+#: What the refusal of an unregistered core of the user's own code names as the fix.
+REGISTER_FIX = "cpcompile.cores.register_head_parallel(tests.models.user_cores.{}, per_token=(...), per_head=(...)"
+
+
+def test_the_same_core_not_registered_is_refused_naming_the_registration(world):
     """The control: without the registration the core's einsum contracts the sequence (its decay matrix built from
-    an ``arange`` of the local length): refused by the positions pass, before the mixing pass sees it."""
+    an ``arange`` of the local length): refused by the positions pass, before the mixing pass sees it. Written as
+    a loop over the tokens it is refused by the mixing pass (a token picked by its index). Both refusals name the
+    registration of the function the op is in, with its parameters."""
     model = user_cores.user_core_lm(registered=False)
     model.mixer.core = "_decayed"  # the same recurrence, a function no one registered
-    refusals = (cpcompile.UnsupportedMixingError, cpcompile.UnsupportedPositionError)
-    with pytest.raises(refusals, match="einsum contracts the sequence"):
+    with pytest.raises(cpcompile.UnsupportedPositionError, match="einsum contracts the sequence") as caught:
         _compile(model, world)
+    assert REGISTER_FIX.format("_decayed") in str(caught.value) and "(x, g, decay)" in str(caught.value)
+    with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token 0 of the sequence") as caught:
+        _compile(user_cores.user_core_lm(registered=False, core="looped_heads"), world)
+    assert REGISTER_FIX.format("looped_heads") in str(caught.value) and "(x, g, decay)" in str(caught.value)
+
+
+def test_a_method_is_not_named_for_registration(world, monkeypatch):
+    """A mixer in a method (the layer's forward) gets the refusal's other fixes only: a method cannot be
+    registered."""
+
+    def forward(self, x, batch=None):
+        u = self.inp(x).unflatten(-1, (self.heads, user_cores.HEAD_DIM))
+        y = torch.stack([u[:, : t + 1].sum(1) for t in range(u.shape[1])], dim=1)
+        return x + self.out(y.flatten(-2))
+
+    monkeypatch.setattr(user_cores.UserMixer, "forward", forward)
+    with pytest.raises(cpcompile.UnsupportedMixingError) as caught:
+        _compile(user_cores.user_core_lm(registered=False), world)
+    assert "register_head_parallel" not in str(caught.value), str(caught.value)
 
 
 def test_a_registered_core_that_mixes_heads_is_refused(world):
@@ -108,7 +137,7 @@ def test_bad_registrations_name_the_value():
 # -- CP=2 and 3 against one process ------------------------------------------------------------------------------
 
 
-def _case(layout: str = "contiguous") -> ParityCase:
+def _case(layout: str = "contiguous", core: str = "decayed_heads") -> ParityCase:
     from cpcompile.layouts import Workload
 
     return ParityCase(
@@ -116,12 +145,14 @@ def _case(layout: str = "contiguous") -> ParityCase:
         doc_lens=DOCS,
         expected_sites=1,
         layout=layout,
-        expected_mixing=EXPECTED,
+        overrides=(("core", core),) if core != "decayed_heads" else (),
+        expected_mixing=((core, "head_parallel"), EXPECTED[1]),
         shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
     )
 
 
-CP2 = [_case(), _case("balanced")]
+#: ``looped_heads``: the same recurrence as a Python loop over the tokens, registered as its refusal says.
+CP2 = [_case(), _case("balanced"), _case("balanced", "looped_heads")]
 CP3 = [_case("balanced")]
 
 

@@ -12,7 +12,10 @@ model code that made a node), :func:`finish` (the lint-and-recompile ending).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import sys
+import types
 from collections import Counter
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
@@ -182,22 +185,67 @@ class FoundAt:
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def source_line(node: fx.Node) -> str:
-    """``file:line (code)`` of the model code that made ``node``: the innermost frame of its recorded stack trace
-    outside torch itself (``F.pad`` or ``flex_attention`` report the model's call, not torch's), or ``""`` when the
-    graph has no stack trace."""
+def _frames(node: fx.Node) -> list[tuple[str, str, str, str]]:
+    """``(path, line, function, code)`` of every frame of ``node``'s recorded stack trace, outermost first."""
     lines = [x.strip() for x in (node.meta.get("stack_trace") or "").splitlines() if x.strip()]
     frames = []
     for i, line in enumerate(lines):
         if line.startswith('File "') and line.count('"') >= 2:
             path, _, rest = line[len('File "') :].partition('", line ')
+            number, _, function = rest.partition(", in ")
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            frames.append((path, rest.split(",", 1)[0], code))
+            frames.append((path, number.strip(), function.strip(), code))
+    return frames
+
+
+def _model_frame(node: fx.Node) -> tuple[str, str, str, str] | None:
+    """The innermost frame of ``node``'s stack trace outside torch itself (``F.pad`` or ``flex_attention`` report
+    the model's call, not torch's), or ``None`` when the graph has no stack trace."""
+    frames = _frames(node)
     outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
-    if not outside:
+    return outside[-1] if outside else None
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line (code)`` of the model code that made ``node`` (:func:`_model_frame`), or ``""`` when the graph
+    has no stack trace."""
+    frame = _model_frame(node)
+    if frame is None:
         return ""
-    path, number, code = outside[-1]
+    path, number, _, code = frame
     return f"{path}:{number}" + (f" ({code})" if code else "")
+
+
+def _module_function(path: str, name: str) -> types.FunctionType | None:
+    """The module-level Python function ``name`` defined in the source file ``path`` of an imported module, or
+    ``None`` (a method, a nested function, a module not imported)."""
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not file or os.path.realpath(file) != os.path.realpath(path):
+            continue
+        fn = getattr(module, name, None)
+        if isinstance(fn, types.FunctionType) and fn.__qualname__ == name and fn.__code__.co_filename == path:
+            return fn
+    return None
+
+
+def registration_fix(node: fx.Node) -> str:
+    """The fix that runs the sequence mixer that made ``node`` head-parallel, when the model code that made it is
+    a module-level function (:func:`cpcompile.cores.register_head_parallel`), naming the function and its
+    parameters; ``""`` otherwise (a method, no stack trace)."""
+    frame = _model_frame(node)
+    fn = _module_function(frame[0], frame[2]) if frame is not None else None
+    if fn is None:
+        return ""
+    name = f"{fn.__module__}.{fn.__name__}"
+    params = ", ".join(inspect.signature(fn).parameters)
+    return (
+        f"if {name} is causal (a token's outputs read only tokens at or before it) and computes each head's "
+        "(channel's) outputs from that head's inputs alone, register it before compiling: "
+        f"cpcompile.cores.register_head_parallel({name}, per_token=(...), per_head=(...), shared=(...)), naming "
+        f"each of its tensor parameters ({params}) in one of the three; cpcompile then runs it on the whole "
+        "sequence of some heads on each rank and proves that it keeps the heads apart"
+    )
 
 
 def finish(gm: fx.GraphModule) -> None:

@@ -6,7 +6,8 @@
 ``[S, S]`` decay matrix per head (an ``arange`` of the length, a ``where``, an ``einsum`` that contracts the
 sequence). ``x`` is ``[B, S, H, D]``, ``g`` ``[B, S, H]``, ``decay`` ``[H]``. The mixing pass refuses it under CP
 unless it is registered (its einsum mixes tokens). :func:`mixed_heads` is the same recurrence plus the mean over
-heads: registered, it is refused for the op that combines heads.
+heads: registered, it is refused for the op that combines heads. :func:`looped_heads` is the recurrence of
+:func:`decayed_heads` as a Python loop over the tokens (``h = lambda_h h + sigmoid(g_t) x_t``).
 
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
 embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
@@ -45,7 +46,18 @@ def mixed_heads(x, g, decay):
     return y + y.mean(dim=2, keepdim=True)
 
 
-CORES = {"decayed_heads": decayed_heads, "mixed_heads": mixed_heads}
+def looped_heads(x, g, decay):
+    rate = torch.sigmoid(decay)[:, None]  # [H, 1]
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    h = torch.zeros_like(u[:, 0])
+    out = []
+    for t in range(u.shape[1]):
+        h = rate * h + u[:, t]
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
+CORES = {"decayed_heads": decayed_heads, "mixed_heads": mixed_heads, "looped_heads": looped_heads}
 
 
 def register(core: str) -> None:

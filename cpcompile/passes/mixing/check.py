@@ -11,7 +11,7 @@ import torch.fx as fx
 from cpcompile.errors import UnsupportedMixingError
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import mutated, viewed_bases
-from cpcompile.passes.common import node_value
+from cpcompile.passes.common import node_value, registration_fix
 from cpcompile.passes.mixing.find import MixingOp
 
 __all__ = ["check_op", "count_uses"]
@@ -165,7 +165,19 @@ def _is_state(t: fx.Node) -> bool:
 _TRANSFORMERS_MASKS = "transformers/masking_utils.py"
 
 
+#: Kinds of refused ops that a sequence mixer of the model's own code makes (a scan, a product over the sequence, a
+#: loop over its tokens): their fix names :func:`cpcompile.cores.register_head_parallel` when the code is a
+#: module-level function (:func:`~cpcompile.passes.common.registration_fix`).
+_MIXER_KINDS = frozenset({"convolution", "scan", "shift", "contraction", "selection", "order", "unknown"})
+
+
 def _fix(op: MixingOp) -> str:
+    fix = _fix_of_kind(op)
+    register = registration_fix(op.node) if op.kind in _MIXER_KINDS else ""
+    return f"{register}; or {fix}" if register else fix
+
+
+def _fix_of_kind(op: MixingOp) -> str:
     if op.kind == "head_parallel":
         if op.problem:  # a whole-sequence value that leaves the region: its ``what`` says what to return
             return "return only the core's outputs from the head-parallel region"

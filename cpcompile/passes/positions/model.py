@@ -19,7 +19,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import FoundAt
+from cpcompile.passes.common import FoundAt, registration_fix
 
 #: What the pass does with a source: see :mod:`cpcompile.passes.positions`.
 Action = Literal["rewritten", "refused", "mask", "unchanged"]
@@ -211,9 +211,16 @@ STATIC_FIX = (
 )
 
 
+#: Reasons of a refusal that a sequence mixer of the model's own code gives (a product over the sequence, a scan):
+#: their fix names :func:`cpcompile.cores.register_head_parallel` when the code is a module-level function.
+MIXER_REASONS = ("contracts the sequence dim", "mixes the values of different positions along the sequence")
+
+
 def refusal(src: PositionSource, reason: str, static: bool) -> UnsupportedPositionError:
     outside = vocab.masks_built_outside_fix(src.node)
+    register = registration_fix(src.node) if any(words in reason for words in MIXER_REASONS) else ""
     outside = f"{outside}; or " if outside else ""
+    outside += f"{register}; or " if register else ""
     return UnsupportedPositionError(
         f"cpcompile cannot make the positions computed at {src.located} ({src.kind}) global across CP ranks: "
         f"{reason}. Fix: {outside}{'' if static else _fix_for(reason)}{FIX}{STATIC_FIX if static else ''}"
