@@ -93,22 +93,35 @@ def _check_site(spec: SiteSpec, context: Active, model_mask: torch.Tensor | None
 _EXCHANGE_FORM = ("exchange",)
 
 
-def exchange_round(context: Active, site: str, what: str) -> None:
-    """The control round of a mixing exchange (a head-parallel core, state passing, a causal region), held before
-    its first collective is issued: on the site's first call in this process, then once per step for every such
-    site together, decided with the other CP ranks (:func:`cpcompile.failsafe.agree`), as an attention site's
-    step check without a model mask is.
+def exchange_round(context: Active, site: str, kind: str) -> None:
+    """The control round of a mixing exchange at ``site`` (a head-parallel or state-passing core, a causal region),
+    held before its first collective is issued: on the site's first call on the CP group, then once per step for
+    every such site together, decided with the other CP ranks (:func:`cpcompile.failsafe.agree`), as an attention
+    site's step check without a model mask is.
 
     A peer that failed before reaching the exchange (its graph refused at compile time, an error in its own code
     between graphs) or that reaches another round raises here, on every rank, instead of leaving this rank waiting
-    in the exchange's collective. ``what`` names the exchange in the round. Nothing is held in the autograd
-    engine's backward (activation checkpointing runs the forward again there, after the step's backward round).
+    in the exchange's collective. The round names ``kind`` (``"the head-parallel exchange"``) and the site as every
+    rank names it (:func:`_same_on_every_rank`). Nothing is held in the autograd engine's backward (activation
+    checkpointing runs the forward again there, after the step's backward round).
     """
-    if _compat.in_backward() or (site in _VERIFIED and _EXCHANGE_FORM in context.checked_forms):
+    # per group: a core's site is its function, the same in every backend, and a rank may have run it on another
+    # group that its peers in this one are not part of
+    verified = f"{context.plan.group_name}|{site}"
+    if _compat.in_backward() or (verified in _VERIFIED and _EXCHANGE_FORM in context.checked_forms):
         return
-    failsafe.agree(context.group, "site", None, what=f"the step check of {what}", stats=context.comm)
-    _VERIFIED.add(site)
+    what = f"the step check of {kind} at {_same_on_every_rank(site)}"
+    failsafe.agree(context.group, "site", None, what=what, stats=context.comm)
+    _VERIFIED.add(verified)
     context.checked_forms.add(_EXCHANGE_FORM)
+
+
+def _same_on_every_rank(site: str) -> str:
+    """``site`` without the parts that differ between ranks: its digest (after ``#``) and the backend and graph it
+    was compiled in (``backend3/graph0:``), which count what each process compiled before."""
+    site = site.rsplit("#", 1)[0]
+    head, sep, rest = site.partition(":")
+    return rest if sep and "/graph" in head else site
 
 
 def _mask_checked(context: Active, model_mask: torch.Tensor | None, form: tuple) -> bool:

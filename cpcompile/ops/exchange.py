@@ -41,7 +41,7 @@ def halo_routing(k: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor
     spec = site_spec(site)
     context = site_context(spec, k)
     if spec.exchange == "sequence_halo":  # an attention site held its round in its site_check
-        exchange_round(context, site, f"the sequence-mixing op at {spec.layer or site}")
+        exchange_round(context, site, "the sequence-mixing op")
     routing = site_routing(context.plan, spec)
     return routing.send_slots.clone(), routing.counts.clone()
 

@@ -94,7 +94,7 @@ def heads_order(like: torch.Tensor, seq_dim: int, cp_size: int, site: str) -> to
     local length is not the active plan's. Holds the exchanges' control round first
     (:func:`~cpcompile.ops.check.exchange_round`)."""
     context = chunk_context(like, seq_dim, cp_size, _what(site))
-    exchange_round(context, site, _what(site))
+    exchange_round(context, site, "the head-parallel exchange")
     return context.plan.gathered_order().to(like.device)
 
 

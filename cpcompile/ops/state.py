@@ -54,7 +54,7 @@ def state_runs(
     (detached; only its size and device are read) has along ``seq_dim`` (see the module docstring). Holds the
     state exchange's control round first (:func:`~cpcompile.ops.check.exchange_round`)."""
     context = chunk_context(like, seq_dim, cp_size, _what(site))
-    exchange_round(context, site, _what(site))
+    exchange_round(context, site, "the state passing")
     plan = context.plan
     starts = []
     slots = None

@@ -125,9 +125,8 @@ def sequence_order(
     (``CommStats.sequence_gathers``; with ``needs_grad``, one reduce-scatter in backward). Holds the region's
     control round first (:func:`~cpcompile.ops.check.exchange_round`).
     """
-    what = f"the sequence-mixing op at {site.partition('#')[0]}"  # the digest after '#' differs between ranks
-    context = chunk_context(like, dim, cp_size, what)
-    exchange_round(context, site, what)
+    context = chunk_context(like, dim, cp_size, f"the sequence-mixing op at {site}")
+    exchange_round(context, site, "the sequence-mixing op")
     plan = context.plan
     context.comm.record_sequence_gather(like, cp_size, needs_grad)
     order = plan.gathered_order()
