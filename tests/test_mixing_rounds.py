@@ -16,6 +16,9 @@ scenarios on real gloo processes (2 ranks), each a model whose first cross-rank 
   layer) while Dynamo traces it: Dynamo breaks the graph there, so rank 1 reaches another exchange than rank 0
   (the first layer's conv of another graph), and both ranks raise ``RanksDivergedError`` naming the two.
 
+The round names a site as every rank names it (one process): without the backend and graph numbers of the
+process that compiled it, nor its digest.
+
 Both ranks stay alive until both are done (a rank whose process exits would release its peer's collective with
 a closed connection). Without the rounds rank 0 waits in the exchange until the job's timeout (checked by hand:
 neither scenario finished within the job's timeout). That timeout is short here, so that a missing round fails
@@ -106,3 +109,14 @@ def test_ranks_that_reach_different_exchanges_both_raise():
         assert got["type"] == "RanksDivergedError", f"rank {rank}: {got}"
         assert "rank 0: the step check of the sequence-mixing op at" in got["message"], got["message"]
         assert "rank 1: the step check of the sequence-mixing op at" in got["message"], got["message"]
+
+
+def test_the_round_names_a_site_as_every_rank_names_it():
+    """A region's site carries the backend and graph numbers of the process that compiled it and a digest that
+    differs between ranks; a core's site is its function. The round drops the first two and keeps the third."""
+    from cpcompile.ops.check import _same_on_every_rank
+
+    assert _same_on_every_rank("backend10/graph0:mixer.conv (node conv1d)#d85f5cfc") == "mixer.conv (node conv1d)"
+    assert _same_on_every_rank("backend0/graph3:<top level> (node cumsum)") == "<top level> (node cumsum)"
+    core = "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"
+    assert _same_on_every_rank(core) == core
