@@ -4,7 +4,8 @@ Model (``tests.models.user_cores``): a :class:`tests.models.tiny.TinyLM` whose m
 per-head linear recurrence in plain torch (6 heads of 4 channels, a per-head decay parameter, a per-token gate),
 before a packed-document attention layer. T = 37 with the packed documents of tests/test_hybrids_parity.py.
 
-``looped_heads`` is the same recurrence written as a Python loop over the tokens.
+``looped_heads`` is the same recurrence written as a Python loop over the tokens; ``restarting_heads`` restarts it
+at every document start, which the mixer passes as a per-token argument (1.0 where the position id is 0).
 
 Fast tier (one process, fake CP group of 2, compile time): registered, the core is reported ``head_parallel``;
 not registered, the same model is refused at compile time (its einsum contracts the sequence; the loop picks a
@@ -12,7 +13,8 @@ token by its index), and both refusals name the registration of the function, wi
 written in a method gets no such fix; registered, a core
 that adds the mean over heads is refused naming the op; a tensor argument left out of the registration is refused
 naming it, and so are heads that the CP size does not divide (5 heads at CP=2); bad registrations raise
-``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced; the loop balanced) against
+``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced; the loop and the restarting
+core balanced: documents that span rank edges and start on either rank) against
 the one-process model, logits, loss and gradients (the decay parameter's gradient is summed over the ranks' heads),
 and a negative control: the core run on each rank's own tokens (``cores._run_core`` replaced by a call per rank
 chunk) must fail. Slow tier:
@@ -108,6 +110,18 @@ def test_heads_the_cp_size_does_not_divide_are_refused(world):
         _compile(user_cores.user_core_lm(heads=5), world)
 
 
+def test_the_restarting_core_restarts_at_document_starts():
+    """One process: ``restarting_heads`` equals ``decayed_heads`` on the first document's tokens and differs after
+    the second document starts (so that its parity under CP shows the starts reach every head's whole sequence)."""
+    torch.manual_seed(0)
+    x, g, decay = torch.randn(1, 12, 6, 4), torch.randn(1, 12, 6), torch.linspace(-1.0, 2.0, 6)
+    starts = torch.zeros(1, 12, 6)
+    starts[:, [0, 5]] = 1.0
+    restarted, carried = user_cores.restarting_heads(x, g, decay, starts), user_cores.decayed_heads(x, g, decay)
+    torch.testing.assert_close(restarted[:, :5], carried[:, :5])
+    assert (restarted[:, 5:] - carried[:, 5:]).abs().max() > 0.1
+
+
 def _two_args(a, b=1):
     return a
 
@@ -151,8 +165,9 @@ def _case(layout: str = "contiguous", core: str = "decayed_heads") -> ParityCase
     )
 
 
-#: ``looped_heads``: the same recurrence as a Python loop over the tokens, registered as its refusal says.
-CP2 = [_case(), _case("balanced"), _case("balanced", "looped_heads")]
+#: ``looped_heads``: the same recurrence as a Python loop over the tokens, registered as its refusal says;
+#: ``restarting_heads``: restarted at document starts, which it takes as a per-token argument.
+CP2 = [_case(), _case("balanced"), _case("balanced", "looped_heads"), _case("balanced", "restarting_heads")]
 CP3 = [_case("balanced")]
 
 

@@ -6,7 +6,10 @@
 ``[S, S]`` decay matrix per head (an ``arange`` of the length, a ``where``, an ``einsum`` that contracts the
 sequence). ``x`` is ``[B, S, H, D]``, ``g`` ``[B, S, H]``, ``decay`` ``[H]``. The mixing pass refuses it under CP
 unless it is registered (its einsum mixes tokens). :func:`mixed_heads` is the same recurrence plus the mean over
-heads: registered, it is refused for the op that combines heads. :func:`looped_heads` is the recurrence of
+heads: registered, it is refused for the op that combines heads. :func:`restarting_heads` is the recurrence of
+:func:`decayed_heads` restarted at every document start (``starts``, ``[B, S, H]``, 1.0 at a token whose position
+id is 0, given as a per-token argument with a head dim, as ``docs/mixing.md`` says): the state does not cross
+documents. :func:`looped_heads` is the recurrence of
 :func:`decayed_heads` as a Python loop over the tokens (``h = lambda_h h + sigmoid(g_t) x_t``).
 
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
@@ -57,13 +60,33 @@ def looped_heads(x, g, decay):
     return torch.stack(out, dim=1)
 
 
-CORES = {"decayed_heads": decayed_heads, "mixed_heads": mixed_heads, "looped_heads": looped_heads}
+def restarting_heads(x, g, decay, starts):
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    s = x.shape[1]
+    pos = torch.arange(s, device=x.device)
+    lag = (pos[:, None] - pos[None, :]).to(x.dtype)  # [S, S]: t - s
+    rate = torch.sigmoid(decay)[:, None, None]  # [H, 1, 1]
+    weights = torch.where(lag >= 0, rate ** lag.clamp(min=0), torch.zeros_like(lag))  # [H, S, S], causal
+    doc = starts.cumsum(1)  # [B, S, H]: each token's document, counted from the sequence's start, per head
+    same = (doc.unsqueeze(2) == doc.unsqueeze(1)).to(x.dtype)  # [B, T, S, H]: t and s in one document
+    return torch.einsum("hts,btsh,bshd->bthd", weights, same, u)
+
+
+CORES = {
+    "decayed_heads": decayed_heads,
+    "mixed_heads": mixed_heads,
+    "looped_heads": looped_heads,
+    "restarting_heads": restarting_heads,
+}
+#: The per-token argument ``restarting_heads`` takes besides those of :data:`REGISTRATION`: document starts.
+STARTS = {"restarting_heads": ("starts",)}
 
 
 def register(core: str) -> None:
     from cpcompile.cores import register_head_parallel
 
-    register_head_parallel(CORES[core], **REGISTRATION)
+    per_token = REGISTRATION["per_token"] + STARTS.get(core, ())
+    register_head_parallel(CORES[core], **{**REGISTRATION, "per_token": per_token})
 
 
 class UserMixer(nn.Module):
@@ -79,7 +102,10 @@ class UserMixer(nn.Module):
     def forward(self, x, batch=None):
         import tests.models.user_cores as module
 
-        y = getattr(module, self.core)(self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)), self.gate(x), self.decay)
+        args = [self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)), self.gate(x), self.decay]
+        if self.core in STARTS:  # 1.0 at each document's first token (its position id 0), given to every head
+            args.append((batch["position_ids"] == 0).to(x.dtype)[:, :, None].expand(-1, -1, self.heads))
+        y = getattr(module, self.core)(*args)
         return x + self.out(y.flatten(-2))
 
 
