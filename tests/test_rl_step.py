@@ -21,6 +21,9 @@ end. Dropout is off
 different graphs. Each case runs under a harness timeout: a mix that makes the ranks run different control
 rounds fails as a ``TimeoutError`` instead of hanging the suite.
 
+The same steps with hybrid models (``test_rl_hybrid_models_cp2``): Bamba (Mamba2's SSD and an attention layer),
+Qwen3-Next (the gated delta rule and MoE) and Mamba (no attention: only the mixing exchanges hold control rounds).
+
 The matrix compiles with ``inner="eager"`` (the rewritten graph runs as traced, autograd differentiates it: a
 third of ``aot_eager``'s compile time here); the reproduction of the issue's step runs under ``aot_eager``, as the
 issue ran it.
@@ -161,11 +164,13 @@ def forward_mode(model: torch.nn.Module, mode: str):
         raise ValueError(f"unknown mode {mode!r}")
 
 
-def build_models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The policy (train mode) and the frozen reference (eval mode, no parameter requires grad), each with one
-    decoder layer: what hung is the order of the two models' calls, not their depth."""
-    policy = tiny_model("qwen3", seed=0, num_hidden_layers=1)
-    reference = tiny_model("qwen3", seed=1, num_hidden_layers=1).eval().requires_grad_(False)
+def build_models(family: str = "qwen3") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The policy (train mode) and the frozen reference (eval mode, no parameter requires grad) of ``family``.
+    Qwen3 with one decoder layer: what hung is the order of the two models' calls, not their depth; a hybrid with
+    its tiny config's layers (Bamba: a Mamba2 layer, then an attention layer)."""
+    layers = {"num_hidden_layers": 1} if family == "qwen3" else {}
+    policy = tiny_model(family, seed=0, **layers)
+    reference = tiny_model(family, seed=1, **layers).eval().requires_grad_(False)
     return policy, reference
 
 
@@ -191,15 +196,17 @@ class CPRun:
 
     ``shared_backend``: one backend for both models (else one each, as the issue wrote it). ``fsdp``: both models
     sharded with FSDP2 over a (dp=1, cp) mesh (``cpcompile.fully_shard_dp_cp``: gradients summed over the CP
-    ranks by FSDP, so no ``sync_grads``).
+    ranks by FSDP, so no ``sync_grads``). ``family``: the models' (:func:`build_models`).
     """
 
-    def __init__(self, world_size: int, inner: str, *, shared_backend: bool = False, fsdp: bool = False) -> None:
+    def __init__(
+        self, world_size: int, inner: str, *, shared_backend: bool = False, fsdp: bool = False, family: str = "qwen3"
+    ) -> None:
         import torch.distributed as dist
 
         import cpcompile
 
-        self.policy, self.reference = build_models()
+        self.policy, self.reference = build_models(family)
         self.fsdp = fsdp
         if fsdp:
             mesh = cpcompile.init_dp_cp_mesh(1, world_size)
@@ -315,9 +322,9 @@ def reference_per_document_mean(values: torch.Tensor, mask: torch.Tensor, pos: t
     return torch.stack(means).mean()
 
 
-def reference_run(case_steps: tuple[Step, ...]) -> dict:
+def reference_run(case_steps: tuple[Step, ...], family: str = "qwen3") -> dict:
     """The same sequence in this process, eager, on each step's global batch."""
-    policy, reference = build_models()
+    policy, reference = build_models(family)
     opt = make_optimizer(policy.parameters())
     models = {"old": policy, "ref": reference}
     records = []
@@ -372,7 +379,7 @@ def check_case(
     start = time.perf_counter()
     results = run_distributed(rl_worker, world_size, case_steps, inner, options, timeout_s=timeout_s)
     elapsed = time.perf_counter() - start
-    ref = reference_run(case_steps)
+    ref = reference_run(case_steps, options.get("family", "qwen3"))
     for rank, res in enumerate(results):  # every rank holds the same gathered/summed values and parameters
         worst = compare(f"{name} at CP={world_size}, rank {rank}", res, ref)
     print(
@@ -391,6 +398,24 @@ def test_issue_36_step_does_not_hang():
 @pytest.mark.parametrize("name", [n if n in FAST_CASES else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_rl_mix_cp2(name):
     check_case(name, 2, CASES[name])
+
+
+#: Hybrid policies and references (``family``, case): Bamba (Mamba2's SSD head-parallel, its conv a halo, then
+#: attention) in the fast tier; Qwen3-Next (the gated delta rule, MoE) and Mamba (no attention layer: the mixing
+#: exchanges' control rounds alone keep the ranks in step) with forward-only steps between training steps.
+HYBRID_CASES = [
+    ("bamba", "grpo"),
+    pytest.param("bamba", "inference_mode", marks=pytest.mark.slow),
+    pytest.param("qwen3_next", "grpo", marks=pytest.mark.slow),
+    pytest.param("mamba", "forward_only_between", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("family", "name"), HYBRID_CASES)
+def test_rl_hybrid_models_cp2(family, name):
+    """The RL step with a hybrid policy and reference on one CP group: log-probs under no_grad (or
+    inference_mode), the GRPO step, on a new T each step, exact against one process."""
+    check_case(f"{name}_{family}", 2, CASES[name], family=family)
 
 
 @pytest.mark.slow  # the fast tier: tests/test_rl_variants.py (compiles), the issue's step (a new T)
