@@ -294,52 +294,11 @@ def _fused_replacement(replacement, kernel, params: tuple[str, ...]):
     return fused_core
 
 
-def _torch_path_under_cp(torch_fn, kernel, params: tuple[str, ...], site: str):
-    """Any other transformers function bound to a fused kernel (``causal_conv1d_fn``, ``mamba_inner_fn``): outside
-    CP the kernel, called as the wrapper calls it; under CP the torch path, which the passes see and make exact
-    or refuse, called as the wrapper calls its torch path (which cannot keep packed sequences apart: a
-    ``seq_idx``/``cu_seqlens`` is refused)."""
-    names = tuple(inspect.signature(torch_fn).parameters.values())
-    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in names)
-    torch_params = tuple(p.name for p in names)
-
-    def fused_function(*args, **kwargs):
-        if HEADS_GROUP is None:  # a global of this module: Dynamo guards on its value
-            return kernel(*args, **{k: v for k, v in kwargs.items() if k in params})
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            like = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            _refuse(like, site, "got seq_idx or cu_seqlens", "pass none (its torch path does not keep documents apart)")
-        return torch_fn(*args, **(kwargs if open_kwargs else {k: v for k, v in kwargs.items() if k in torch_params}))
-
-    return fused_function
-
-
-#: transformers' modules already searched for other functions bound to fused kernels (:func:`_other_fused`).
-_SEARCHED: set[str] = set()
-
-
-def _other_fused() -> None:
-    """Give every function of an imported transformers model module that transformers bound to a fused kernel, and
-    that is not a core of :data:`CORES`, the torch path under CP (:func:`_torch_path_under_cp`)."""
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or name in _SEARCHED or module is None:
-            continue
-        _SEARCHED.add(name)
-        for attr, fn in list(vars(module).items()):
-            key = f"{name}.{attr}"
-            if key in CORES or not isinstance(fn, types.FunctionType) or _compat.substituted_in_graph(fn):
-                continue
-            fused = _fused_kernel(fn)
-            if fused is not None:
-                torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(_torch_path_under_cp(*fused, key))
-                _REGISTERED[key] = fn
-
-
 def register_known_cores() -> None:
     """Substitute every core of :data:`CORES` whose module is imported and not substituted yet. A core whose
     transformers wrapper resolved a fused kernel runs it outside CP and the torch path under CP
     (:func:`_fused_replacement`), as does any other function of a transformers model bound to a fused kernel
-    (:func:`_other_fused`)."""
+    (:func:`cpcompile.fused.register_fused_functions`)."""
     for key, form in CORES.items():
         if form == "registered":  # substituted by register_head_parallel itself
             continue
@@ -368,7 +327,9 @@ def register_known_cores() -> None:
                 replacement = _fused_replacement(_FORMS[form](torch_path, key), kernel, params)
                 torch.compiler.substitute_in_graph(wrapped, skip_signature_check=True)(replacement)
         _REGISTERED[key] = wrapped
-    _other_fused()
+    from cpcompile import fused
+
+    fused.register_fused_functions()
 
 
 def _register_method(key: str, form: str) -> None:
