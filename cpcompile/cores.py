@@ -282,12 +282,13 @@ def _fused_kernel(wrapped) -> tuple[object, object, tuple[str, ...]] | None:
 
 
 def _fused_replacement(replacement, kernel, params: tuple[str, ...]):
-    """A core whose wrapper resolved a fused kernel: outside CP the kernel, called as the wrapper calls it; under CP
-    ``replacement``, the form's replacement of the torch path (a fused kernel is opaque to the mixing pass, or cut
-    off from the graph, where it would run on this rank's tokens only)."""
+    """A core whose wrapper resolved a fused kernel: outside CP the kernel, called as the wrapper calls it (but for
+    ``torch.export``, where the wrapper takes its torch path too); under CP ``replacement``, the form's replacement
+    of the torch path (a fused kernel is opaque to the mixing pass, or cut off from the graph, where it would run on
+    this rank's tokens only)."""
 
     def fused_core(*args, **kwargs):
-        if HEADS_GROUP is None:  # a global of this module: Dynamo guards on its value
+        if HEADS_GROUP is None and not torch.compiler.is_exporting():  # HEADS_GROUP: Dynamo guards on its value
             return kernel(*args, **{k: v for k, v in kwargs.items() if k in params})
         return replacement(*args, **kwargs)
 

@@ -37,15 +37,16 @@ def fused_functions() -> dict[str, types.FunctionType]:
 
 
 def _torch_path_under_cp(torch_fn, kernel, params: tuple[str, ...], site: str):
-    """Outside CP the kernel, called as the wrapper calls it (``kwargs`` filtered to ``params``); under CP
-    ``torch_fn``, called as the wrapper calls its torch path, which cannot keep packed sequences apart: a
-    ``seq_idx``/``cu_seqlens`` is refused while tracing."""
+    """Outside CP the kernel, called as the wrapper calls it (``kwargs`` filtered to ``params``; under
+    ``torch.export`` the wrapper takes its torch path, and so does this); under CP ``torch_fn``, called as the
+    wrapper calls its torch path, which cannot keep packed sequences apart: a ``seq_idx``/``cu_seqlens`` is refused
+    while tracing."""
     signature = tuple(inspect.signature(torch_fn).parameters.values())
     open_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature)
     torch_params = tuple(p.name for p in signature)
 
     def fused_function(*args, **kwargs):
-        if cores.HEADS_GROUP is None:  # Dynamo guards on its value
+        if cores.HEADS_GROUP is None and not torch.compiler.is_exporting():  # Dynamo guards on HEADS_GROUP
             return kernel(*args, **{k: v for k, v in kwargs.items() if k in params})
         if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
             like = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
