@@ -6,7 +6,8 @@ Main API: :class:`PassContext` (what a pass knows about one compilation besides 
 this compilation), :func:`dim_set` (a ``dim`` argument as a set of dims), :func:`index_dims` (the dim each entry
 of an index reads), :func:`arg` (an argument by position or keyword), :func:`node_where`, :func:`node_located`
 and :class:`FoundAt` (a node's layer and name, after its model code, for messages), :func:`source_line` (the
-model code that made a node), :func:`finish` (the lint-and-recompile ending).
+model code that made a node), :func:`registration_fix` (a refusal's fix for a mixer in a module-level function of
+the model's code), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
