@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -47,13 +46,6 @@ from tests.harness.parity import ParityCase
 from tests.harness.tiers import runs_slow, slow
 from tests.harness.tolerances import KERNEL_TOL, LOGITS_TOL
 from tests.models import flex as _flex_models
-from tests.models.positions import package_missing
-
-#: torchtitan is an optional test dependency, installed by scripts/setup.sh: these tests skip without it, except
-#: under CI (``CI`` set, as ``.ci/run`` runs), where a missing torchtitan fails them instead of skipping.
-NEEDS_TORCHTITAN = pytest.mark.skipif(
-    package_missing("torchtitan") is not None and not os.environ.get("CI"), reason=str(package_missing("torchtitan"))
-)
 
 DOCS = ((10, 20, 7), (5, 30, 2))
 #: The spawned group's fixture runs inside its first test: a limit that only cuts a hang (4 processes compiling on
@@ -134,7 +126,6 @@ def test_unmappable_mods_are_refused_at_compile_time(world, form, words):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@NEEDS_TORCHTITAN
 def test_torchtitan_masks_built_in_the_forward_are_refused_with_the_fix(world):
     """torchtitan's default masks built inside the compiled forward from a rank's positions (its efficient
     document mask fills a table with the local length and scatters by document id): refused at compile time,
@@ -149,7 +140,6 @@ def test_torchtitan_masks_built_in_the_forward_are_refused_with_the_fix(world):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@NEEDS_TORCHTITAN
 def test_torchtitan_varlen_attention_is_refused_naming_its_flex_path(world):
     """torchtitan's ``VarlenAttention`` (``attn_backend="varlen"``, masks as ``VarlenMetadata`` built outside):
     a custom attention op cpcompile does not rewrite, refused at compile time with torchtitan's flex path as the
@@ -200,7 +190,7 @@ PAIR0 = [_case("document"), _case("document_eager")]
 PAIR0_SLOW = [_case("softcap"), _hf_case("llama"), _hf_case("qwen3_moe")]
 #: Cases refused at run time on every rank (the document ids were made in eager code from one rank's tokens).
 REFUSED_AT_RUN_TIME = ("tests.models.flex:document_eager",)
-#: torchtitan's Llama 3 on its default FlexAttention (optional test dependency, installed by scripts/setup.sh).
+#: torchtitan's Llama 3 on its default FlexAttention (a test dependency, installed by scripts/setup.sh).
 TORCHTITAN = ParityCase(model="tests.models.flex:torchtitan_flex", doc_lens=DOCS, inner="aot_eager", layout="balanced")
 #: The same model called as torchtitan's trainer calls it: its default masks (the efficient packed-document
 #: mask_mod) built outside the model for the whole global batch and passed in the batch ``shard`` slices.
@@ -210,9 +200,9 @@ TORCHTITAN_TRAINER = ParityCase(
     inner="aot_eager",
     batch_extras="tests.models.flex:torchtitan_trainer_masks",
 )
-PAIR0_SLOW += [TORCHTITAN_TRAINER] if package_missing("torchtitan") is None else []
+PAIR0_SLOW += [TORCHTITAN_TRAINER]
 PAIR1 = [_case("sliding", "balanced", "aot_eager"), _hf_case("lfm2", 2, "balanced")]
-PAIR1_SLOW = [TORCHTITAN] if package_missing("torchtitan") is None else []
+PAIR1_SLOW = [TORCHTITAN]
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
 #: Seconds the spawned group may take (4 processes compiling on 2 shared cores).
 TIMEOUT_S = 600.0
@@ -380,9 +370,8 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
     if not with_slow:
         return out
     out["cp4"] = _run(CP4, dist.group.WORLD)
-    if package_missing("torchtitan") is None:
-        torch.compiler.reset()
-        out["trainer_one_row"] = _one_row_trainer(dist.group.WORLD)
+    torch.compiler.reset()
+    out["trainer_one_row"] = _one_row_trainer(dist.group.WORLD)
     return out
 
 
@@ -436,7 +425,6 @@ def test_document_ids_made_in_eager_code_are_refused_on_every_rank(results):
 
 
 @slow
-@NEEDS_TORCHTITAN
 def test_torchtitan_llama3_on_its_flex_attention(results):
     """torchtitan's own Llama 3 on its default FlexAttention, the BlockMask built in the forward from its own
     mask mods (causal and document) and ``positions`` passed to its RoPE (a ``gather`` of ``rope_cache`` at the
@@ -446,7 +434,6 @@ def test_torchtitan_llama3_on_its_flex_attention(results):
 
 
 @slow
-@NEEDS_TORCHTITAN
 def test_torchtitan_trainer_masks_built_outside_the_model(results):
     """torchtitan's default config as its trainer runs it: ``model.get_attention_masks(positions)`` on the global
     batch (its efficient packed-document mask_mod), passed to ``shard`` in the batch. Exact at CP=2 with two rows

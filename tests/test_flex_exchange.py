@@ -35,7 +35,6 @@ from tests.harness.dist import run_distributed
 from tests.harness.parity import ParityCase
 from tests.harness.tiers import runs_slow, slow
 from tests.models import flex as _flex_models
-from tests.models.positions import package_missing
 from tests.test_exchange import SETTINGS, brute_force_needs, packed
 from tests.test_flex import DOCS
 from tests.test_flex import _case as flex_case
@@ -101,17 +100,16 @@ RULES = {"tests.models.flex:document": None, "tests.models.flex:sliding": _flex_
 #: The fast tier's cases (``PAIR0``, ``PAIR1``: the two forms whose bytes are checked) and those the slow tier adds
 #: (``*_SLOW``: transformers' flex path, torchtitan's trainer masks, and ``CP4``).
 PAIR0 = [_case("document")]
-PAIR0_SLOW = [_hf_case("qwen3_moe")]
-if package_missing("torchtitan") is None:
-    PAIR0_SLOW.append(
-        ParityCase(
-            model="tests.models.flex:torchtitan_trainer",
-            doc_lens=DOCS,
-            inner="aot_eager",
-            batch_extras="tests.models.flex:torchtitan_trainer_masks",
-            backend_kwargs=SELECTIVE,
-        )
-    )
+PAIR0_SLOW = [
+    _hf_case("qwen3_moe"),
+    ParityCase(
+        model="tests.models.flex:torchtitan_trainer",
+        doc_lens=DOCS,
+        inner="aot_eager",
+        batch_extras="tests.models.flex:torchtitan_trainer_masks",
+        backend_kwargs=SELECTIVE,
+    ),
+]
 PAIR1 = [_case("sliding", "balanced")]
 PAIR1_SLOW = [_hf_case("lfm2", 2, "balanced")]
 CP4 = [_case("softcap", "balanced"), _hf_case("gemma3", 2, "balanced")]
