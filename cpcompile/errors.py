@@ -43,14 +43,26 @@ class UnsupportedPositionError(_compat.PassThroughCompileError):
     """A value the model computes from the local sequence length that cpcompile cannot make global exactly.
 
     Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
+
+    ``functions``: the module-level functions of the model's code running when it made the refused op, innermost
+    first, when the op is one a sequence mixer makes (a scan, a product over the sequence, a token picked by its
+    index), else ``()``: those :func:`cpcompile.backend` tries to run head-parallel (``regions="found"``).
     """
+
+    functions: tuple = ()
 
 
 class UnsupportedMixingError(_compat.PassThroughCompileError):
     """An op that mixes tokens along the sharded sequence and that cpcompile cannot make exact across ranks.
 
     Raised while compiling; ``torch.compile`` passes it to the caller unchanged (a ``RuntimeError``).
+
+    ``functions``: the module-level functions of the model's code running when it made the refused op, innermost
+    first, when the op is one a sequence mixer makes (a scan, a product over the sequence, a token picked by its
+    index), else ``()``: those :func:`cpcompile.backend` tries to run head-parallel (``regions="found"``).
     """
+
+    functions: tuple = ()
 
 
 class MaskMismatchError(RuntimeError):

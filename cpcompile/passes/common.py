@@ -6,8 +6,10 @@ Main API: :class:`PassContext` (what a pass knows about one compilation besides 
 this compilation), :func:`dim_set` (a ``dim`` argument as a set of dims), :func:`index_dims` (the dim each entry
 of an index reads), :func:`arg` (an argument by position or keyword), :func:`node_where`, :func:`node_located`
 and :class:`FoundAt` (a node's layer and name, after its model code, for messages), :func:`source_line` (the
-model code that made a node), :func:`registration_fix` (a refusal's fix for a mixer in a module-level function of
-the model's code), :func:`finish` (the lint-and-recompile ending).
+model code that made a node), :func:`mixer_function` and :func:`mixer_functions` (the module-level
+functions of the model's code that made a node), :func:`in_function` (whether a function was running when a
+node was made), :func:`registration_fix` (a refusal's fix for a mixer in a module-level function of the model's
+code), :func:`finish` (the lint-and-recompile ending).
 """
 
 from __future__ import annotations
@@ -36,10 +38,14 @@ __all__ = [
     "dim_set",
     "finish",
     "graph_modules",
+    "in_function",
     "index_dims",
+    "mixer_function",
+    "mixer_functions",
     "node_located",
     "node_value",
     "node_where",
+    "registration_fix",
     "shape_of",
     "size_hint",
     "source_line",
@@ -230,12 +236,36 @@ def _module_function(path: str, name: str) -> types.FunctionType | None:
     return None
 
 
+def mixer_function(node: fx.Node) -> types.FunctionType | None:
+    """The module-level function of the model's code that made ``node`` (the innermost frame of its stack trace
+    outside torch), or ``None`` (a method, a nested function, no stack trace)."""
+    frame = _model_frame(node)
+    return _module_function(frame[0], frame[2]) if frame is not None else None
+
+
+def mixer_functions(node: fx.Node) -> tuple[types.FunctionType, ...]:
+    """Every module-level function of the model's code running when Dynamo made ``node`` (the frames of its
+    stack trace outside torch), innermost first, each once."""
+    found: list[types.FunctionType] = []
+    for path, _, name, _ in reversed(_frames(node)):
+        fn = None if path.startswith(_TORCH_DIR) else _module_function(path, name)
+        if fn is not None and fn not in found:
+            found.append(fn)
+    return tuple(found)
+
+
+def in_function(node: fx.Node, fn: types.FunctionType) -> bool:
+    """Whether ``fn`` (a module-level function) was running when Dynamo made ``node``: a frame of its stack trace
+    is ``fn``'s."""
+    path = os.path.realpath(fn.__code__.co_filename)
+    return any(f[2] == fn.__name__ and os.path.realpath(f[0]) == path for f in _frames(node))
+
+
 def registration_fix(node: fx.Node) -> str:
     """The fix that runs the sequence mixer that made ``node`` head-parallel, when the model code that made it is
     a module-level function (:func:`cpcompile.cores.register_head_parallel`), naming the function and its
     parameters; ``""`` otherwise (a method, no stack trace)."""
-    frame = _model_frame(node)
-    fn = _module_function(frame[0], frame[2]) if frame is not None else None
+    fn = mixer_function(node)
     if fn is None:
         return ""
     name = f"{fn.__module__}.{fn.__name__}"

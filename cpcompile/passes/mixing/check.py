@@ -11,7 +11,7 @@ import torch.fx as fx
 from cpcompile.errors import UnsupportedMixingError
 from cpcompile.passes import vocabulary as vocab
 from cpcompile.passes.aliasing import mutated, viewed_bases
-from cpcompile.passes.common import node_value, registration_fix
+from cpcompile.passes.common import mixer_functions, node_value, registration_fix
 from cpcompile.passes.mixing.find import MixingOp
 
 __all__ = ["check_op", "count_uses"]
@@ -231,7 +231,9 @@ def _refusal(op: MixingOp, reason: str) -> UnsupportedMixingError:
     held = "some tokens of the sequence"
     if op.kind == "head_parallel" and not op.problem:
         held = "the whole sequence of some heads (channels) in a head-parallel region"
-    return UnsupportedMixingError(
+    error = UnsupportedMixingError(
         f"cpcompile cannot run {op.op} at {op.where} across CP ranks: {reason}.{code} Under context parallelism "
         f"each rank holds only {held}, and this op would combine them without the others'. Fix: {_fix(op)}"
     )
+    error.functions = mixer_functions(op.node) if op.kind in _MIXER_KINDS else ()
+    return error

@@ -19,7 +19,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.errors import UnsupportedPositionError
 from cpcompile.passes import vocabulary as vocab
-from cpcompile.passes.common import FoundAt, registration_fix
+from cpcompile.passes.common import FoundAt, mixer_functions, registration_fix
 
 #: What the pass does with a source: see :mod:`cpcompile.passes.positions`.
 Action = Literal["rewritten", "refused", "mask", "unchanged"]
@@ -218,10 +218,13 @@ MIXER_REASONS = ("contracts the sequence dim", "mixes the values of different po
 
 def refusal(src: PositionSource, reason: str, static: bool) -> UnsupportedPositionError:
     outside = vocab.masks_built_outside_fix(src.node)
-    register = registration_fix(src.node) if any(words in reason for words in MIXER_REASONS) else ""
+    mixer = any(words in reason for words in MIXER_REASONS)
+    register = registration_fix(src.node) if mixer else ""
     outside = f"{outside}; or " if outside else ""
     outside += f"{register}; or " if register else ""
-    return UnsupportedPositionError(
+    error = UnsupportedPositionError(
         f"cpcompile cannot make the positions computed at {src.located} ({src.kind}) global across CP ranks: "
         f"{reason}. Fix: {outside}{'' if static else _fix_for(reason)}{FIX}{STATIC_FIX if static else ''}"
     )
+    error.functions = mixer_functions(src.node) if mixer else ()
+    return error
