@@ -59,13 +59,18 @@ __all__ = [
     "is_non_member_group",
     "lookup_inner_backend",
     "mark_seq_dynamic",
+    "NOTED",
+    "note_traced",
     "node_module_class",
     "node_module_path",
+    "replace_substitution",
     "resolve_group",
+    "restart_trace",
     "must_recompute_meta",
     "statically_true",
     "structured_trace_enabled",
     "trace_artifact",
+    "unset_fake_mode",
 ]
 
 #: Callables under which Dynamo records ``F.scaled_dot_product_attention`` (torch 2.11-2.13: the C function).
@@ -278,6 +283,14 @@ def is_peer_exit_error(message: str) -> bool:
     """True for the message of a collective that failed because a peer's process exited (torch 2.13, gloo:
     "Connection closed by peer" or "Connection reset by peer", seen within about 1 s of a ``SIGKILL``)."""
     return "Connection closed by peer" in message or "Connection reset by peer" in message
+
+
+def unset_fake_mode():
+    """A context in which tensors are real, also inside a backend call (torch 2.11-2.13:
+    ``torch._subclasses.fake_tensor.unset_fake_temporarily``, private)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -705,6 +718,62 @@ def substituted_in_graph(fn: object) -> bool:
     from torch._dynamo.variables import PolyfilledFunctionVariable
 
     return fn in PolyfilledFunctionVariable._get_polyfill_handlers()
+
+
+def replace_substitution(fn: object, replacement: object) -> None:
+    """Make Dynamo trace ``replacement`` for ``fn`` instead of the one ``torch.compiler.substitute_in_graph`` gave
+    it. torch 2.13: the handler Dynamo finds for ``fn`` keeps the traced function in ``__torch_dynamo_polyfill__``
+    and reads it each time it traces a call (a second ``substitute_in_graph`` raises)."""
+    from torch._dynamo.variables import PolyfilledFunctionVariable
+
+    PolyfilledFunctionVariable._get_polyfill_handlers()[fn].__torch_dynamo_polyfill__ = replacement
+
+
+#: What :func:`note_traced` saw while Dynamo traced: ``key -> {name: graph node, constant or None}``.
+NOTED: dict[str, dict[str, object]] = {}
+
+
+def note_traced(key: str, name: str, value: object) -> None:
+    """While Dynamo traces the caller (a replacement given to ``torch.compiler.substitute_in_graph``), enter
+    ``value`` in ``NOTED[key][name]``: its graph node (a tensor), its value (a constant) or ``None`` (anything
+    else). Eagerly it does nothing. torch 2.13: ``torch._dynamo.comptime`` runs a function while tracing, with
+    the tracer's view of the caller's locals; the function may have no free variables."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_note_local)
+
+
+def _note_local(ctx) -> None:
+    key = ctx.get_local("key").as_python_constant()
+    name = ctx.get_local("name").as_python_constant()
+    var = ctx.get_local("value")
+    if var.is_python_constant():
+        noted = var.as_python_constant()
+    elif var.is_proxy() and isinstance(var.as_proxy(), torch.fx.Proxy):
+        noted = var.as_proxy().node
+    else:
+        noted = None
+    NOTED.setdefault(key, {})[name] = noted
+
+
+def restart_trace(reason: str) -> None:
+    """Make Dynamo trace the frame it is compiling again from its start (a backend calls this after it changed
+    what Dynamo traces, e.g. with :func:`replace_substitution`); return without doing anything when no frame is
+    being traced (the backend was called directly). torch 2.13: a backend's ``TensorifyScalarRestartAnalysis``
+    reaches ``convert_frame``, which traces the frame again, after the speculation log of the first trace is
+    cleared (else the second trace, which takes another path, is refused as a divergence)."""
+    from torch._dynamo import exc
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except (AssertionError, AttributeError, IndexError):
+        return
+    if tx is None:
+        return
+    tx.speculation_log.clear()
+    raise exc.TensorifyScalarRestartAnalysis(restart_reason=reason)
 
 
 def inline_in_graph(fn: object, replacement: object) -> None:

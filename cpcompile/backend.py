@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from cpcompile import _compat, _logging, cores, dump
+from cpcompile import _compat, _logging, cores, dump, regions
 from cpcompile.options import BackendOptions
-from cpcompile.passes.common import PassContext
+from cpcompile.passes.common import PassContext, counters
 from cpcompile.passes.flex_cp import flex_cp_pass
 from cpcompile.passes.mixing import EXCHANGED_ACTIONS, MixingReport, mixing_pass
 from cpcompile.passes.positions import PositionReport, positions_pass, sequence_length
@@ -148,6 +148,7 @@ class CPBackend:
         if self.cp_size > 1 and not self.trace_only:
             seq = sequence_length(gm, chunk_len, mixed=True)
             exact = exact_outputs(gm, seq) if seq is not None else []
+        reported, counted = len(self.reports), counters.copy()
         try:
             reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
             reports += cp_attention_pass(target, ctx)
@@ -165,6 +166,16 @@ class CPBackend:
                 else:
                     guards.check(plan.seq_len, plan.chunk_len)
         except _compat.PassThroughCompileError as e:  # a refusal: the refused graph is the one to look at
+            if self.options.regions == "found" and not self.trace_only and self.cp_size > 1:
+                why = regions.find(e, gm, chunk_len, self.cp_size)
+                if why == regions.RESTART:  # this graph is traced again: nothing of it is kept
+                    del self.reports[reported:]
+                    counters.clear()
+                    counters.update(counted)
+                    positions = []
+                    _compat.restart_trace("cpcompile: a sequence mixer of the model's code is run head-parallel")
+                elif why:
+                    e.args = (f"{e.args[0]} (cpcompile found no head-parallel region for this op: {why}.)",)
             if self._dump is not None:
                 self._dump.add_graph(before, "", [], refused=str(e))
             raise

@@ -14,6 +14,7 @@ __all__ = [
     "EXCHANGES",
     "INNER_COMPILERS",
     "MIXING_MODES",
+    "REGION_MODES",
     "TOKEN_MIXING",
     "POSITION_MODES",
     "BackendOptions",
@@ -23,6 +24,7 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 ATTENTION_PATHS = ("auto", "block", "dense", "flex", "flash_varlen")
 POSITION_MODES = ("rewrite", "off")
 MIXING_MODES = ("exact", "off")
+REGION_MODES = ("found", "registered")
 EXCHANGES = ("all_gather", "selective")
 TOKEN_MIXING = ("required", "none")
 #: Environment variable that turns on graph dumps (the default of ``BackendOptions.dump_dir``).
@@ -86,6 +88,13 @@ class BackendOptions:
     #: ``"off"``: left as the model computes them, on this rank's tokens only: silently wrong for such models;
     #: only for measuring what the pass changes.
     mixing: Literal["exact", "off"] = "exact"
+    #: Sequence mixers of the model's own code. ``"found"`` (default): a module-level function in which a pass
+    #: refuses a scan, a product over the sequence or a token picked by its index is classified and, when it is
+    #: a causal map over some dim of its per-token arguments, run head-parallel as if it were registered
+    #: (:mod:`cpcompile.regions`; Dynamo traces the frame up to twice more); otherwise the refusal stands, with
+    #: the reason. ``"registered"``: only the known cores and those registered with
+    #: :func:`cpcompile.cores.register_head_parallel` run head-parallel; the refusal names the registration.
+    regions: Literal["found", "registered"] = "found"
     #: Whether the model mixes tokens. ``"required"`` (default): a :func:`cpcompile.shard` step that ran graphs of
     #: this backend and none of them held rewritten attention or another op made exact across ranks (a gathered
     #: causal region) raises :class:`~cpcompile.UnsupportedAttentionError` on every rank when the step ends,
@@ -137,6 +146,8 @@ class BackendOptions:
             )
         if self.mixing not in MIXING_MODES:
             raise ValueError(f"mixing={self.mixing!r} is not a known mode; choose one of {MIXING_MODES}")
+        if self.regions not in REGION_MODES:
+            raise ValueError(f"regions={self.regions!r} is not a known mode; choose one of {REGION_MODES}")
         if isinstance(self.per_token_ops, str) or not isinstance(self.per_token_ops, (tuple, list)):
             raise TypeError(
                 f"per_token_ops must be a tuple of 'namespace::name' strings, got {self.per_token_ops!r}; e.g. "

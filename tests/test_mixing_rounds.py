@@ -7,7 +7,9 @@ scenarios on real gloo processes (2 ranks), each a model whose first cross-rank 
 (which holds its own round):
 
 * ``registration``: only rank 0 registers the user's core (``tests.models.user_cores``, a per-head recurrence in
-  plain torch, with ``cpcompile.cores.register_head_parallel``); rank 1's graph is refused at compile time. The
+  plain torch, with ``cpcompile.cores.register_head_parallel``); rank 1's graph is refused at compile time (the
+  backend keeps to registered regions, ``regions="registered"``; by default rank 1 finds the inner function of the
+  core itself, another site, and both ranks raise ``RanksDivergedError`` at the first round). The
   round is ``cpcompile::heads_order``'s, before the core's head all-to-all.
 * ``mamba``: transformers' Mamba (no attention layer), where rank 1's compile fails (its backend raises a
   ``ValueError`` before cpcompile's). Rank 0's first exchange is the first layer's causal conv (a halo region, the
@@ -59,7 +61,9 @@ def _worker(rank: int, world: int, scenario: str) -> dict:
         model = tiny_model("mamba")
         if rank == 1 and scenario == "branch":
             model.backbone.layers[1].register_forward_pre_hook(_raise_on_rank_1)
-    backend = cpcompile.backend(group, inner="eager")
+    # rank 1 keeps to registered regions: by default it would find a core of its own (another site, which the
+    # rounds see as ranks out of step)
+    backend = cpcompile.backend(group, inner="eager", regions="registered" if scenario == "registration" else "found")
     if rank == 1 and scenario == "mamba":
         backend = _raise_on_rank_1
     start = time.monotonic()

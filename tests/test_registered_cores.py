@@ -8,8 +8,9 @@ before a packed-document attention layer. T = 37 with the packed documents of te
 at every document start, which the mixer passes as a per-token argument (1.0 where the position id is 0).
 
 Fast tier (one process, fake CP group of 2, compile time): registered, the core is reported ``head_parallel``;
-not registered, the same model is refused at compile time (its einsum contracts the sequence; the loop picks a
-token by its index), and both refusals name the registration of the function, with its parameters, while a mixer
+not registered, the same model is refused at compile time with ``regions="registered"`` (its einsum contracts the
+sequence; the loop picks a token by its index; ``tests/test_found_regions.py`` covers the default, which finds
+such a core), and both refusals name the registration of the function, with its parameters, while a mixer
 written in a method gets no such fix; registered, a core
 that adds the mean over heads is refused naming the op; a tensor argument left out of the registration is refused
 naming it, and so are heads that the CP size does not divide (5 heads at CP=2); bad registrations raise
@@ -42,8 +43,8 @@ FACTORY = "tests.models.user_cores:user_core_lm"
 EXPECTED = (("decayed_heads", "head_parallel"), ("cross_entropy", "partial_sum"))
 
 
-def _compile(model, group):
-    backend = cpcompile.backend(group, inner="eager")
+def _compile(model, group, **options):
+    backend = cpcompile.backend(group, inner="eager", **options)
     with cpcompile.shard(packed_batch([list(d) for d in DOCS]), group) as local:
         torch.compile(model, backend=backend)(**local)
     return [(r.op, r.action) for r in backend.mixing_reports]
@@ -65,10 +66,10 @@ def test_the_same_core_not_registered_is_refused_naming_the_registration(world):
     model = user_cores.user_core_lm(registered=False)
     model.mixer.core = "_decayed"  # the same recurrence, a function no one registered
     with pytest.raises(cpcompile.UnsupportedPositionError, match="einsum contracts the sequence") as caught:
-        _compile(model, world)
+        _compile(model, world, regions="registered")
     assert REGISTER_FIX.format("_decayed") in str(caught.value) and "(x, g, decay)" in str(caught.value)
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token 0 of the sequence") as caught:
-        _compile(user_cores.user_core_lm(registered=False, core="looped_heads"), world)
+        _compile(user_cores.user_core_lm(registered=False, core="looped_heads"), world, regions="registered")
     assert REGISTER_FIX.format("looped_heads") in str(caught.value) and "(x, g, decay)" in str(caught.value)
 
 
@@ -83,7 +84,7 @@ def test_a_method_is_not_named_for_registration(world, monkeypatch):
 
     monkeypatch.setattr(user_cores.UserMixer, "forward", forward)
     with pytest.raises(cpcompile.UnsupportedMixingError) as caught:
-        _compile(user_cores.user_core_lm(registered=False), world)
+        _compile(user_cores.user_core_lm(registered=False), world, regions="registered")
     assert "register_head_parallel" not in str(caught.value), str(caught.value)
 
 

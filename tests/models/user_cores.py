@@ -12,6 +12,12 @@ id is 0, given as a per-token argument with a head dim, as ``docs/mixing.md`` sa
 documents. :func:`looped_heads` is the recurrence of
 :func:`decayed_heads` as a Python loop over the tokens (``h = lambda_h h + sigmoid(g_t) x_t``).
 
+Never registered, for the backend to find (``regions="found"``, ``tests/test_found_regions.py``):
+:func:`transposed_heads` is the loop of :func:`looped_heads` on ``[B, H, S, D]`` and ``[B, H, S]`` inputs (the heads
+at dim 1, the sequence at dim 2); :func:`reversed_heads` runs it from the last token back (not causal);
+:func:`heads_mixing_loop` adds the state's mean over heads at every step (not a map over heads);
+:func:`rates_read_inside` reads its per-head rates from a module global (:data:`RATES`), not from an argument.
+
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
 embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
 packed-document attention layer. It registers the core in its process (the spawned ranks build the model too).
@@ -72,12 +78,65 @@ def restarting_heads(x, g, decay, starts):
     return torch.einsum("hts,btsh,bshd->bthd", weights, same, u)
 
 
+def transposed_heads(x, g, decay):
+    rate = torch.sigmoid(decay)[:, None]  # [H, 1]
+    u = x * torch.sigmoid(g).unsqueeze(-1)  # [B, H, S, D]
+    h = torch.zeros_like(u[:, :, 0])
+    out = []
+    for t in range(u.shape[2]):
+        h = rate * h + u[:, :, t]
+        out.append(h)
+    return torch.stack(out, dim=2)
+
+
+def reversed_heads(x, g, decay):
+    rate = torch.sigmoid(decay)[:, None]
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    h = torch.zeros_like(u[:, 0])
+    out = []
+    for t in reversed(range(u.shape[1])):
+        h = rate * h + u[:, t]
+        out.append(h)
+    return torch.stack(out[::-1], dim=1)
+
+
+def heads_mixing_loop(x, g, decay):
+    rate = torch.sigmoid(decay)[:, None]
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    h = torch.zeros_like(u[:, 0])
+    out = []
+    for t in range(u.shape[1]):
+        h = rate * h + u[:, t] + 0.1 * h.mean(dim=1, keepdim=True)
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
+#: Per-head rates the module holds, which :func:`rates_read_inside` reads instead of taking them as an argument.
+RATES = torch.linspace(0.2, 0.8, HEADS)
+
+
+def rates_read_inside(x, g, decay):
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    h = torch.zeros_like(u[:, 0])
+    out = []
+    for t in range(u.shape[1]):
+        h = RATES[:, None] * h + u[:, t]
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
 CORES = {
     "decayed_heads": decayed_heads,
     "mixed_heads": mixed_heads,
     "looped_heads": looped_heads,
     "restarting_heads": restarting_heads,
+    "transposed_heads": transposed_heads,
+    "reversed_heads": reversed_heads,
+    "heads_mixing_loop": heads_mixing_loop,
+    "rates_read_inside": rates_read_inside,
 }
+#: Cores that take ``[B, H, S, ...]`` inputs and return ``[B, H, S, D]``: the mixer transposes around them.
+TRANSPOSED = frozenset({"transposed_heads"})
 #: The per-token argument ``restarting_heads`` takes besides those of :data:`REGISTRATION`: document starts.
 STARTS = {"restarting_heads": ("starts",)}
 
@@ -105,7 +164,11 @@ class UserMixer(nn.Module):
         args = [self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)), self.gate(x), self.decay]
         if self.core in STARTS:  # 1.0 at each document's first token (its position id 0), given to every head
             args.append((batch["position_ids"] == 0).to(x.dtype)[:, :, None].expand(-1, -1, self.heads))
+        if self.core in TRANSPOSED:
+            args = [args[0].transpose(1, 2), args[1].transpose(1, 2), args[2]]
         y = getattr(module, self.core)(*args)
+        if self.core in TRANSPOSED:
+            y = y.transpose(1, 2)
         return x + self.out(y.flatten(-2))
 
 

@@ -1,0 +1,269 @@
+"""Head-parallel regions found at compile time: a sequence mixer of the model's own code, written as a
+module-level function, runs on the whole sequence of some heads on each rank without a registration.
+
+When the positions or the mixing pass refuses an op that a sequence mixer makes (a scan, a product over the
+sequence, a token picked by its index) inside a module-level function ``fn`` of the model's code
+(:attr:`cpcompile.UnsupportedMixingError.function`), the backend (``regions="found"``, its default) does what
+:func:`cpcompile.cores.register_head_parallel` asks the user to do, in three traces of the same frame:
+
+1. **probe**: ``fn`` gets a replacement that calls it unchanged and notes, while Dynamo traces it, which graph
+   value each of its arguments is (:func:`cpcompile._compat.note_traced`); Dynamo traces the frame again.
+2. **classify** (:func:`classify`): in that graph, an argument whose value holds the sequence (followed from the
+   sharded inputs, :func:`~cpcompile.passes.sequence_dims.sequence_dims`) is per-token, all of them at one dim.
+   Each other dim of the per-token arguments, of one size in all of them (the batch dim first excepted), is tried
+   as the head dim: a tensor argument whose dim 0 has that size is per-head, any other is shared (one that has a
+   dim of that size elsewhere is not classified: it may hold heads). A head dim is taken when the ops ``fn`` ran
+   keep it apart (the head-parallel regions' proof,
+   :func:`~cpcompile.passes.mixing.find._head_map_refusals`), every value ``fn`` returns holds it at the same dim
+   and the sequence at the same dim as the per-token arguments, ``fn`` reads no tensor with a dim of that size
+   besides its arguments (a module global would not be narrowed to the rank's heads), and the CP size divides its
+   size. Then ``fn`` is
+   run eagerly on random inputs of the traced shapes (:func:`_causal_refusal`): its outputs at tokens before
+   ``k`` must not change when its per-token inputs at ``k`` and after do (``k`` = 1, half the tokens, the last
+   token), since a head-parallel ``fn`` runs on the padded sequence (padding last) and only a causal one keeps
+   the padding from every real token. This is a test on one draw of inputs, not a proof.
+3. **run**: ``fn`` is registered as found (:func:`cpcompile.cores.register_head_parallel`, its replacement put in
+   place of the probe) and Dynamo traces the frame a third time; the mixing pass proves the region again, as it
+   does every registered core's.
+
+When no classification holds, the refusal stands, with the reason added. A function is tried once per process;
+a later refusal in it keeps its first reason. Methods are not tried (Dynamo substitutes module-level functions
+only), nor functions the user registered or that Dynamo already substitutes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+import torch.fx as fx
+
+from cpcompile import _compat, cores
+from cpcompile.passes.common import in_function, size_hint, source_line
+from cpcompile.passes.common import node_value as _val
+from cpcompile.passes.mixing.find import _HEADS, _head_map_refusals
+from cpcompile.passes.positions import sequence_length
+from cpcompile.passes.sequence_dims import is_nested, sequence_dims
+
+__all__ = ["RESTART", "classify", "find"]
+
+#: What :func:`find` returns when Dynamo must trace the frame again.
+RESTART = "restart"
+
+#: Each function tried: ``"probed"``, ``"found"``, or why it is not run head-parallel.
+_TRIED: dict[str, str] = {}
+
+#: How close :func:`_causal_refusal` asks a causal function's outputs to stay when later inputs change: a causal
+#: function's differ by rounding at most (a chunked scan multiplies masked entries by zero), a function that reads
+#: later tokens by far more.
+_CAUSAL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _key(fn: types.FunctionType) -> str:
+    return f"{fn.__module__}.{fn.__name__}"
+
+
+def _probe_replacement(original, key: str, names: tuple[str, ...], defaults: tuple[tuple[str, object], ...]):
+    # plain tuples and strings in the closure: Dynamo traces the replacement as a polyfill
+    def probed(*args, **kwargs):
+        values = dict(defaults)
+        values.update(zip(names, args))
+        values.update(kwargs)
+        for name, value in values.items():
+            _compat.note_traced(key, name, value)
+        return original(**values)
+
+    return probed
+
+
+def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: int) -> str:
+    """The next step for the functions of a refusal (``error.functions``, innermost first): :data:`RESTART` when
+    one was given a probe or registered (Dynamo must trace the frame again), else why none runs head-parallel
+    (``""``: none this module tries)."""
+    reasons = []
+    for fn in getattr(error, "functions", ()):
+        key = _key(fn)
+        state = _TRIED.get(key)
+        if state is None:
+            if key in cores.CORES or _compat.substituted_in_graph(fn):
+                continue
+            params = list(inspect.signature(fn).parameters.values())
+            if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+                _TRIED[key] = "it takes *args, **kwargs or positional-only parameters"
+            else:
+                _probe(fn, key, params)
+                return RESTART
+        elif state == "probed":
+            found = classify(gm, fn, _compat.NOTED.get(key, {}), chunk_len, cp_size)
+            if not isinstance(found, str):
+                cores.register_head_parallel(fn, **found)
+                _compat.replace_substitution(
+                    fn, cores._registered_replacement(cores._copy(fn), key, cores._HEAD_SPECS[key])
+                )
+                _TRIED[key] = "found"
+                return RESTART
+            _TRIED[key] = found
+        if _TRIED.get(key, "found") not in ("found", "probed"):
+            reasons.append(f"not {fn.__name__}, as {_TRIED[key]}")
+    return "; ".join(reasons)
+
+
+def _probe(fn: types.FunctionType, key: str, params: list[inspect.Parameter]) -> None:
+    names = tuple(p.name for p in params)
+    defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
+    _compat.NOTED.pop(key, None)
+    torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
+        _probe_replacement(cores._copy(fn), key, names, defaults)
+    )
+    _TRIED[key] = "probed"
+
+
+def classify(gm: fx.GraphModule, fn: types.FunctionType, noted: dict[str, object], chunk_len: int | None,
+             cp_size: int) -> dict[str, object] | str:  # fmt: skip
+    """The arguments of :func:`cpcompile.cores.register_head_parallel` that run ``fn`` head-parallel, found in
+    ``gm`` (traced through the probe, which noted ``fn``'s arguments in ``noted``), or why there are none."""
+    if not noted:
+        return "cpcompile did not see its arguments while tracing"
+    seq = sequence_length(gm, chunk_len, mixed=True)
+    if seq is None:
+        return "the graph's local sequence length is unknown"
+    tags = sequence_dims(gm, seq)
+    tensors = {name: n for name, n in noted.items() if isinstance(n, fx.Node) and isinstance(_val(n), torch.Tensor)}
+    unknown = [name for name, n in noted.items() if n is None or (isinstance(n, fx.Node) and name not in tensors)]
+    if unknown:
+        return f"its arguments {unknown} are neither tensors nor constants"
+    seq_dims = {}
+    for name, n in tensors.items():
+        t = tags.get(n)
+        dims = [d for d, x in enumerate(t) if x is True] if isinstance(t, tuple) and not is_nested(t) else []
+        if len(dims) > 1:
+            return f"its argument {name!r} holds the sequence in more than one dim"
+        if dims:
+            seq_dims[name] = dims[0]
+    if not seq_dims:
+        return "none of its tensor arguments holds the sequence"
+    if len(set(seq_dims.values())) > 1:
+        return f"its per-token arguments hold the sequence at different dims ({seq_dims})"
+    per_token = tuple(seq_dims)
+    seq_dim = seq_dims[per_token[0]]
+    shapes = {name: [size_hint(s) for s in _val(n).shape] for name, n in tensors.items()}
+    length = shapes[per_token[0]][seq_dim]
+    ndim = min(len(shapes[name]) for name in per_token)
+    why = f"no dim of its per-token arguments {list(per_token)} holds heads"
+    for head_dim in range(ndim):
+        sizes = {shapes[name][head_dim] for name in per_token}
+        if head_dim == seq_dim or (head_dim == 0 and seq_dim != 0) or len(sizes) != 1 or sizes == {1}:
+            continue
+        count = sizes.pop()
+        others = [name for name in tensors if name not in seq_dims]
+        per_head = tuple(name for name in others if shapes[name] and shapes[name][0] == count)
+        shared = tuple(name for name in others if name not in per_head)
+        unclear = [name for name in shared if count in shapes[name]]
+        if unclear:
+            why = f"with dim {head_dim} as heads, its arguments {unclear} have a dim of {count} not at dim 0"
+            continue
+        refused = _heads_kept(gm, fn, tensors, per_token, per_head, seq_dim, head_dim, length)
+        if refused:
+            why = f"with dim {head_dim} of {list(per_token)} as heads, {refused}"
+            continue
+        if count % cp_size:
+            return f"its {count} heads (dim {head_dim} of {per_token[0]!r}) do not divide by the CP size {cp_size}"
+        acausal = _causal_refusal(fn, noted, per_token, seq_dim, length)
+        if acausal:
+            return acausal
+        return {"per_token": per_token, "per_head": per_head, "shared": shared, "seq_dim": seq_dim,
+                "head_dim": head_dim}  # fmt: skip
+    return why
+
+
+def _heads_kept(gm, fn, tensors, per_token, per_head, seq_dim, head_dim, length) -> str:
+    """``""`` when ``fn`` reads no tensor with a dim of the head count besides its arguments, the ops it ran keep
+    ``head_dim`` of ``per_token`` (dim 0 of ``per_head``) apart and every value it returns holds the heads at
+    ``head_dim`` and this rank's tokens at ``seq_dim`` (its size there is ``length``), else what does not."""
+    seeds = {}
+    for name in per_token + per_head:
+        n, dim = tensors[name], head_dim if name in per_token else 0
+        seeds[n] = tuple(d == dim for d in range(_val(n).dim()))
+    inside = {n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and in_function(n, fn)}
+    region = inside | set(seeds)
+    count = size_hint(_val(tensors[per_token[0]]).shape[head_dim])
+    for n in inside:
+        for i in n.all_input_nodes:
+            value = _val(i)
+            if i not in region and isinstance(value, torch.Tensor) and count in [size_hint(x) for x in value.shape]:
+                return (
+                    f"it reads {i.name} ({source_line(n) or n.op}), a tensor with a dim of {count} that is none of its "
+                    "arguments: pass it as an argument"
+                )
+    refusals = _head_map_refusals(gm, region, seeds, {})
+    if refusals:
+        first = refusals[0]
+        return f"{first.what} ({source_line(first.node) or first.op})"
+    nodes = [n for n in gm.graph.nodes if n in region]
+    heads = sequence_dims(gm, _HEADS, seeds, nodes)
+    outputs = [n for n in nodes if n in inside and any(u not in region for u in n.users)]
+    for n in outputs:
+        value, held = _val(n), heads.get(n)
+        if not isinstance(value, torch.Tensor):
+            continue
+        at = [d for d, x in enumerate(held) if x is True] if isinstance(held, tuple) and not is_nested(held) else []
+        if at != [head_dim] or value.dim() <= seq_dim or size_hint(value.shape[seq_dim]) != length:
+            return (
+                f"it returns {n.name} ({source_line(n) or n.op}) with heads at dims {at} and shape "
+                f"{list(value.shape)}, not as its per-token arguments hold them (heads at {head_dim}, the sequence "
+                f"at {seq_dim})"
+            )
+    return ""
+
+
+def _causal_refusal(fn, noted, per_token, seq_dim, length) -> str:
+    """``""`` when ``fn``'s outputs at tokens before ``k`` do not change when its per-token inputs at ``k`` and
+    after do (``k`` = 1, ``length // 2``, ``length - 1``), run eagerly on random inputs of the traced shapes and
+    dtypes (floating point: normal, scaled by 0.5; others: zeros), else why not."""
+    if length < 2:
+        return "its causality cannot be tested on one token"
+    gen = torch.Generator().manual_seed(0)
+
+    def random_like(value: torch.Tensor) -> torch.Tensor:
+        shape = [size_hint(s) for s in value.shape]
+        if value.dtype.is_floating_point:
+            return (torch.randn(shape, generator=gen) * 0.5).to(value.dtype).to(value.device)
+        return torch.zeros(shape, dtype=value.dtype, device=value.device)
+
+    with _compat.unset_fake_mode(), torch.no_grad():
+        base = {name: random_like(_val(n)) if isinstance(n, fx.Node) else n for name, n in noted.items()}
+        try:
+            before = fn(**base)
+        except Exception as e:  # noqa: BLE001 - reported as the reason
+            return f"it raised {type(e).__name__} ({e}) on random inputs, so its causality could not be tested"
+        for k in sorted({1, length // 2, length - 1}):
+            changed = dict(base)
+            for name in per_token:
+                t = base[name]
+                if t.dtype.is_floating_point:
+                    t = t.clone()
+                    later = t.narrow(seq_dim, k, length - k)
+                    later.copy_(random_like(later) + 1.0)
+                    changed[name] = t
+            after = fn(**changed)
+            for a, b in zip(_tensors(before), _tensors(after), strict=True):
+                if not a.dim() > seq_dim:
+                    continue
+                a, b = a.narrow(seq_dim, 0, k), b.narrow(seq_dim, 0, k)
+                if not torch.isfinite(a).all():
+                    return "it returns non-finite values on random inputs, so its causality could not be tested"
+                if not torch.allclose(a, b, **_CAUSAL_TOLERANCE):
+                    return (
+                        f"it is not causal: its outputs at tokens before {k} change with its inputs at tokens {k} "
+                        "and after, and a head-parallel run would let the padding after the last token reach them"
+                    )
+    return ""
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []

@@ -1,0 +1,129 @@
+"""A sequence mixer of the user's own code, never registered, found by the backend and run head-parallel under CP
+(``regions="found"``, :mod:`cpcompile.regions`).
+
+Model (``tests.models.user_cores``): a :class:`tests.models.tiny.TinyLM` whose mixer calls a per-head linear
+recurrence written as a Python loop over the tokens, on ``[B, H, S, D]`` inputs (``transposed_heads``: the heads at
+dim 1 and the sequence at dim 2, unlike the registered cores of ``tests/test_registered_cores.py``), before a
+packed-document attention layer. T = 37 with the packed documents of tests/test_hybrids_parity.py: at CP=2 the
+padded sequence holds one padding token.
+
+Fast tier (one process, fake CP group of 2, compile time): the function is found, classified (``x`` and ``g``
+per-token with the sequence at dim 2 and the heads at dim 1, ``decay`` per-head) and reported ``head_parallel``;
+with ``regions="registered"`` the same model is refused; two negative controls of the classification: the same loop
+run from the last token back (not causal), a loop that adds the mean over heads to its state (not a map over
+heads) and a loop that reads its per-head rates from a module global (not an argument, so not narrowed to the
+rank's heads) stay refused, naming why; parity at CP=2 (balanced) against the one-process model (logits, loss,
+gradients), with a negative control: the found core run on each rank's own tokens must fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpcompile
+from cpcompile import regions
+from cpcompile.testing import packed_batch
+from tests.harness.parity import ParityCase, report
+from tests.models import user_cores
+from tests.test_hybrids_parity import DOCS
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+FACTORY = "tests.models.user_cores:user_core_lm"
+EXPECTED = (("transposed_heads", "head_parallel"), ("cross_entropy", "partial_sum"))
+
+
+def _compile(core: str, group, **options):
+    model = user_cores.user_core_lm(registered=False, core=core)
+    backend = cpcompile.backend(group, inner="eager", **options)
+    with cpcompile.shard(packed_batch([list(d) for d in DOCS]), group) as local:
+        torch.compile(model, backend=backend)(**local)
+    return [(r.op, r.action) for r in backend.mixing_reports]
+
+
+def test_an_unregistered_core_is_found_and_run_head_parallel(world):
+    assert _compile("transposed_heads", world) == [
+        ("transposed_heads", "head_parallel"),
+        ("cross_entropy", "partial_sum"),
+    ]
+    spec = cpcompile.cores._HEAD_SPECS["tests.models.user_cores.transposed_heads"]
+    assert (spec.per_token, spec.per_head, spec.shared, spec.seq_dim, spec.head_dim) == (
+        ("x", "g"),
+        ("decay",),
+        (),
+        2,
+        1,
+    )
+
+
+def test_with_registered_regions_only_the_same_core_is_refused(world):
+    with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token 0 of the sequence") as caught:
+        _compile("heads_mixing_loop", world, regions="registered")
+    assert "found no head-parallel region" not in str(caught.value)
+    assert "tests.models.user_cores.heads_mixing_loop" not in regions._TRIED
+
+
+@pytest.mark.parametrize(
+    ("core", "why"),
+    [
+        ("reversed_heads", "not reversed_heads, as it is not causal: its outputs at tokens before 1 change"),
+        ("heads_mixing_loop", "as heads, mean combines values of different heads"),
+        ("rates_read_inside", "a tensor with a dim of 6 that is none of its arguments: pass it as an argument"),
+    ],
+)
+def test_a_core_that_cannot_run_head_parallel_stays_refused(world, core, why):
+    with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token") as caught:
+        _compile(core, world)
+    assert "found no head-parallel region for this op" in str(caught.value) and why in str(caught.value)
+
+
+def _case(layout: str = "balanced") -> ParityCase:
+    from cpcompile.layouts import Workload
+
+    return ParityCase(
+        model=FACTORY,
+        doc_lens=DOCS,
+        expected_sites=1,
+        layout=layout,
+        overrides=(("core", "transposed_heads"), ("registered", False)),
+        expected_mixing=EXPECTED,
+        shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
+    )
+
+
+def _local_heads(original, *args, **kwargs):
+    """The negative control's core: each run of ``c`` tokens alone, split along the sequence dim (2) of the
+    per-token arguments."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    parts = [original(*(a.chunk(n, dim=2)[piece] for a in args), **kwargs) for piece in range(n)]
+    return torch.cat(parts, dim=2)
+
+
+def _worker(rank: int, world: int, case: ParityCase) -> dict:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from tests.test_hybrids_parity import _control, _run
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    cases = _run([case], group)  # first: this process finds the core here
+    return {"cases": cases, "control": _control(dataclasses.replace(case, expected_mixing=None), group, _local_heads)}
+
+
+@pytest.mark.timeout(400)
+def test_a_found_core_equals_one_process():
+    from tests.harness.dist import run_distributed
+
+    case = _case()
+    per_rank = run_distributed(_worker, 2, case, timeout_s=360)
+    report(per_rank[0]["cases"])
+    assert [s["case"] for s in per_rank[0]["cases"]] == [case.name]
+    for mine in per_rank:
+        control = mine["control"]
+        print(f"\ncontrol (the found core on each rank's own tokens): {control}")
+        assert control["caught"] and "logits" in control["failing"], control
