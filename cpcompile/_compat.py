@@ -60,6 +60,7 @@ __all__ = [
     "lookup_inner_backend",
     "mark_seq_dynamic",
     "NOTED",
+    "OPAQUE",
     "note_traced",
     "node_module_class",
     "node_module_path",
@@ -729,15 +730,19 @@ def replace_substitution(fn: object, replacement: object) -> None:
     PolyfilledFunctionVariable._get_polyfill_handlers()[fn].__torch_dynamo_polyfill__ = replacement
 
 
-#: What :func:`note_traced` saw while Dynamo traced: ``key -> {name: graph node, constant or None}``.
-NOTED: dict[str, dict[str, object]] = {}
+#: What :func:`note_traced` saw while Dynamo traced: ``key -> [{name: graph node, constant or OPAQUE}, ...]``, one
+#: dict per traced call.
+NOTED: dict[str, list[dict[str, object]]] = {}
+#: What :func:`note_traced` notes for a value that is neither a tensor nor a constant.
+OPAQUE = object()
 
 
-def note_traced(key: str, name: str, value: object) -> None:
+def note_traced(key: str, first: bool, name: str, value: object) -> None:
     """While Dynamo traces the caller (a replacement given to ``torch.compiler.substitute_in_graph``), enter
-    ``value`` in ``NOTED[key][name]``: its graph node (a tensor), its value (a constant) or ``None`` (anything
-    else). Eagerly it does nothing. torch 2.13: ``torch._dynamo.comptime`` runs a function while tracing, with
-    the tracer's view of the caller's locals; the function may have no free variables."""
+    ``value`` in ``NOTED[key][-1][name]`` (``first``: in a new dict, for a new call): its graph node (a tensor),
+    its value (a constant) or :data:`OPAQUE` (anything else). Eagerly it does nothing. torch 2.13:
+    ``torch._dynamo.comptime`` runs a function while tracing, with the tracer's view of the caller's locals; the
+    function may have no free variables."""
     if torch.compiler.is_compiling():
         from torch._dynamo.comptime import comptime
 
@@ -753,8 +758,11 @@ def _note_local(ctx) -> None:
     elif var.is_proxy() and isinstance(var.as_proxy(), torch.fx.Proxy):
         noted = var.as_proxy().node
     else:
-        noted = None
-    NOTED.setdefault(key, {})[name] = noted
+        noted = OPAQUE
+    calls = NOTED.setdefault(key, [])
+    if ctx.get_local("first").as_python_constant() or not calls:
+        calls.append({})
+    calls[-1][name] = noted
 
 
 def restart_trace(reason: str) -> None:

@@ -112,6 +112,7 @@ __all__ = [
     "CORES",
     "HEADS_GROUP",
     "STATE_RUNS",
+    "traced_copy",
     "in_core",
     "register_head_parallel",
     "register_known_cores",
@@ -360,6 +361,12 @@ def _copy(fn: types.FunctionType) -> types.FunctionType:
     copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
+
+
+def traced_copy(fn: types.FunctionType) -> types.FunctionType:
+    """What a replacement of the module-level function ``fn`` calls: the torch function behind transformers'
+    kernel binding when ``fn`` is that wrapper running it, else a copy of ``fn`` (:func:`_copy`)."""
+    return (_torch_path(fn) or _copy(fn)) if hasattr(fn, "__wrapped__") else _copy(fn)
 
 
 def _refuse(like, site: str, what: str, fix: str) -> None:
@@ -963,8 +970,11 @@ def register_head_parallel(
     the CP size does not divide. Register before the first compiled call under CP; registering ``fn`` again with
     the same arguments does nothing.
 
-    Raises ``TypeError`` when ``fn`` is not a module-level Python function with named parameters only (no
-    ``*args``, ``**kwargs`` or positional-only ones), and ``ValueError`` for a name that is not a parameter of
+    ``**kwargs`` of ``fn`` pass through (a tensor in them is refused as unclassified). A function transformers
+    binds to a kernel (``use_kernel_func_from_hub_with_fallback``) runs its torch path.
+
+    Raises ``TypeError`` when ``fn`` is not a module-level Python function with named parameters (no ``*args`` or
+    positional-only ones), and ``ValueError`` for a name that is not a parameter of
     ``fn``, a name in two lists, an empty ``per_token``, equal or negative dims, or a second registration of
     ``fn`` with other arguments.
     """
@@ -974,13 +984,13 @@ def register_head_parallel(
             "the model calls (a method or a nested function cannot be substituted: call a module-level one from it)"
         )
     params = inspect.signature(fn).parameters.values()
-    odd = [p.name for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    odd = [p.name for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD)]
     if odd:
         raise TypeError(
-            f"register_head_parallel needs {fn.__name__}'s parameters named, got *args, **kwargs or positional-only "
+            f"register_head_parallel needs {fn.__name__}'s parameters named, got *args or positional-only "
             f"parameters {odd}; give the core named parameters"
         )
-    names = tuple(p.name for p in params)
+    names = tuple(p.name for p in params if p.kind != p.VAR_KEYWORD)
     lists = {"per_token": tuple(per_token), "per_head": tuple(per_head), "shared": tuple(shared)}
     for kind, listed in lists.items():
         unknown = [x for x in listed if x not in names]
@@ -1006,7 +1016,9 @@ def register_head_parallel(
     _HEAD_SPECS[key] = spec
     CORES[key] = "registered"
     if not _compat.substituted_in_graph(fn):
-        torch.compiler.substitute_in_graph(fn)(_registered_replacement(_copy(fn), key, spec))
+        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
+            _registered_replacement(traced_copy(fn), key, spec)
+        )
     _REGISTERED[key] = fn
 
 

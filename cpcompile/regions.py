@@ -26,6 +26,10 @@ sequence, a token picked by its index) inside a module-level function ``fn`` of 
    place of the probe) and Dynamo traces the frame a third time; the mixing pass proves the region again, as it
    does every registered core's.
 
+Every call of ``fn`` in the graph is classified alike (a layer per call); a tensor argument that ``fn`` does not
+read (``**kwargs`` it drops) is shared. A function transformers binds to a kernel
+(``use_kernel_func_from_hub_with_fallback``) is tried with its torch path, unless a fused kernel was bound.
+
 When no classification holds, the refusal stands, with the reason added. A function is tried once per process;
 a later refusal in it keeps its first reason. Methods are not tried (Dynamo substitutes module-level functions
 only), nor functions the user registered or that Dynamo already substitutes.
@@ -33,6 +37,7 @@ only), nor functions the user registered or that Dynamo already substitutes.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 
@@ -70,8 +75,8 @@ def _probe_replacement(original, key: str, names: tuple[str, ...], defaults: tup
         values = dict(defaults)
         values.update(zip(names, args))
         values.update(kwargs)
-        for name, value in values.items():
-            _compat.note_traced(key, name, value)
+        for i, (name, value) in enumerate(values.items()):
+            _compat.note_traced(key, i == 0, name, value)
         return original(**values)
 
     return probed
@@ -89,17 +94,19 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
             if key in cores.CORES or _compat.substituted_in_graph(fn):
                 continue
             params = list(inspect.signature(fn).parameters.values())
-            if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
-                _TRIED[key] = "it takes *args, **kwargs or positional-only parameters"
+            if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY) for p in params):
+                _TRIED[key] = "it takes *args or positional-only parameters"
+            elif hasattr(fn, "__wrapped__") and cores._torch_path(fn) is None:
+                _TRIED[key] = "transformers bound it to a fused kernel"
             else:
                 _probe(fn, key, params)
                 return RESTART
         elif state == "probed":
-            found = classify(gm, fn, _compat.NOTED.get(key, {}), chunk_len, cp_size)
+            found = classify(gm, fn, _compat.NOTED.get(key, []), chunk_len, cp_size)
             if not isinstance(found, str):
                 cores.register_head_parallel(fn, **found)
                 _compat.replace_substitution(
-                    fn, cores._registered_replacement(cores._copy(fn), key, cores._HEAD_SPECS[key])
+                    fn, cores._registered_replacement(cores.traced_copy(fn), key, cores._HEAD_SPECS[key])
                 )
                 _TRIED[key] = "found"
                 return RESTART
@@ -110,66 +117,58 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
 
 
 def _probe(fn: types.FunctionType, key: str, params: list[inspect.Parameter]) -> None:
-    names = tuple(p.name for p in params)
+    names = tuple(p.name for p in params if p.kind != p.VAR_KEYWORD)
     defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
     _compat.NOTED.pop(key, None)
     torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
-        _probe_replacement(cores._copy(fn), key, names, defaults)
+        _probe_replacement(cores.traced_copy(fn), key, names, defaults)
     )
     _TRIED[key] = "probed"
 
 
-def classify(gm: fx.GraphModule, fn: types.FunctionType, noted: dict[str, object], chunk_len: int | None,
+def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, object]], chunk_len: int | None,
              cp_size: int) -> dict[str, object] | str:  # fmt: skip
-    """The arguments of :func:`cpcompile.cores.register_head_parallel` that run ``fn`` head-parallel, found in
-    ``gm`` (traced through the probe, which noted ``fn``'s arguments in ``noted``), or why there are none."""
-    if not noted:
-        return "cpcompile did not see its arguments while tracing"
+    """The arguments of :func:`cpcompile.cores.register_head_parallel` that run ``fn`` head-parallel in every call
+    of it in ``gm`` (traced through the probe, which noted the arguments of each call in ``calls``), or why there
+    are none."""
+    calls = [c for c in calls if all(n.graph is gm.graph for n in c.values() if isinstance(n, fx.Node))]
+    if not calls:
+        return "cpcompile did not see its arguments while tracing this graph"
     seq = sequence_length(gm, chunk_len, mixed=True)
     if seq is None:
         return "the graph's local sequence length is unknown"
     tags = sequence_dims(gm, seq)
-    tensors = {name: n for name, n in noted.items() if isinstance(n, fx.Node) and isinstance(_val(n), torch.Tensor)}
-    unknown = [name for name, n in noted.items() if n is None or (isinstance(n, fx.Node) and name not in tensors)]
-    if unknown:
-        return f"its arguments {unknown} are neither tensors nor constants"
-    seq_dims = {}
-    for name, n in tensors.items():
-        t = tags.get(n)
-        dims = [d for d, x in enumerate(t) if x is True] if isinstance(t, tuple) and not is_nested(t) else []
-        if len(dims) > 1:
-            return f"its argument {name!r} holds the sequence in more than one dim"
-        if dims:
-            seq_dims[name] = dims[0]
-    if not seq_dims:
-        return "none of its tensor arguments holds the sequence"
-    if len(set(seq_dims.values())) > 1:
-        return f"its per-token arguments hold the sequence at different dims ({seq_dims})"
-    per_token = tuple(seq_dims)
-    seq_dim = seq_dims[per_token[0]]
-    shapes = {name: [size_hint(s) for s in _val(n).shape] for name, n in tensors.items()}
-    length = shapes[per_token[0]][seq_dim]
-    ndim = min(len(shapes[name]) for name in per_token)
+    inside = {n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and in_function(n, fn)}
+    seen = [_Call.of(call, tags, inside) for call in calls]
+    for call in seen:
+        if isinstance(call, str):
+            return call
+    if len({(c.per_token, c.seq_dim) for c in seen}) > 1:
+        return "its calls hold the sequence in different arguments or dims"
+    per_token, seq_dim = seen[0].per_token, seen[0].seq_dim
+    ndim = min(len(c.shapes[name]) for c in seen for name in per_token)
     why = f"no dim of its per-token arguments {list(per_token)} holds heads"
     for head_dim in range(ndim):
-        sizes = {shapes[name][head_dim] for name in per_token}
-        if head_dim == seq_dim or (head_dim == 0 and seq_dim != 0) or len(sizes) != 1 or sizes == {1}:
+        if head_dim == seq_dim or (head_dim == 0 and seq_dim != 0):
             continue
-        count = sizes.pop()
-        others = [name for name in tensors if name not in seq_dims]
-        per_head = tuple(name for name in others if shapes[name] and shapes[name][0] == count)
-        shared = tuple(name for name in others if name not in per_head)
-        unclear = [name for name in shared if count in shapes[name]]
+        split = {c.split(head_dim) for c in seen}
+        if None in split:
+            continue
+        if len(split) > 1:
+            why = f"with dim {head_dim} as heads, its calls pass per-head and shared tensors in different arguments"
+            continue
+        per_head, shared, unclear = split.pop()
         if unclear:
-            why = f"with dim {head_dim} as heads, its arguments {unclear} have a dim of {count} not at dim 0"
+            why = f"with dim {head_dim} as heads, its arguments {list(unclear)} have a dim of that size not at dim 0"
             continue
-        refused = _heads_kept(gm, fn, tensors, per_token, per_head, seq_dim, head_dim, length)
+        refused = _heads_kept(gm, fn, seen, per_token, per_head, seq_dim, head_dim)
         if refused:
             why = f"with dim {head_dim} of {list(per_token)} as heads, {refused}"
             continue
-        if count % cp_size:
-            return f"its {count} heads (dim {head_dim} of {per_token[0]!r}) do not divide by the CP size {cp_size}"
-        acausal = _causal_refusal(fn, noted, per_token, seq_dim, length)
+        counts = sorted({c.count(head_dim) for c in seen})
+        if any(count % cp_size for count in counts):
+            return f"its heads (dim {head_dim} of {per_token[0]!r}: {counts}) do not divide by the CP size {cp_size}"
+        acausal = _causal_refusal(fn, calls[0], per_token, seq_dim, seen[0].length)
         if acausal:
             return acausal
         return {"per_token": per_token, "per_head": per_head, "shared": shared, "seq_dim": seq_dim,
@@ -177,24 +176,81 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, noted: dict[str, object
     return why
 
 
-def _heads_kept(gm, fn, tensors, per_token, per_head, seq_dim, head_dim, length) -> str:
-    """``""`` when ``fn`` reads no tensor with a dim of the head count besides its arguments, the ops it ran keep
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One traced call of a probed function: its tensor arguments (graph nodes), their sizes, and those that hold
+    this rank's tokens (``per_token``, all at ``seq_dim``, of size ``length`` there)."""
+
+    tensors: dict[str, fx.Node]
+    shapes: dict[str, tuple[int, ...]]
+    per_token: tuple[str, ...]
+    seq_dim: int
+    length: int
+
+    @staticmethod
+    def of(noted: dict[str, object], tags: dict, inside: set[fx.Node]) -> _Call | str:
+        """The call whose arguments ``noted`` holds, read with the sequence ``tags`` of its graph, or why it cannot
+        run head-parallel. A tensor argument that no op of the function (``inside``) reads (one its ``**kwargs``
+        take and drop) is not per-token: it passes unchanged."""
+        tensors = {k: n for k, n in noted.items() if isinstance(n, fx.Node) and isinstance(_val(n), torch.Tensor)}
+        unknown = [k for k, n in noted.items() if n is _compat.OPAQUE or (isinstance(n, fx.Node) and k not in tensors)]
+        if unknown:
+            return f"its arguments {unknown} are neither tensors nor constants"
+        seq_dims = {}
+        for name, n in tensors.items():
+            if not any(u in inside for u in n.users):
+                continue
+            t = tags.get(n)
+            dims = [d for d, x in enumerate(t) if x is True] if isinstance(t, tuple) and not is_nested(t) else []
+            if len(dims) > 1:
+                return f"its argument {name!r} holds the sequence in more than one dim"
+            if dims:
+                seq_dims[name] = dims[0]
+        if not seq_dims:
+            return "none of its tensor arguments holds the sequence"
+        if len(set(seq_dims.values())) > 1:
+            return f"its per-token arguments hold the sequence at different dims ({seq_dims})"
+        shapes = {name: tuple(size_hint(x) for x in _val(n).shape) for name, n in tensors.items()}
+        per_token = tuple(seq_dims)
+        seq_dim = seq_dims[per_token[0]]
+        return _Call(tensors, shapes, per_token, seq_dim, shapes[per_token[0]][seq_dim])
+
+    def count(self, head_dim: int) -> int:
+        return self.shapes[self.per_token[0]][head_dim]
+
+    def split(self, head_dim: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
+        """``(per_head, shared, unclear)`` with ``head_dim`` of the per-token arguments as heads: a tensor
+        argument whose dim 0 has the head count is per-head, any other shared, and unclear if it has a dim of that
+        count elsewhere; ``None`` when the per-token arguments differ in size at ``head_dim`` or hold one there."""
+        sizes = {self.shapes[name][head_dim] for name in self.per_token}
+        if len(sizes) != 1 or sizes == {1}:
+            return None
+        count = sizes.pop()
+        others = [name for name in self.tensors if name not in self.per_token]
+        per_head = tuple(name for name in others if self.shapes[name] and self.shapes[name][0] == count)
+        shared = tuple(name for name in others if name not in per_head)
+        return per_head, shared, tuple(name for name in shared if count in self.shapes[name])
+
+
+def _heads_kept(gm, fn, seen: list[_Call], per_token, per_head, seq_dim, head_dim) -> str:
+    """``""`` when ``fn`` reads no tensor with a dim of a head count besides its arguments, the ops it ran keep
     ``head_dim`` of ``per_token`` (dim 0 of ``per_head``) apart and every value it returns holds the heads at
-    ``head_dim`` and this rank's tokens at ``seq_dim`` (its size there is ``length``), else what does not."""
+    ``head_dim`` and this rank's tokens at ``seq_dim``, in every call of ``seen``, else what does not."""
     seeds = {}
-    for name in per_token + per_head:
-        n, dim = tensors[name], head_dim if name in per_token else 0
-        seeds[n] = tuple(d == dim for d in range(_val(n).dim()))
+    for call in seen:
+        for name in per_token + per_head:
+            n, dim = call.tensors[name], head_dim if name in per_token else 0
+            seeds[n] = tuple(d == dim for d in range(_val(n).dim()))
     inside = {n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and in_function(n, fn)}
     region = inside | set(seeds)
-    count = size_hint(_val(tensors[per_token[0]]).shape[head_dim])
+    counts = {call.count(head_dim) for call in seen}
     for n in inside:
         for i in n.all_input_nodes:
             value = _val(i)
-            if i not in region and isinstance(value, torch.Tensor) and count in [size_hint(x) for x in value.shape]:
+            if i not in region and isinstance(value, torch.Tensor) and counts & {size_hint(x) for x in value.shape}:
                 return (
-                    f"it reads {i.name} ({source_line(n) or n.op}), a tensor with a dim of {count} that is none of its "
-                    "arguments: pass it as an argument"
+                    f"it reads {i.name} ({source_line(n) or n.op}), a tensor with a dim of its head count that is "
+                    "none of its arguments: pass it as an argument"
                 )
     refusals = _head_map_refusals(gm, region, seeds, {})
     if refusals:
@@ -202,13 +258,14 @@ def _heads_kept(gm, fn, tensors, per_token, per_head, seq_dim, head_dim, length)
         return f"{first.what} ({source_line(first.node) or first.op})"
     nodes = [n for n in gm.graph.nodes if n in region]
     heads = sequence_dims(gm, _HEADS, seeds, nodes)
+    lengths = {call.length for call in seen}
     outputs = [n for n in nodes if n in inside and any(u not in region for u in n.users)]
     for n in outputs:
         value, held = _val(n), heads.get(n)
         if not isinstance(value, torch.Tensor):
             continue
         at = [d for d, x in enumerate(held) if x is True] if isinstance(held, tuple) and not is_nested(held) else []
-        if at != [head_dim] or value.dim() <= seq_dim or size_hint(value.shape[seq_dim]) != length:
+        if at != [head_dim] or value.dim() <= seq_dim or size_hint(value.shape[seq_dim]) not in lengths:
             return (
                 f"it returns {n.name} ({source_line(n) or n.op}) with heads at dims {at} and shape "
                 f"{list(value.shape)}, not as its per-token arguments hold them (heads at {head_dim}, the sequence "

@@ -13,7 +13,9 @@ with ``regions="registered"`` the same model is refused; two negative controls o
 run from the last token back (not causal), a loop that adds the mean over heads to its state (not a map over
 heads) and a loop that reads its per-head rates from a module global (not an argument, so not narrowed to the
 rank's heads) stay refused, naming why; parity at CP=2 (balanced) against the one-process model (logits, loss,
-gradients), with a negative control: the found core run on each rank's own tokens must fail.
+gradients), with a negative control: the found core run on each rank's own tokens must fail. Slow tier:
+transformers' RWKV with its WKV core taken out of the known cores, found and exact at CP=2 (contiguous,
+balanced).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import cpcompile
 from cpcompile import regions
 from cpcompile.testing import packed_batch
 from tests.harness.parity import ParityCase, report
+from tests.harness.tiers import slow
 from tests.models import user_cores
 from tests.test_hybrids_parity import DOCS
 
@@ -69,7 +72,7 @@ def test_with_registered_regions_only_the_same_core_is_refused(world):
     [
         ("reversed_heads", "not reversed_heads, as it is not causal: its outputs at tokens before 1 change"),
         ("heads_mixing_loop", "as heads, mean combines values of different heads"),
-        ("rates_read_inside", "a tensor with a dim of 6 that is none of its arguments: pass it as an argument"),
+        ("rates_read_inside", "a tensor with a dim of its head count that is none of its arguments"),
     ],
 )
 def test_a_core_that_cannot_run_head_parallel_stays_refused(world, core, why):
@@ -127,3 +130,40 @@ def test_a_found_core_equals_one_process():
         control = mine["control"]
         print(f"\ncontrol (the found core on each rank's own tokens): {control}")
         assert control["caught"] and "logits" in control["failing"], control
+
+
+#: RWKV's mixing ops with its WKV core found rather than known: the token shifts' halos and the CPU path of the
+#: core, ``rwkv_linear_attention_cpu`` (its wrapper ``rwkv_linear_attention`` dispatches to it on CPU).
+_RWKV_BLOCK = (("pad", "halo"), ("rwkv_linear_attention_cpu", "head_parallel"), ("pad", "halo"))
+
+
+def _rwkv_worker(rank: int, world: int) -> dict:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from cpcompile import cores
+    from tests.harness.parity import check_case
+    from tests.test_recurrent_parity import _LOSS, RWKV_CP2
+
+    torch.set_num_threads(1)
+    cores.CORES.pop(cores._WKV)  # a fresh process: the known core is never substituted
+    expected = (*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS)
+    out = []
+    for case in RWKV_CP2:
+        torch.compiler.reset()
+        out.append(check_case(dataclasses.replace(case, expected_mixing=expected), dist.group.WORLD))
+    return {"cases": out, "tried": dict(regions._TRIED)}
+
+
+@slow
+@pytest.mark.timeout(700)
+def test_a_transformers_core_left_out_of_the_registry_is_found():
+    """transformers' RWKV with its WKV core taken out of :data:`cpcompile.cores.CORES` (in fresh ranks): the
+    backend finds the core's CPU path (channels as heads, ``time_decay`` and ``time_first`` per-head, the state
+    ``None``), and the model equals one process at CP=2, contiguous and balanced."""
+    from tests.harness.dist import run_distributed
+
+    per_rank = run_distributed(_rwkv_worker, 2, timeout_s=600, fresh=True)
+    report(per_rank[0]["cases"])
+    assert per_rank[0]["tried"] == {"transformers.models.rwkv.modeling_rwkv.rwkv_linear_attention_cpu": "found"}

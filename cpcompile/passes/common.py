@@ -224,15 +224,18 @@ def source_line(node: fx.Node) -> str:
 
 
 def _module_function(path: str, name: str) -> types.FunctionType | None:
-    """The module-level Python function ``name`` defined in the source file ``path`` of an imported module, or
-    ``None`` (a method, a nested function, a module not imported)."""
+    """The module-level Python function ``name`` defined in the source file ``path`` of an imported module (the
+    module's attribute: a decorator's wrapper, such as transformers' kernel binding, when it keeps the function in
+    ``__wrapped__``), or ``None`` (a method, a nested function, a module not imported)."""
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if not file or os.path.realpath(file) != os.path.realpath(path):
             continue
         fn = getattr(module, name, None)
-        if isinstance(fn, types.FunctionType) and fn.__qualname__ == name and fn.__code__.co_filename == path:
-            return fn
+        if isinstance(fn, types.FunctionType) and fn.__qualname__ == name:
+            code = inspect.unwrap(fn).__code__
+            if code.co_filename == path and code.co_name == name:
+                return fn
     return None
 
 
@@ -257,7 +260,7 @@ def mixer_functions(node: fx.Node) -> tuple[types.FunctionType, ...]:
 def in_function(node: fx.Node, fn: types.FunctionType) -> bool:
     """Whether ``fn`` (a module-level function) was running when Dynamo made ``node``: a frame of its stack trace
     is ``fn``'s."""
-    path = os.path.realpath(fn.__code__.co_filename)
+    path = os.path.realpath(inspect.unwrap(fn).__code__.co_filename)
     return any(f[2] == fn.__name__ and os.path.realpath(f[0]) == path for f in _frames(node))
 
 
