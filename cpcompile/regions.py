@@ -18,10 +18,12 @@ sequence, a token picked by its index) inside a module-level function ``fn`` of 
    and the sequence at the same dim as the per-token arguments, ``fn`` reads no tensor with a dim of that size
    besides its arguments (a module global would not be narrowed to the rank's heads), and the CP size divides its
    size. Then ``fn`` is
-   run eagerly on random inputs of the traced shapes (:func:`_causal_refusal`): its outputs at tokens before
+   run eagerly on random inputs of the traced shapes (:func:`_tested_refusal`): its outputs at tokens before
    ``k`` must not change when its per-token inputs at ``k`` and after do (``k`` = 1, half the tokens, the last
    token), since a head-parallel ``fn`` runs on the padded sequence (padding last) and only a causal one keeps
-   the padding from every real token. This is a test on one draw of inputs, not a proof.
+   the padding from every real token; and its outputs on each rank's share of the heads, joined, must equal its
+   outputs on all heads. These are tests on one draw of inputs, not proofs: causality is not proved at all, and
+   the split is proved by the region's proof before it is tested.
 3. **run**: ``fn`` is registered as found (:func:`cpcompile.cores.register_head_parallel`, its replacement put in
    place of the probe) and Dynamo traces the frame a third time; the mixing pass proves the region again, as it
    does every registered core's.
@@ -59,10 +61,10 @@ RESTART = "restart"
 #: Each function tried: ``"probed"``, ``"found"``, or why it is not run head-parallel.
 _TRIED: dict[str, str] = {}
 
-#: How close :func:`_causal_refusal` asks a causal function's outputs to stay when later inputs change: a causal
-#: function's differ by rounding at most (a chunked scan multiplies masked entries by zero), a function that reads
-#: later tokens by far more.
-_CAUSAL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+#: How close :func:`_tested_refusal` asks outputs to stay: when later inputs change (a causal function's differ by
+#: rounding at most, as a chunked scan multiplies masked entries by zero; one that reads later tokens by far more),
+#: and between a run on shares of the heads and one on all of them (equal but for rounding in a map over heads).
+_TEST_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def _key(fn: types.FunctionType) -> str:
@@ -168,11 +170,9 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
         counts = sorted({c.count(head_dim) for c in seen})
         if any(count % cp_size for count in counts):
             return f"its heads (dim {head_dim} of {per_token[0]!r}: {counts}) do not divide by the CP size {cp_size}"
-        acausal = _causal_refusal(fn, calls[0], per_token, seq_dim, seen[0].length)
-        if acausal:
-            return acausal
-        return {"per_token": per_token, "per_head": per_head, "shared": shared, "seq_dim": seq_dim,
-                "head_dim": head_dim}  # fmt: skip
+        found = {"per_token": per_token, "per_head": per_head, "shared": shared, "seq_dim": seq_dim,
+                 "head_dim": head_dim}  # fmt: skip
+        return _tested_refusal(fn, calls[0], found, seen[0].length, cp_size) or found
     return why
 
 
@@ -274,10 +274,17 @@ def _heads_kept(gm, fn, seen: list[_Call], per_token, per_head, seq_dim, head_di
     return ""
 
 
-def _causal_refusal(fn, noted, per_token, seq_dim, length) -> str:
-    """``""`` when ``fn``'s outputs at tokens before ``k`` do not change when its per-token inputs at ``k`` and
-    after do (``k`` = 1, ``length // 2``, ``length - 1``), run eagerly on random inputs of the traced shapes and
-    dtypes (floating point: normal, scaled by 0.5; others: zeros), else why not."""
+def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
+    """``""`` when ``fn``, run eagerly on random inputs of the traced shapes and dtypes (floating point: normal,
+    scaled by 0.5; others: zeros), passes two tests, else why not:
+
+    * causal: its outputs at tokens before ``k`` do not change when its per-token inputs at ``k`` and after do
+      (``k`` = 1, ``length // 2``, ``length - 1``);
+    * a map over the heads as ``found`` splits them: run on each of ``cp_size`` blocks of the heads (the per-token
+      arguments narrowed at ``head_dim``, the per-head ones at dim 0, the shared ones whole), its outputs joined at
+      ``head_dim`` equal its outputs on all heads."""
+    per_token, per_head = found["per_token"], found["per_head"]
+    seq_dim, head_dim = found["seq_dim"], found["head_dim"]
     if length < 2:
         return "its causality cannot be tested on one token"
     gen = torch.Generator().manual_seed(0)
@@ -293,7 +300,7 @@ def _causal_refusal(fn, noted, per_token, seq_dim, length) -> str:
         try:
             before = fn(**base)
         except Exception as e:  # noqa: BLE001 - reported as the reason
-            return f"it raised {type(e).__name__} ({e}) on random inputs, so its causality could not be tested"
+            return f"it raised {type(e).__name__} ({e}) on random inputs, so it could not be tested"
         for k in sorted({1, length // 2, length - 1}):
             changed = dict(base)
             for name in per_token:
@@ -309,12 +316,29 @@ def _causal_refusal(fn, noted, per_token, seq_dim, length) -> str:
                     continue
                 a, b = a.narrow(seq_dim, 0, k), b.narrow(seq_dim, 0, k)
                 if not torch.isfinite(a).all():
-                    return "it returns non-finite values on random inputs, so its causality could not be tested"
-                if not torch.allclose(a, b, **_CAUSAL_TOLERANCE):
+                    return "it returns non-finite values on random inputs, so it could not be tested"
+                if not torch.allclose(a, b, **_TEST_TOLERANCE):
                     return (
                         f"it is not causal: its outputs at tokens before {k} change with its inputs at tokens {k} "
                         "and after, and a head-parallel run would let the padding after the last token reach them"
                     )
+        per = base[per_token[0]].shape[head_dim] // cp_size
+        parts = []
+        for r in range(cp_size):
+            share = dict(base)
+            share.update({name: base[name].narrow(head_dim, r * per, per) for name in per_token})
+            share.update({name: base[name].narrow(0, r * per, per) for name in per_head})
+            try:
+                parts.append(_tensors(fn(**share)))
+            except Exception as e:  # noqa: BLE001 - reported as the reason
+                return f"it raised {type(e).__name__} ({e}) on a share of the heads"
+        for i, whole in enumerate(_tensors(before)):
+            joined = torch.cat([p[i] for p in parts], dim=head_dim) if all(len(p) > i for p in parts) else None
+            if joined is None or joined.shape != whole.shape or not torch.allclose(joined, whole, **_TEST_TOLERANCE):
+                return (
+                    f"on random inputs its outputs from {cp_size} shares of the heads (dim {head_dim}) differ from "
+                    "its outputs from all of them: it is not a map over those heads"
+                )
     return ""
 
 

@@ -12,7 +12,8 @@ per-token with the sequence at dim 2 and the heads at dim 1, ``decay`` per-head)
 with ``regions="registered"`` the same model is refused; two negative controls of the classification: the same loop
 run from the last token back (not causal), a loop that adds the mean over heads to its state (not a map over
 heads) and a loop that reads its per-head rates from a module global (not an argument, so not narrowed to the
-rank's heads) stay refused, naming why; parity at CP=2 (balanced) against the one-process model (logits, loss,
+rank's heads) stay refused, naming why; with the region's proof bypassed, the head-mixing loop is still refused
+by the test on shares of the heads; parity at CP=2 (balanced) against the one-process model (logits, loss,
 gradients), with a negative control: the found core run on each rank's own tokens must fail. Slow tier:
 transformers' RWKV with its WKV core taken out of the known cores, found and exact at CP=2 (contiguous,
 balanced).
@@ -79,6 +80,18 @@ def test_a_core_that_cannot_run_head_parallel_stays_refused(world, core, why):
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token") as caught:
         _compile(core, world)
     assert "found no head-parallel region for this op" in str(caught.value) and why in str(caught.value)
+
+
+def test_with_the_proof_bypassed_the_split_test_refuses_a_core_that_mixes_heads(world, monkeypatch):
+    """The negative control of the second numerical test: with the region's proof made to accept anything, the loop
+    that adds the mean over heads to its state is still refused, by its outputs on shares of the heads."""
+    with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token"):
+        _compile("heads_mixing_loop", world)  # tried (once per process): refused by the proof
+    monkeypatch.setitem(regions._TRIED, "tests.models.user_cores.heads_mixing_loop", "probed")  # tried again
+    monkeypatch.setattr(regions, "_heads_kept", lambda *args: "")
+    with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token") as caught:
+        _compile("heads_mixing_loop", world)
+    assert "differ from its outputs from all of them: it is not a map over those heads" in str(caught.value)
 
 
 def _case(layout: str = "balanced") -> ParityCase:
