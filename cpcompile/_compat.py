@@ -60,6 +60,7 @@ __all__ = [
     "lookup_inner_backend",
     "mark_seq_dynamic",
     "NOTED",
+    "NOTING",
     "OPAQUE",
     "note_traced",
     "node_module_class",
@@ -735,14 +736,16 @@ def replace_substitution(fn: object, replacement: object) -> None:
 NOTED: dict[str, list[dict[str, object]]] = {}
 #: What :func:`note_traced` notes for a value that is neither a tensor nor a constant.
 OPAQUE = object()
+#: The keys :func:`note_traced` notes values for (any other key: nothing is kept).
+NOTING: set[str] = set()
 
 
 def note_traced(key: str, first: bool, name: str, value: object) -> None:
-    """While Dynamo traces the caller (a replacement given to ``torch.compiler.substitute_in_graph``), enter
-    ``value`` in ``NOTED[key][-1][name]`` (``first``: in a new dict, for a new call): its graph node (a tensor),
-    its value (a constant) or :data:`OPAQUE` (anything else). Eagerly it does nothing. torch 2.13:
-    ``torch._dynamo.comptime`` runs a function while tracing, with the tracer's view of the caller's locals; the
-    function may have no free variables."""
+    """While Dynamo traces the caller (a replacement given to ``torch.compiler.substitute_in_graph``) and ``key``
+    is in :data:`NOTING`, enter ``value`` in ``NOTED[key][-1][name]`` (``first``: in a new dict, for a new call):
+    its graph node (a tensor), its value (a constant) or :data:`OPAQUE` (anything else). Eagerly it does nothing.
+    torch 2.13: ``torch._dynamo.comptime`` runs a function while tracing, with the tracer's view of the caller's
+    locals; the function may have no free variables."""
     if torch.compiler.is_compiling():
         from torch._dynamo.comptime import comptime
 
@@ -751,6 +754,8 @@ def note_traced(key: str, first: bool, name: str, value: object) -> None:
 
 def _note_local(ctx) -> None:
     key = ctx.get_local("key").as_python_constant()
+    if key not in NOTING:
+        return
     name = ctx.get_local("name").as_python_constant()
     var = ctx.get_local("value")
     if var.is_python_constant():

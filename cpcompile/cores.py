@@ -369,6 +369,16 @@ def traced_copy(fn: types.FunctionType) -> types.FunctionType:
     return (_torch_path(fn) or _copy(fn)) if hasattr(fn, "__wrapped__") else _copy(fn)
 
 
+def _gathered(x, order, group_name, site, n, seq_dim, head_dim):
+    """Every token of ``x`` (sequence at ``seq_dim``, no heads) in global order, as ``n`` copies exchanged by the
+    heads exchange at ``head_dim`` (one copy per rank)."""
+    copies = x.unsqueeze(head_dim)
+    shape = list(copies.shape)
+    shape[head_dim] = n
+    whole = _to_heads(copies.expand(shape), order, group_name, site, seq_dim + (head_dim <= seq_dim), head_dim)
+    return whole.squeeze(head_dim)
+
+
 def _refuse(like, site: str, what: str, fix: str) -> None:
     torch.ops.cpcompile.heads_refusal(like, f"the head-parallel core {site} under context parallelism {what}; {fix}")
 
@@ -934,6 +944,7 @@ class _HeadSpec:
     shared: tuple[str, ...]
     seq_dim: int
     head_dim: int
+    gathered: tuple[str, ...] = ()
 
 
 #: ``"module.function"`` -> the :class:`_HeadSpec` of each core registered by :func:`register_head_parallel`.
@@ -948,6 +959,7 @@ def register_head_parallel(
     shared: Sequence[str] = (),
     seq_dim: int = 1,
     head_dim: int = 2,
+    gathered: Sequence[str] = (),
 ) -> None:
     """Run the module-level function ``fn``, a causal sequence mixer that is a map over heads, head-parallel under CP.
 
@@ -956,8 +968,11 @@ def register_head_parallel(
     ``seq_dim`` is the sequence and dim ``head_dim`` the heads, the same head count in each) goes through
     ``cpcompile::heads_from_sequence`` (this rank's tokens of every head -> every token, in global order, of
     ``H / N`` heads), each argument named in ``per_head`` (a tensor whose dim 0 is the heads) is narrowed to the
-    rank's heads (its gradient summed over the group, as every parameter's is), and the arguments named in
-    ``shared`` pass unchanged. ``fn`` runs on the whole sequence of those heads, and every tensor it returns (one,
+    rank's heads (its gradient summed over the group, as every parameter's is), the arguments named in
+    ``shared`` pass unchanged, and each argument named in ``gathered`` (a tensor whose dim ``seq_dim`` is the
+    sequence and that has no heads: the same for every head, as the selective scan's ``B`` and ``C``) is
+    all-gathered, every token in global order on every rank (``N`` copies through the same exchange). ``fn`` runs
+    on the whole sequence of those heads, and every tensor it returns (one,
     or a tuple or list of tensors and ``None``), laid out as the per-token arguments, is brought back to this
     rank's tokens. The mixing pass proves the traced region a map over the heads and refuses, at compile time on
     every rank, an op in it that combines heads, naming the op and the model's line. Outside a shard context, and
@@ -991,14 +1006,19 @@ def register_head_parallel(
             f"parameters {odd}; give the core named parameters"
         )
     names = tuple(p.name for p in params if p.kind != p.VAR_KEYWORD)
-    lists = {"per_token": tuple(per_token), "per_head": tuple(per_head), "shared": tuple(shared)}
+    lists = {
+        "per_token": tuple(per_token),
+        "per_head": tuple(per_head),
+        "shared": tuple(shared),
+        "gathered": tuple(gathered),
+    }
     for kind, listed in lists.items():
         unknown = [x for x in listed if x not in names]
         if unknown:
             raise ValueError(f"{kind}={listed!r} names {unknown}, not parameters of {fn.__name__}{names}")
     every = [x for listed in lists.values() for x in listed]
     if len(set(every)) != len(every):
-        raise ValueError(f"a parameter of {fn.__name__} is named in two of per_token, per_head, shared: {lists}")
+        raise ValueError(f"a parameter of {fn.__name__} is named in two of the lists: {lists}")
     if not lists["per_token"]:
         raise ValueError(f"per_token is empty; name the arguments of {fn.__name__} that hold the tokens")
     if seq_dim < 0 or head_dim < 0 or seq_dim == head_dim:
@@ -1007,7 +1027,8 @@ def register_head_parallel(
             "arguments (e.g. seq_dim=1, head_dim=2 for [B, S, H, ...])"
         )
     defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
-    spec = _HeadSpec(names, defaults, *lists.values(), seq_dim, head_dim)
+    spec = _HeadSpec(names, defaults, lists["per_token"], lists["per_head"], lists["shared"], seq_dim, head_dim,
+                     lists["gathered"])  # fmt: skip
     key = f"{fn.__module__}.{fn.__name__}"
     if key in _HEAD_SPECS:
         if _HEAD_SPECS[key] != spec:
@@ -1025,7 +1046,8 @@ def register_head_parallel(
 def _registered_replacement(original, site: str, spec: _HeadSpec):
     # plain tuples and ints in the closure: Dynamo traces the replacement as a polyfill, which cannot hold objects
     names, defaults, per_token, per_head = spec.names, spec.defaults, spec.per_token, spec.per_head
-    classified = spec.per_token + spec.per_head + spec.shared
+    gathered = spec.gathered
+    classified = spec.per_token + spec.per_head + spec.shared + spec.gathered
     seq_dim, head_dim = spec.seq_dim, spec.head_dim
 
     def registered_core(*args, **kwargs):
@@ -1059,6 +1081,8 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
             values[name] = _to_heads(values[name], order, group_name, site, seq_dim, head_dim)
         for name in per_head:
             values[name] = values[name].narrow(0, rank * per, per)
+        for name in gathered:
+            values[name] = _gathered(values[name], order, group_name, site, n, seq_dim, head_dim)
         tokens = [values[name] for name in per_token]
         out = _core_call(lambda *ts: original(**{**values, **dict(zip(per_token, ts))}), *tokens)
 

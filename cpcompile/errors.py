@@ -46,7 +46,8 @@ class UnsupportedPositionError(_compat.PassThroughCompileError):
 
     ``functions``: the module-level functions of the model's code running when it made the refused op, innermost
     first, when the op is one a sequence mixer makes (a scan, a product over the sequence, a token picked by its
-    index), else ``()``: those :func:`cpcompile.backend` tries to run head-parallel (``regions="found"``).
+    index, the local length used as a value), else ``()``: those :func:`cpcompile.backend` tries to run
+    head-parallel (``regions="found"``).
     """
 
     functions: tuple = ()
@@ -59,7 +60,8 @@ class UnsupportedMixingError(_compat.PassThroughCompileError):
 
     ``functions``: the module-level functions of the model's code running when it made the refused op, innermost
     first, when the op is one a sequence mixer makes (a scan, a product over the sequence, a token picked by its
-    index), else ``()``: those :func:`cpcompile.backend` tries to run head-parallel (``regions="found"``).
+    index, the local length used as a value), else ``()``: those :func:`cpcompile.backend` tries to run
+    head-parallel (``regions="found"``).
     """
 
     functions: tuple = ()

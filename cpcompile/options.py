@@ -89,11 +89,12 @@ class BackendOptions:
     #: only for measuring what the pass changes.
     mixing: Literal["exact", "off"] = "exact"
     #: Sequence mixers of the model's own code. ``"found"`` (default): a module-level function in which a pass
-    #: refuses a scan, a product over the sequence or a token picked by its index is classified and, when it is
-    #: a causal map over some dim of its per-token arguments, run head-parallel as if it were registered
-    #: (:mod:`cpcompile.regions`; Dynamo traces the frame up to twice more); otherwise the refusal stands, with
-    #: the reason. ``"registered"``: only the known cores and those registered with
-    #: :func:`cpcompile.cores.register_head_parallel` run head-parallel; the refusal names the registration.
+    #: refuses a sequence mixer's op (a scan, a product over the sequence, a token picked by its index, the local
+    #: length used as a value) is classified and, when it is a causal map over some dim of its per-token
+    #: arguments, run head-parallel as if it were registered (:mod:`cpcompile.regions`; Dynamo traces the frame up
+    #: to twice more); otherwise the refusal stands, with the reason. ``"registered"``: only the known cores and
+    #: those registered with :func:`cpcompile.cores.register_head_parallel` run head-parallel; the refusal names
+    #: the registration.
     regions: Literal["found", "registered"] = "found"
     #: Whether the model mixes tokens. ``"required"`` (default): a :func:`cpcompile.shard` step that ran graphs of
     #: this backend and none of them held rewritten attention or another op made exact across ranks (a gathered

@@ -2,28 +2,31 @@
 module-level function, runs on the whole sequence of some heads on each rank without a registration.
 
 When the positions or the mixing pass refuses an op that a sequence mixer makes (a scan, a product over the
-sequence, a token picked by its index) inside a module-level function ``fn`` of the model's code
-(:attr:`cpcompile.UnsupportedMixingError.function`), the backend (``regions="found"``, its default) does what
-:func:`cpcompile.cores.register_head_parallel` asks the user to do, in three traces of the same frame:
+sequence, a token picked by its index, the local length used as a value) while a module-level function ``fn`` of
+the model's code runs (:attr:`cpcompile.UnsupportedMixingError.functions`), the backend (``regions="found"``, its
+default) does what :func:`cpcompile.cores.register_head_parallel` asks the user to do, in three traces of the
+same frame:
 
 1. **probe**: ``fn`` gets a replacement that calls it unchanged and notes, while Dynamo traces it, which graph
    value each of its arguments is (:func:`cpcompile._compat.note_traced`); Dynamo traces the frame again.
 2. **classify** (:func:`classify`): in that graph, an argument whose value holds the sequence (followed from the
-   sharded inputs, :func:`~cpcompile.passes.sequence_dims.sequence_dims`) is per-token, all of them at one dim.
-   Each other dim of the per-token arguments, of one size in all of them (the batch dim first excepted), is tried
-   as the head dim: a tensor argument whose dim 0 has that size is per-head, any other is shared (one that has a
-   dim of that size elsewhere is not classified: it may hold heads). A head dim is taken when the ops ``fn`` ran
-   keep it apart (the head-parallel regions' proof,
-   :func:`~cpcompile.passes.mixing.find._head_map_refusals`), every value ``fn`` returns holds it at the same dim
-   and the sequence at the same dim as the per-token arguments, ``fn`` reads no tensor with a dim of that size
-   besides its arguments (a module global would not be narrowed to the rank's heads), and the CP size divides its
-   size. Then ``fn`` is
-   run eagerly on random inputs of the traced shapes (:func:`_tested_refusal`): its outputs at tokens before
-   ``k`` must not change when its per-token inputs at ``k`` and after do (``k`` = 1, half the tokens, the last
-   token), since a head-parallel ``fn`` runs on the padded sequence (padding last) and only a causal one keeps
-   the padding from every real token; and its outputs on each rank's share of the heads, joined, must equal its
-   outputs on all heads. These are tests on one draw of inputs, not proofs: causality is not proved at all, and
-   the split is proved by the region's proof before it is tested.
+   sharded inputs, :func:`~cpcompile.passes.sequence_dims.sequence_dims`) and that ``fn`` reads is per-token, all
+   of them at one dim. Each other dim of theirs (the batch dim first excepted) is tried as the head dim, with
+   each size they have there (largest first) as the head count: a per-token argument of that size holds heads,
+   any other is gathered whole; a tensor argument without the sequence whose dim 0 has that size is per-head, any
+   other shared (a gathered or shared one with a dim of that size elsewhere may hold heads: the choice is not
+   taken). A choice is taken when the ops ``fn`` ran keep the heads apart (the head-parallel regions' proof,
+   :func:`~cpcompile.passes.mixing.find._head_map_refusals`), every value ``fn`` returns holds them at the same
+   dim and the sequence at the same dim as the per-token arguments, ``fn`` reads no tensor with a dim of the head
+   count besides its arguments (a module global would not be narrowed to the rank's heads), and the CP size
+   divides the head count. Then ``fn`` is run eagerly on random inputs of the traced shapes
+   (:func:`_tested_refusal`): its outputs at its first ``k`` tokens must be the same when it runs on those tokens
+   alone (``k`` = 1, half the tokens, all but the last), since a head-parallel ``fn`` runs on the padded sequence
+   (padding last) and only a causal one keeps the padding from every real token; and its outputs on each rank's
+   share of the heads, joined, must equal its outputs on all heads. These are tests on one draw of inputs, not
+   proofs: causality is not proved at all; the split is proved, but the proof does not see how ``fn`` pairs the
+   heads of its arguments when it derives that from their sizes (a gathered argument's groups repeated to the
+   heads), which the second test does.
 3. **run**: ``fn`` is registered as found (:func:`cpcompile.cores.register_head_parallel`, its replacement put in
    place of the probe) and Dynamo traces the frame a third time; the mixing pass proves the region again, as it
    does every registered core's.
@@ -32,9 +35,10 @@ Every call of ``fn`` in the graph is classified alike (a layer per call); a tens
 read (``**kwargs`` it drops) is shared. A function transformers binds to a kernel
 (``use_kernel_func_from_hub_with_fallback``) is tried with its torch path, unless a fused kernel was bound.
 
-When no classification holds, the refusal stands, with the reason added. A function is tried once per process;
-a later refusal in it keeps its first reason. Methods are not tried (Dynamo substitutes module-level functions
-only), nor functions the user registered or that Dynamo already substitutes.
+When no classification holds, the refusal stands, with the reason added (of the choices tried, the first). The
+functions are tried innermost first; each once per process (a later refusal in it keeps its first reason).
+Methods are not tried (Dynamo substitutes module-level functions only), nor functions the user registered or that
+Dynamo already substitutes.
 """
 
 from __future__ import annotations
@@ -61,9 +65,10 @@ RESTART = "restart"
 #: Each function tried: ``"probed"``, ``"found"``, or why it is not run head-parallel.
 _TRIED: dict[str, str] = {}
 
-#: How close :func:`_tested_refusal` asks outputs to stay: when later inputs change (a causal function's differ by
-#: rounding at most, as a chunked scan multiplies masked entries by zero; one that reads later tokens by far more),
-#: and between a run on shares of the heads and one on all of them (equal but for rounding in a map over heads).
+#: How close :func:`_tested_refusal` asks outputs to stay: between a run on the first tokens and one on all of them
+#: (a causal function's differ by rounding at most, a chunked scan's by its chunks' other padding; one that reads
+#: later tokens by far more), and between a run on shares of the heads and one on all of them (equal but for
+#: rounding in a map over heads).
 _TEST_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
@@ -105,6 +110,8 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
                 return RESTART
         elif state == "probed":
             found = classify(gm, fn, _compat.NOTED.get(key, []), chunk_len, cp_size)
+            _compat.NOTING.discard(key)  # the graphs its notes hold are not kept
+            _compat.NOTED.pop(key, None)
             if not isinstance(found, str):
                 cores.register_head_parallel(fn, **found)
                 _compat.replace_substitution(
@@ -122,6 +129,7 @@ def _probe(fn: types.FunctionType, key: str, params: list[inspect.Parameter]) ->
     names = tuple(p.name for p in params if p.kind != p.VAR_KEYWORD)
     defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
     _compat.NOTED.pop(key, None)
+    _compat.NOTING.add(key)
     torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
         _probe_replacement(cores.traced_copy(fn), key, names, defaults)
     )
@@ -147,33 +155,32 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
             return call
     if len({(c.per_token, c.seq_dim) for c in seen}) > 1:
         return "its calls hold the sequence in different arguments or dims"
-    per_token, seq_dim = seen[0].per_token, seen[0].seq_dim
-    ndim = min(len(c.shapes[name]) for c in seen for name in per_token)
-    why = f"no dim of its per-token arguments {list(per_token)} holds heads"
+    tokens, seq_dim = seen[0].per_token, seen[0].seq_dim
+    ndim = max(len(c.shapes[name]) for c in seen for name in tokens)
+    reasons = []  # of each dim and head count tried, the first (the likeliest heads) reported
     for head_dim in range(ndim):
         if head_dim == seq_dim or (head_dim == 0 and seq_dim != 0):
             continue
-        split = {c.split(head_dim) for c in seen}
-        if None in split:
-            continue
-        if len(split) > 1:
-            why = f"with dim {head_dim} as heads, its calls pass per-head and shared tensors in different arguments"
-            continue
-        per_head, shared, unclear = split.pop()
-        if unclear:
-            why = f"with dim {head_dim} as heads, its arguments {list(unclear)} have a dim of that size not at dim 0"
-            continue
-        refused = _heads_kept(gm, fn, seen, per_token, per_head, seq_dim, head_dim)
-        if refused:
-            why = f"with dim {head_dim} of {list(per_token)} as heads, {refused}"
-            continue
-        counts = sorted({c.count(head_dim) for c in seen})
-        if any(count % cp_size for count in counts):
-            return f"its heads (dim {head_dim} of {per_token[0]!r}: {counts}) do not divide by the CP size {cp_size}"
-        found = {"per_token": per_token, "per_head": per_head, "shared": shared, "seq_dim": seq_dim,
-                 "head_dim": head_dim}  # fmt: skip
-        return _tested_refusal(fn, calls[0], found, seen[0].length, cp_size) or found
-    return why
+        sizes = {c.shapes[name][head_dim] for c in seen for name in tokens if len(c.shapes[name]) > head_dim}
+        for count in sorted(sizes - {1}, reverse=True):
+            split = {c.split(head_dim, count) for c in seen}
+            if len(split) > 1:
+                reasons.append(f"with dim {head_dim} as heads, its calls pass per-head tensors in different arguments")
+                continue
+            per_token, per_head, shared, gathered, unclear = split.pop()
+            if unclear:
+                reasons.append(f"with {count} heads at dim {head_dim}, {list(unclear)} have a dim of {count} elsewhere")
+                continue
+            refused = _heads_kept(gm, fn, seen, per_token, per_head, seq_dim, head_dim)
+            if refused:
+                reasons.append(f"with dim {head_dim} of {list(per_token)} as heads, {refused}")
+                continue
+            if count % cp_size:
+                return f"its {count} heads (dim {head_dim} of {per_token[0]!r}) do not divide by the CP size {cp_size}"
+            found = {"per_token": per_token, "per_head": per_head, "shared": shared, "gathered": gathered,
+                     "seq_dim": seq_dim, "head_dim": head_dim}  # fmt: skip
+            return _tested_refusal(fn, calls[0], found, seen[0].length, cp_size) or found
+    return reasons[0] if reasons else f"no dim of its per-token arguments {list(tokens)} holds heads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,21 +222,18 @@ class _Call:
         seq_dim = seq_dims[per_token[0]]
         return _Call(tensors, shapes, per_token, seq_dim, shapes[per_token[0]][seq_dim])
 
-    def count(self, head_dim: int) -> int:
-        return self.shapes[self.per_token[0]][head_dim]
-
-    def split(self, head_dim: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
-        """``(per_head, shared, unclear)`` with ``head_dim`` of the per-token arguments as heads: a tensor
-        argument whose dim 0 has the head count is per-head, any other shared, and unclear if it has a dim of that
-        count elsewhere; ``None`` when the per-token arguments differ in size at ``head_dim`` or hold one there."""
-        sizes = {self.shapes[name][head_dim] for name in self.per_token}
-        if len(sizes) != 1 or sizes == {1}:
-            return None
-        count = sizes.pop()
+    def split(self, head_dim: int, count: int) -> tuple[tuple[str, ...], ...]:
+        """``(per_token, per_head, shared, gathered, unclear)`` with ``count`` heads at ``head_dim``: a per-token
+        argument with ``count`` there holds heads, any other is gathered whole; a tensor argument without the
+        sequence whose dim 0 has ``count`` is per-head, any other shared; an argument gathered or shared is
+        unclear if it has a dim of ``count`` (it may hold heads)."""
+        heads = tuple(n for n in self.per_token if len(self.shapes[n]) > head_dim and self.shapes[n][head_dim] == count)
+        gathered = tuple(n for n in self.per_token if n not in heads)
         others = [name for name in self.tensors if name not in self.per_token]
         per_head = tuple(name for name in others if self.shapes[name] and self.shapes[name][0] == count)
         shared = tuple(name for name in others if name not in per_head)
-        return per_head, shared, tuple(name for name in shared if count in self.shapes[name])
+        unclear = tuple(name for name in gathered + shared if count in self.shapes[name])
+        return heads, per_head, shared, gathered, unclear
 
 
 def _heads_kept(gm, fn, seen: list[_Call], per_token, per_head, seq_dim, head_dim) -> str:
@@ -243,7 +247,7 @@ def _heads_kept(gm, fn, seen: list[_Call], per_token, per_head, seq_dim, head_di
             seeds[n] = tuple(d == dim for d in range(_val(n).dim()))
     inside = {n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and in_function(n, fn)}
     region = inside | set(seeds)
-    counts = {call.count(head_dim) for call in seen}
+    counts = {call.shapes[per_token[0]][head_dim] for call in seen}
     for n in inside:
         for i in n.all_input_nodes:
             value = _val(i)
@@ -278,12 +282,12 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
     """``""`` when ``fn``, run eagerly on random inputs of the traced shapes and dtypes (floating point: normal,
     scaled by 0.5; others: zeros), passes two tests, else why not:
 
-    * causal: its outputs at tokens before ``k`` do not change when its per-token inputs at ``k`` and after do
-      (``k`` = 1, ``length // 2``, ``length - 1``);
+    * causal: its outputs at its first ``k`` tokens are the same when it runs on those tokens alone (``k`` = 1,
+      ``length // 2``, ``length - 1``): no later token, nor how many follow, changes them;
     * a map over the heads as ``found`` splits them: run on each of ``cp_size`` blocks of the heads (the per-token
       arguments narrowed at ``head_dim``, the per-head ones at dim 0, the shared ones whole), its outputs joined at
       ``head_dim`` equal its outputs on all heads."""
-    per_token, per_head = found["per_token"], found["per_head"]
+    per_token, per_head, gathered = found["per_token"], found["per_head"], found["gathered"]
     seq_dim, head_dim = found["seq_dim"], found["head_dim"]
     if length < 2:
         return "its causality cannot be tested on one token"
@@ -302,25 +306,21 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
         except Exception as e:  # noqa: BLE001 - reported as the reason
             return f"it raised {type(e).__name__} ({e}) on random inputs, so it could not be tested"
         for k in sorted({1, length // 2, length - 1}):
-            changed = dict(base)
-            for name in per_token:
-                t = base[name]
-                if t.dtype.is_floating_point:
-                    t = t.clone()
-                    later = t.narrow(seq_dim, k, length - k)
-                    later.copy_(random_like(later) + 1.0)
-                    changed[name] = t
-            after = fn(**changed)
+            prefix = dict(base)
+            prefix.update({name: base[name].narrow(seq_dim, 0, k) for name in per_token + gathered})
+            try:
+                after = fn(**prefix)
+            except Exception as e:  # noqa: BLE001 - reported as the reason
+                return f"it raised {type(e).__name__} ({e}) on its first {k} tokens, so it could not be tested"
             for a, b in zip(_tensors(before), _tensors(after), strict=True):
-                if not a.dim() > seq_dim:
+                if a.dim() <= seq_dim:
                     continue
-                a, b = a.narrow(seq_dim, 0, k), b.narrow(seq_dim, 0, k)
                 if not torch.isfinite(a).all():
                     return "it returns non-finite values on random inputs, so it could not be tested"
-                if not torch.allclose(a, b, **_TEST_TOLERANCE):
+                if b.shape[seq_dim] != k or not torch.allclose(a.narrow(seq_dim, 0, k), b, **_TEST_TOLERANCE):
                     return (
-                        f"it is not causal: its outputs at tokens before {k} change with its inputs at tokens {k} "
-                        "and after, and a head-parallel run would let the padding after the last token reach them"
+                        f"it is not causal: its outputs at its first {k} tokens change when tokens follow them, and "
+                        "a head-parallel run would let the padding after the last token reach them"
                     )
         per = base[per_token[0]].shape[head_dim] // cp_size
         parts = []

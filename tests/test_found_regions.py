@@ -15,8 +15,8 @@ heads) and a loop that reads its per-head rates from a module global (not an arg
 rank's heads) stay refused, naming why; with the region's proof bypassed, the head-mixing loop is still refused
 by the test on shares of the heads; parity at CP=2 (balanced) against the one-process model (logits, loss,
 gradients), with a negative control: the found core run on each rank's own tokens must fail. Slow tier:
-transformers' RWKV with its WKV core taken out of the known cores, found and exact at CP=2 (contiguous,
-balanced).
+transformers' cores taken out of the known ones: RWKV's WKV and Mamba's selective scan found and exact at CP=2
+(contiguous, balanced); Qwen3-Next's gated delta rule (grouped heads) refused by the test on shares of the heads.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import cpcompile
-from cpcompile import regions
+from cpcompile import _compat, regions
 from cpcompile.testing import packed_batch
 from tests.harness.parity import ParityCase, report
 from tests.harness.tiers import slow
@@ -71,7 +71,7 @@ def test_with_registered_regions_only_the_same_core_is_refused(world):
 @pytest.mark.parametrize(
     ("core", "why"),
     [
-        ("reversed_heads", "not reversed_heads, as it is not causal: its outputs at tokens before 1 change"),
+        ("reversed_heads", "not reversed_heads, as it is not causal: its outputs at its first 1 tokens change"),
         ("heads_mixing_loop", "as heads, mean combines values of different heads"),
         ("rates_read_inside", "a tensor with a dim of its head count that is none of its arguments"),
     ],
@@ -87,7 +87,9 @@ def test_with_the_proof_bypassed_the_split_test_refuses_a_core_that_mixes_heads(
     that adds the mean over heads to its state is still refused, by its outputs on shares of the heads."""
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token"):
         _compile("heads_mixing_loop", world)  # tried (once per process): refused by the proof
-    monkeypatch.setitem(regions._TRIED, "tests.models.user_cores.heads_mixing_loop", "probed")  # tried again
+    key = "tests.models.user_cores.heads_mixing_loop"
+    monkeypatch.setitem(regions._TRIED, key, "probed")  # tried again: its probe notes its arguments again
+    monkeypatch.setattr(_compat, "NOTING", {*_compat.NOTING, key})
     monkeypatch.setattr(regions, "_heads_kept", lambda *args: "")
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token") as caught:
         _compile("heads_mixing_loop", world)
@@ -150,33 +152,66 @@ def test_a_found_core_equals_one_process():
 _RWKV_BLOCK = (("pad", "halo"), ("rwkv_linear_attention_cpu", "head_parallel"), ("pad", "halo"))
 
 
-def _rwkv_worker(rank: int, world: int) -> dict:
+def _family_worker(rank: int, world: int, family: str) -> dict:
+    """Take ``family``'s core out of :data:`cpcompile.cores.CORES` (a fresh process: it is never substituted) and
+    run its CP=2 cases, contiguous and balanced; or, for Qwen3-Next, return the refusal."""
     import dataclasses
 
     import torch.distributed as dist
 
     from cpcompile import cores
     from tests.harness.parity import check_case
+    from tests.test_hybrids_parity import _case
     from tests.test_recurrent_parity import _LOSS, RWKV_CP2
 
     torch.set_num_threads(1)
-    cores.CORES.pop(cores._WKV)  # a fresh process: the known core is never substituted
-    expected = (*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS)
-    out = []
-    for case in RWKV_CP2:
+    key = {"rwkv": cores._WKV, "mamba": cores._SELECTIVE, "qwen3_next": cores._GDN}[family].format(family)
+    cores.CORES.pop(key)
+    if family == "rwkv":
+        cases = [dataclasses.replace(c, expected_mixing=(*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS)) for c in RWKV_CP2]
+    else:
+        cases = [_case(model=family), _case(model=family, layout="balanced")]
+    out = {"cases": [], "refused": ""}
+    for case in cases:
         torch.compiler.reset()
-        out.append(check_case(dataclasses.replace(case, expected_mixing=expected), dist.group.WORLD))
-    return {"cases": out, "tried": dict(regions._TRIED)}
+        try:
+            out["cases"].append(check_case(case, dist.group.WORLD))
+        except (cpcompile.UnsupportedPositionError, cpcompile.UnsupportedMixingError) as e:
+            out["refused"] = str(e)
+            break
+    spec = cores._HEAD_SPECS.get(key)
+    out["found"] = dataclasses.asdict(spec) if spec is not None else None
+    out["tried"] = dict(regions._TRIED)
+    return out
 
 
 @slow
-@pytest.mark.timeout(700)
-def test_a_transformers_core_left_out_of_the_registry_is_found():
-    """transformers' RWKV with its WKV core taken out of :data:`cpcompile.cores.CORES` (in fresh ranks): the
-    backend finds the core's CPU path (channels as heads, ``time_decay`` and ``time_first`` per-head, the state
-    ``None``), and the model equals one process at CP=2, contiguous and balanced."""
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["rwkv", "mamba", "qwen3_next"])
+def test_a_transformers_core_left_out_of_the_registry(family):
+    """transformers' cores taken out of :data:`cpcompile.cores.CORES` (in fresh ranks):
+
+    * RWKV's WKV: its CPU path found (channels as heads, ``time_decay`` and ``time_first`` per-head, the state
+      ``None``), exact at CP=2, contiguous and balanced;
+    * Mamba's selective scan: found with the channels (dim 1) as heads, the sequence at dim 2, ``A``, ``D`` and
+      ``delta_bias`` per-head and ``B``, ``C`` (per token, no channels) gathered whole; exact likewise;
+    * Qwen3-Next's gated delta rule (2 key heads, 4 value heads, which it repeats the key heads to): not found, so
+      refused. Its likeliest classification (the 4 value heads split, query and key gathered) passes the region's
+      proof, and only the test on shares of the heads refuses it: each share would repeat the whole set of key
+      heads to its own value heads."""
     from tests.harness.dist import run_distributed
 
-    per_rank = run_distributed(_rwkv_worker, 2, timeout_s=600, fresh=True)
-    report(per_rank[0]["cases"])
-    assert per_rank[0]["tried"] == {"transformers.models.rwkv.modeling_rwkv.rwkv_linear_attention_cpu": "found"}
+    per_rank = run_distributed(_family_worker, 2, family, timeout_s=840, fresh=True)
+    got = per_rank[0]
+    key = {"rwkv": "rwkv.modeling_rwkv.rwkv_linear_attention_cpu", "mamba": "mamba.modeling_mamba.mamba_selective_scan",
+           "qwen3_next": "qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"}[family]  # fmt: skip
+    if family == "qwen3_next":
+        assert got["found"] is None and got["cases"] == [], got
+        assert "it is not a map over those heads" in got["refused"], got["refused"]
+        return
+    report(got["cases"])
+    assert len(got["cases"]) == 2 and got["tried"] == {f"transformers.models.{key}": "found"}, got
+    if family == "mamba":
+        found = {k: got["found"][k] for k in ("per_token", "per_head", "gathered", "seq_dim", "head_dim")}
+        assert found == {"per_token": ("z", "hidden_states", "dt"), "per_head": ("D", "delta_bias", "A"),
+                         "gathered": ("B", "C"), "seq_dim": 2, "head_dim": 1}, found  # fmt: skip

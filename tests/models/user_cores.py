@@ -16,7 +16,8 @@ Never registered, for the backend to find (``regions="found"``, ``tests/test_fou
 :func:`transposed_heads` is the loop of :func:`looped_heads` on ``[B, H, S, D]`` and ``[B, H, S]`` inputs (the heads
 at dim 1, the sequence at dim 2); :func:`reversed_heads` runs it from the last token back (not causal);
 :func:`heads_mixing_loop` adds the state's mean over heads at every step (not a map over heads);
-:func:`rates_read_inside` reads its per-head rates from a module global (:data:`RATES`), not from an argument.
+:func:`rates_read_inside` reads its rates (per head and channel) from a module global (:data:`RATES`), not from
+an argument.
 
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
 embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
@@ -111,8 +112,9 @@ def heads_mixing_loop(x, g, decay):
     return torch.stack(out, dim=1)
 
 
-#: Per-head rates the module holds, which :func:`rates_read_inside` reads instead of taking them as an argument.
-RATES = torch.linspace(0.2, 0.8, HEADS)
+#: Per-head, per-channel rates the module holds, which :func:`rates_read_inside` reads instead of taking them as an
+#: argument.
+RATES = torch.linspace(0.2, 0.8, HEADS * HEAD_DIM).view(HEADS, HEAD_DIM)
 
 
 def rates_read_inside(x, g, decay):
@@ -120,7 +122,7 @@ def rates_read_inside(x, g, decay):
     h = torch.zeros_like(u[:, 0])
     out = []
     for t in range(u.shape[1]):
-        h = RATES[:, None] * h + u[:, t]
+        h = RATES * h + u[:, t]
         out.append(h)
     return torch.stack(out, dim=1)
 
