@@ -36,7 +36,8 @@ read (``**kwargs`` it drops) is shared. A function transformers binds to a kerne
 (``use_kernel_func_from_hub_with_fallback``) is tried with its torch path, unless a fused kernel was bound.
 
 When no classification holds, the refusal stands, with the reason added (of the choices tried, the first). The
-functions are tried innermost first; each once per process (a later refusal in it keeps its first reason).
+functions are tried innermost first; each once per process (a later refusal in it keeps its first reason), but for
+heads that the CP size does not divide (:class:`ForCPSize`: classified again at its next refusal).
 Methods are not tried (Dynamo substitutes module-level functions only), nor functions the user registered or that
 Dynamo already substitutes.
 """
@@ -57,7 +58,7 @@ from cpcompile.passes.mixing.find import _HEADS, _head_map_refusals
 from cpcompile.passes.positions import sequence_length
 from cpcompile.passes.sequence_dims import is_nested, sequence_dims
 
-__all__ = ["RESTART", "classify", "find"]
+__all__ = ["RESTART", "ForCPSize", "classify", "find"]
 
 #: What :func:`find` returns when Dynamo must trace the frame again.
 RESTART = "restart"
@@ -110,8 +111,11 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
                 return RESTART
         elif state == "probed":
             found = classify(gm, fn, _compat.NOTED.get(key, []), chunk_len, cp_size)
-            _compat.NOTING.discard(key)  # the graphs its notes hold are not kept
-            _compat.NOTED.pop(key, None)
+            _compat.NOTED.pop(key, None)  # the graphs its notes hold are not kept
+            if isinstance(found, ForCPSize):  # tried again at the next refusal, which may be at another CP size
+                reasons.append(f"not {fn.__name__}, as {found}")
+                continue
+            _compat.NOTING.discard(key)
             if not isinstance(found, str):
                 cores.register_head_parallel(fn, **found)
                 _compat.replace_substitution(
@@ -123,6 +127,11 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
         if _TRIED.get(key, "found") not in ("found", "probed"):
             reasons.append(f"not {fn.__name__}, as {_TRIED[key]}")
     return "; ".join(reasons)
+
+
+class ForCPSize(str):
+    """A reason :func:`classify` gives that holds for this CP size only: the function stays probed, and is
+    classified again at its next refusal."""
 
 
 def _probe(fn: types.FunctionType, key: str, params: list[inspect.Parameter]) -> None:
@@ -176,7 +185,9 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
                 reasons.append(f"with dim {head_dim} of {list(per_token)} as heads, {refused}")
                 continue
             if count % cp_size:
-                return f"its {count} heads (dim {head_dim} of {per_token[0]!r}) do not divide by the CP size {cp_size}"
+                return ForCPSize(
+                    f"its {count} heads (dim {head_dim} of {per_token[0]!r}) do not divide by the CP size {cp_size}"
+                )
             found = {"per_token": per_token, "per_head": per_head, "shared": shared, "gathered": gathered,
                      "seq_dim": seq_dim, "head_dim": head_dim}  # fmt: skip
             return _tested_refusal(fn, calls[0], found, seen[0].length, cp_size) or found

@@ -9,14 +9,15 @@ padded sequence holds one padding token.
 
 Fast tier (one process, fake CP group of 2, compile time): the function is found, classified (``x`` and ``g``
 per-token with the sequence at dim 2 and the heads at dim 1, ``decay`` per-head) and reported ``head_parallel``;
-with ``regions="registered"`` the same model is refused; two negative controls of the classification: the same loop
-run from the last token back (not causal), a loop that adds the mean over heads to its state (not a map over
-heads) and a loop that reads its per-head rates from a module global (not an argument, so not narrowed to the
-rank's heads) stay refused, naming why; with the region's proof bypassed, the head-mixing loop is still refused
-by the test on shares of the heads; parity at CP=2 (balanced) against the one-process model (logits, loss,
-gradients), with a negative control: the found core run on each rank's own tokens must fail. Slow tier:
-transformers' cores taken out of the known ones: RWKV's WKV and Mamba's selective scan found and exact at CP=2
-(contiguous, balanced); Qwen3-Next's gated delta rule (grouped heads) refused by the test on shares of the heads.
+with ``regions="registered"`` a loop is refused; negative controls of the classification: the same loop run from
+the last token back (not causal), a loop that adds the mean over heads to its state (not a map over heads) and a
+loop that reads its rates from a module global (not an argument, so not narrowed to the rank's heads) stay
+refused, naming why; with the region's proof bypassed, the head-mixing loop is still refused by the test on
+shares of the heads; heads a CP size does not divide leave the function to be tried again; parity at CP=2
+(balanced) against the one-process model (logits, loss, gradients), with a negative control: the found core run
+on each rank's own tokens must fail. Slow tier: transformers' cores taken out of the known ones: RWKV's WKV and
+Mamba's selective scan found and exact at CP=2 (contiguous, balanced); Qwen3-Next's gated delta rule (grouped
+heads) refused by the test on shares of the heads.
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ def test_with_the_proof_bypassed_the_split_test_refuses_a_core_that_mixes_heads(
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token") as caught:
         _compile("heads_mixing_loop", world)
     assert "differ from its outputs from all of them: it is not a map over those heads" in str(caught.value)
+
+
+def test_heads_the_cp_size_does_not_divide_leave_the_function_to_be_tried_again(monkeypatch):
+    """A function whose heads one CP size does not divide is refused for that compile only: it stays probed, its
+    arguments noted, and is classified again at its next refusal (at CP=2, say, after CP=3). Any other reason is
+    kept."""
+    key = "tests.models.user_cores.transposed_heads"
+    error = cpcompile.UnsupportedMixingError("refused")
+    error.functions = (user_cores.transposed_heads,)
+    monkeypatch.setitem(regions._TRIED, key, "probed")
+    monkeypatch.setattr(_compat, "NOTING", {key})
+    monkeypatch.setattr(regions, "classify", lambda *args: regions.ForCPSize("its 6 heads do not divide by 4"))
+    assert regions.find(error, None, None, 4) == "not transposed_heads, as its 6 heads do not divide by 4"
+    assert regions._TRIED[key] == "probed" and key in _compat.NOTING
+    monkeypatch.setattr(regions, "classify", lambda *args: "it is not causal")
+    assert regions.find(error, None, None, 2) == "not transposed_heads, as it is not causal"
+    assert regions._TRIED[key] == "it is not causal" and key not in _compat.NOTING
 
 
 def _case(layout: str = "balanced") -> ParityCase:
