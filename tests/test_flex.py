@@ -408,7 +408,7 @@ def test_negative_controls_fail_parity(results):
     graph after the BlockMask's graph break."""
     controlled = [s for s in results["pair0"] + results["pair1"] if "control_failing" in s]
     # document, transformers' LFM2, document_eager; the slow tier adds softcap, transformers' llama, torchtitan's two
-    expected = 3 + (2 + (TORCHTITAN in PAIR1_SLOW) + (TORCHTITAN_TRAINER in PAIR0_SLOW) if results["with_slow"] else 0)
+    expected = 3 + (4 if results["with_slow"] else 0)
     assert len(controlled) == expected, [s["case"] for s in controlled]
     for s in controlled:
         assert s["control_failing"], f"{s['case']}: the negative control passed the parity check"
