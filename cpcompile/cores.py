@@ -965,9 +965,11 @@ def register_head_parallel(
 
     While a :func:`cpcompile.shard` context of more than one rank is active, Dynamo traces a replacement of ``fn``
     (as it does the known cores of :data:`CORES`): each argument named in ``per_token`` (a tensor whose dim
-    ``seq_dim`` is the sequence and dim ``head_dim`` the heads, the same head count in each) goes through
-    ``cpcompile::heads_from_sequence`` (this rank's tokens of every head -> every token, in global order, of
-    ``H / N`` heads), each argument named in ``per_head`` (a tensor whose dim 0 is the heads) is narrowed to the
+    ``seq_dim`` is the sequence and dim ``head_dim`` the heads) goes through ``cpcompile::heads_from_sequence``
+    (this rank's tokens of every head -> every token, in global order, of ``H / N`` heads: the ``r``-th block of
+    them on rank ``r``; an argument with fewer heads, ``G``, whose each head serves a block of ``H / G``
+    consecutive heads of the others, as ``repeat_interleave`` pairs them, gives the matching ``G / N`` on each
+    rank), each argument named in ``per_head`` (a tensor whose dim 0 is the ``H`` heads) is narrowed to the
     rank's heads (its gradient summed over the group, as every parameter's is), the arguments named in
     ``shared`` pass unchanged, and each argument named in ``gathered`` (a tensor whose dim ``seq_dim`` is the
     sequence and that has no heads: the same for every head, as the selective scan's ``B`` and ``C``) is
@@ -981,17 +983,18 @@ def register_head_parallel(
     outputs read only tokens at or before it. ``fn`` runs on the padded sequence (padding tokens last, when ``T`` is
     not a multiple of the CP size), and causality, which is not checked, keeps the padding from every real token.
 
-    Refused while tracing, on every rank: a tensor argument not named in any of the three lists, and heads that
-    the CP size does not divide. Register before the first compiled call under CP; registering ``fn`` again with
-    the same arguments does nothing.
+    Refused while tracing, on every rank: a tensor argument not named in any of the lists, and a per-token
+    argument whose heads the CP size does not divide. Register before the first compiled call under CP;
+    registering ``fn`` again with the same arguments does nothing.
 
-    ``**kwargs`` of ``fn`` pass through (a tensor in them is refused as unclassified). A function transformers
+    ``**kwargs`` of ``fn`` pass through: a tensor in them is refused unless a list names it (as a ``fn`` that takes
+    ``**kwargs`` may be given any keyword, a name that is not a parameter is taken for one). A function transformers
     binds to a kernel (``use_kernel_func_from_hub_with_fallback``) runs its torch path.
 
     Raises ``TypeError`` when ``fn`` is not a module-level Python function with named parameters (no ``*args`` or
-    positional-only ones), and ``ValueError`` for a name that is not a parameter of
-    ``fn``, a name in two lists, an empty ``per_token``, equal or negative dims, or a second registration of
-    ``fn`` with other arguments.
+    positional-only ones), and ``ValueError`` for a name that is not a parameter of ``fn`` (without
+    ``**kwargs``), a name in two lists, an empty ``per_token``, equal or negative dims, or a second registration
+    of ``fn`` with other arguments.
     """
     if not isinstance(fn, types.FunctionType) or fn.__qualname__ != fn.__name__:
         raise TypeError(
@@ -1006,6 +1009,7 @@ def register_head_parallel(
             f"parameters {odd}; give the core named parameters"
         )
     names = tuple(p.name for p in params if p.kind != p.VAR_KEYWORD)
+    takes_kwargs = len(names) < len(params)
     lists = {
         "per_token": tuple(per_token),
         "per_head": tuple(per_head),
@@ -1014,7 +1018,7 @@ def register_head_parallel(
     }
     for kind, listed in lists.items():
         unknown = [x for x in listed if x not in names]
-        if unknown:
+        if unknown and not takes_kwargs:
             raise ValueError(f"{kind}={listed!r} names {unknown}, not parameters of {fn.__name__}{names}")
     every = [x for listed in lists.values() for x in listed]
     if len(set(every)) != len(every):
@@ -1067,15 +1071,16 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
                     f"got the tensor argument {name!r}, which register_head_parallel did not classify",
                     "name it in per_token, per_head or shared of cpcompile.cores.register_head_parallel",
                 )
-        count = first.shape[head_dim]
-        if count % n:
-            _refuse(
-                first,
-                site,
-                f"has {count} heads (dim {head_dim} of {per_token[0]!r}), which the CP size {n} does not divide",
-                "use a CP size that divides the heads",
-            )
-        per = count // n
+        for name in per_token:
+            if values[name].shape[head_dim] % n:
+                _refuse(
+                    values[name],
+                    site,
+                    f"has {values[name].shape[head_dim]} heads (dim {head_dim} of {name!r}), which the CP size {n} "
+                    "does not divide",
+                    "use a CP size that divides the heads",
+                )
+        per = max(values[name].shape[head_dim] for name in per_token) // n
         order = torch.ops.cpcompile.heads_order(first.detach(), seq_dim, n, site)
         for name in per_token:
             values[name] = _to_heads(values[name], order, group_name, site, seq_dim, head_dim)

@@ -12,21 +12,26 @@ same frame:
 2. **classify** (:func:`classify`): in that graph, an argument whose value holds the sequence (followed from the
    sharded inputs, :func:`~cpcompile.passes.sequence_dims.sequence_dims`) and that ``fn`` reads is per-token, all
    of them at one dim. Each other dim of theirs (the batch dim first excepted) is tried as the head dim, with
-   each size they have there (largest first) as the head count: a per-token argument of that size holds heads,
-   any other is gathered whole; a tensor argument without the sequence whose dim 0 has that size is per-head, any
-   other shared (a gathered or shared one with a dim of that size elsewhere may hold heads: the choice is not
-   taken). A choice is taken when the ops ``fn`` ran keep the heads apart (the head-parallel regions' proof,
-   :func:`~cpcompile.passes.mixing.find._head_map_refusals`), every value ``fn`` returns holds them at the same
-   dim and the sequence at the same dim as the per-token arguments, ``fn`` reads no tensor with a dim of the head
-   count besides its arguments (a module global would not be narrowed to the rank's heads), and the CP size
-   divides the head count. Then ``fn`` is run eagerly on random inputs of the traced shapes
+   each size they have there (largest first) as the head count ``H``: a per-token argument of that size holds
+   heads; one whose size there is a divisor ``G`` of it holds groups of heads (each group serving ``H / G``
+   consecutive heads, as ``repeat_interleave`` pairs gated delta-net's key heads with its value heads and SSD's
+   groups with its heads: split with the heads, ``G / N`` on each rank), or, failing that choice, is gathered
+   whole, as any other per-token argument is; a tensor argument without the sequence whose dim 0 has size ``H``
+   is per-head, any other shared (a gathered or shared one with a dim of that size elsewhere may hold heads: the
+   choice is not taken). A choice is taken when the ops ``fn`` ran keep the heads apart (the head-parallel
+   regions' proof, :func:`~cpcompile.passes.mixing.find._head_map_refusals`, which refuses a group repeated to
+   the heads any other way), every value ``fn`` returns holds them at the same dim and the sequence at the same
+   dim as the per-token arguments, ``fn`` reads no tensor with a dim of the head count besides its arguments (a
+   module global would not be narrowed to the rank's heads), the CP size divides the heads and groups of every
+   per-token argument (else the next choice is tried, and this one reported if none holds), and ``fn`` passes
+   two tests. ``fn`` is run eagerly on random inputs of the traced shapes
    (:func:`_tested_refusal`): its outputs at its first ``k`` tokens must be the same when it runs on those tokens
    alone (``k`` = 1, half the tokens, all but the last), since a head-parallel ``fn`` runs on the padded sequence
    (padding last) and only a causal one keeps the padding from every real token; and its outputs on each rank's
    share of the heads, joined, must equal its outputs on all heads. These are tests on one draw of inputs, not
    proofs: causality is not proved at all; the split is proved, but the proof does not see how ``fn`` pairs the
    heads of its arguments when it derives that from their sizes (a gathered argument's groups repeated to the
-   heads), which the second test does.
+   heads), which the second test does. A choice the tests refuse leaves the next one to be tried.
 3. **run**: ``fn`` is registered as found (:func:`cpcompile.cores.register_head_parallel`, its replacement put in
    place of the probe) and Dynamo traces the frame a third time; the mixing pass proves the region again, as it
    does every registered core's.
@@ -167,30 +172,48 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
     tokens, seq_dim = seen[0].per_token, seen[0].seq_dim
     ndim = max(len(c.shapes[name]) for c in seen for name in tokens)
     reasons = []  # of each dim and head count tried, the first (the likeliest heads) reported
+    undivided_reason = None  # a choice that holds but for the CP size, reported when no other does
     for head_dim in range(ndim):
         if head_dim == seq_dim or (head_dim == 0 and seq_dim != 0):
             continue
         sizes = {c.shapes[name][head_dim] for c in seen for name in tokens if len(c.shapes[name]) > head_dim}
         for count in sorted(sizes - {1}, reverse=True):
-            split = {c.split(head_dim, count) for c in seen}
-            if len(split) > 1:
-                reasons.append(f"with dim {head_dim} as heads, its calls pass per-head tensors in different arguments")
-                continue
-            per_token, per_head, shared, gathered, unclear = split.pop()
-            if unclear:
-                reasons.append(f"with {count} heads at dim {head_dim}, {list(unclear)} have a dim of {count} elsewhere")
-                continue
-            refused = _heads_kept(gm, fn, seen, per_token, per_head, seq_dim, head_dim)
-            if refused:
-                reasons.append(f"with dim {head_dim} of {list(per_token)} as heads, {refused}")
-                continue
-            if count % cp_size:
-                return ForCPSize(
-                    f"its {count} heads (dim {head_dim} of {per_token[0]!r}) do not divide by the CP size {cp_size}"
-                )
-            found = {"per_token": per_token, "per_head": per_head, "shared": shared, "gathered": gathered,
-                     "seq_dim": seq_dim, "head_dim": head_dim}  # fmt: skip
-            return _tested_refusal(fn, calls[0], found, seen[0].length, cp_size) or found
+            choices = [{c.split(head_dim, count, grouped=True) for c in seen}]
+            ungrouped = {c.split(head_dim, count, grouped=False) for c in seen}
+            if ungrouped != choices[0]:  # arguments with fewer heads there: groups first, else gathered whole
+                choices.append(ungrouped)
+            for split in choices:
+                if len(split) > 1:
+                    reasons.append(
+                        f"with dim {head_dim} as heads, its calls pass per-head tensors in different arguments"
+                    )
+                    continue
+                per_token, per_head, shared, gathered, unclear = split.pop()
+                if unclear:
+                    reasons.append(
+                        f"with {count} heads at dim {head_dim}, {list(unclear)} have a dim of {count} elsewhere"
+                    )
+                    continue
+                refused = _heads_kept(gm, fn, seen, per_token, per_head, seq_dim, head_dim)
+                if refused:
+                    reasons.append(f"with dim {head_dim} of {list(per_token)} as heads, {refused}")
+                    continue
+                undivided = {name: seen[0].shapes[name][head_dim] for name in per_token}
+                undivided = {name: h for name, h in undivided.items() if h % cp_size}
+                if undivided:  # the other choices are tried first: this one may hold at another CP size
+                    name, h = next(iter(undivided.items()))
+                    undivided_reason = undivided_reason or ForCPSize(
+                        f"its {h} heads (dim {head_dim} of {name!r}) do not divide by the CP size {cp_size}"
+                    )
+                    continue
+                found = {"per_token": per_token, "per_head": per_head, "shared": shared, "gathered": gathered,
+                         "seq_dim": seq_dim, "head_dim": head_dim}  # fmt: skip
+                refused = _tested_refusal(fn, calls[0], found, seen[0].length, cp_size)
+                if not refused:
+                    return found
+                reasons.append(refused)
+    if undivided_reason:
+        return undivided_reason
     return reasons[0] if reasons else f"no dim of its per-token arguments {list(tokens)} holds heads"
 
 
@@ -233,12 +256,19 @@ class _Call:
         seq_dim = seq_dims[per_token[0]]
         return _Call(tensors, shapes, per_token, seq_dim, shapes[per_token[0]][seq_dim])
 
-    def split(self, head_dim: int, count: int) -> tuple[tuple[str, ...], ...]:
+    def split(self, head_dim: int, count: int, grouped: bool) -> tuple[tuple[str, ...], ...]:
         """``(per_token, per_head, shared, gathered, unclear)`` with ``count`` heads at ``head_dim``: a per-token
-        argument with ``count`` there holds heads, any other is gathered whole; a tensor argument without the
-        sequence whose dim 0 has ``count`` is per-head, any other shared; an argument gathered or shared is
-        unclear if it has a dim of ``count`` (it may hold heads)."""
-        heads = tuple(n for n in self.per_token if len(self.shapes[n]) > head_dim and self.shapes[n][head_dim] == count)
+        argument with ``count`` there holds heads (and, when ``grouped``, one with a divisor of ``count`` there
+        holds groups of them, listed after those with ``count``), any other is gathered whole; a tensor argument
+        without the sequence whose dim 0 has ``count`` is per-head, any other shared; an argument gathered or
+        shared is unclear if it has a dim of ``count`` (it may hold heads)."""
+
+        def held(name: str) -> int:
+            return self.shapes[name][head_dim] if len(self.shapes[name]) > head_dim else 0
+
+        heads = tuple(n for n in self.per_token if held(n) == count)
+        if grouped:
+            heads += tuple(n for n in self.per_token if 1 < held(n) < count and count % held(n) == 0)
         gathered = tuple(n for n in self.per_token if n not in heads)
         others = [name for name in self.tensors if name not in self.per_token]
         per_head = tuple(name for name in others if self.shapes[name] and self.shapes[name][0] == count)
@@ -333,12 +363,12 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
                         f"it is not causal: its outputs at its first {k} tokens change when tokens follow them, and "
                         "a head-parallel run would let the padding after the last token reach them"
                     )
-        per = base[per_token[0]].shape[head_dim] // cp_size
+        per = {name: base[name].shape[head_dim if name in per_token else 0] // cp_size for name in per_token + per_head}
         parts = []
         for r in range(cp_size):
             share = dict(base)
-            share.update({name: base[name].narrow(head_dim, r * per, per) for name in per_token})
-            share.update({name: base[name].narrow(0, r * per, per) for name in per_head})
+            share.update({name: base[name].narrow(head_dim, r * per[name], per[name]) for name in per_token})
+            share.update({name: base[name].narrow(0, r * per[name], per[name]) for name in per_head})
             try:
                 parts.append(_tensors(fn(**share)))
             except Exception as e:  # noqa: BLE001 - reported as the reason

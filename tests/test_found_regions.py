@@ -15,9 +15,12 @@ loop that reads its rates from a module global (not an argument, so not narrowed
 refused, naming why; with the region's proof bypassed, the head-mixing loop is still refused by the test on
 shares of the heads; heads a CP size does not divide leave the function to be tried again; parity at CP=2
 (balanced) against the one-process model (logits, loss, gradients), with a negative control: the found core run
-on each rank's own tokens must fail. Slow tier: transformers' cores taken out of the known ones: RWKV's WKV and
-Mamba's selective scan found and exact at CP=2 (contiguous, balanced); Qwen3-Next's gated delta rule (grouped
-heads) refused by the test on shares of the heads.
+on each rank's own tokens must fail. Groups of heads: a loop whose per-token gate holds 2 groups of the 6 heads
+(``grouped_heads``, repeated by ``repeat_interleave``) is found with the gate split as groups and is exact at CP=2
+(with the same control); the same loop with the groups tiled (``repeat``) is refused. Slow tier: transformers'
+cores taken out of the known ones, each found and exact at CP=2 (contiguous, balanced): RWKV's WKV, Mamba's
+selective scan, Qwen3-Next's gated delta rule (2 key heads for 4 value heads, as groups) and Mamba2's SSD scan (2
+groups).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from tests.test_hybrids_parity import DOCS
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 FACTORY = "tests.models.user_cores:user_core_lm"
-EXPECTED = (("transposed_heads", "head_parallel"), ("cross_entropy", "partial_sum"))
 
 
 def _compile(core: str, group, **options):
@@ -62,6 +64,20 @@ def test_an_unregistered_core_is_found_and_run_head_parallel(world):
     )
 
 
+def test_grouped_heads_are_split_with_their_heads(world):
+    """``k`` holds 2 groups of the 6 heads, repeated to them as ``repeat_interleave`` does: it is split with the
+    heads (a rank's block of groups serves its block of heads), not gathered whole."""
+    assert _compile("grouped_heads", world)[0] == ("grouped_heads", "head_parallel")
+    spec = cpcompile.cores._HEAD_SPECS["tests.models.user_cores.grouped_heads"]
+    assert (spec.per_token, spec.per_head, spec.gathered, spec.seq_dim, spec.head_dim) == (
+        ("x", "g", "k"),
+        ("decay",),
+        (),
+        1,
+        2,
+    )
+
+
 def test_with_registered_regions_only_the_same_core_is_refused(world):
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token 0 of the sequence") as caught:
         _compile("heads_mixing_loop", world, regions="registered")
@@ -75,6 +91,7 @@ def test_with_registered_regions_only_the_same_core_is_refused(world):
         ("reversed_heads", "not reversed_heads, as it is not causal: its outputs at its first 1 tokens change"),
         ("heads_mixing_loop", "as heads, mean combines values of different heads"),
         ("rates_read_inside", "a tensor with a dim of its head count that is none of its arguments"),
+        ("tiled_groups", "not tiled_groups, as with dim 2 of ['x', 'g', 'k'] as heads, repeat combines values of"),
     ],
 )
 def test_a_core_that_cannot_run_head_parallel_stays_refused(world, core, why):
@@ -84,14 +101,17 @@ def test_a_core_that_cannot_run_head_parallel_stays_refused(world, core, why):
 
 
 def test_with_the_proof_bypassed_the_split_test_refuses_a_core_that_mixes_heads(world, monkeypatch):
-    """The negative control of the second numerical test: with the region's proof made to accept anything, the loop
-    that adds the mean over heads to its state is still refused, by its outputs on shares of the heads."""
+    """The negative control of the second numerical test: with the region's proof made to accept the heads as they
+    are (dim 2), the loop that adds the mean over heads to its state is still refused, by its outputs on shares of
+    the heads."""
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token"):
         _compile("heads_mixing_loop", world)  # tried (once per process): refused by the proof
     key = "tests.models.user_cores.heads_mixing_loop"
     monkeypatch.setitem(regions._TRIED, key, "probed")  # tried again: its probe notes its arguments again
     monkeypatch.setattr(_compat, "NOTING", {*_compat.NOTING, key})
-    monkeypatch.setattr(regions, "_heads_kept", lambda *args: "")
+    proof = regions._heads_kept
+    # accepted with the heads (dim 2) only: its channels (dim 3) are tried next, which the proof refuses
+    monkeypatch.setattr(regions, "_heads_kept", lambda *a: "" if a[-1] == 2 else proof(*a))
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token") as caught:
         _compile("heads_mixing_loop", world)
     assert "differ from its outputs from all of them: it is not a map over those heads" in str(caught.value)
@@ -114,7 +134,7 @@ def test_heads_the_cp_size_does_not_divide_leave_the_function_to_be_tried_again(
     assert regions._TRIED[key] == "it is not causal" and key not in _compat.NOTING
 
 
-def _case(layout: str = "balanced") -> ParityCase:
+def _case(core: str = "transposed_heads", layout: str = "balanced") -> ParityCase:
     from cpcompile.layouts import Workload
 
     return ParityCase(
@@ -122,20 +142,23 @@ def _case(layout: str = "balanced") -> ParityCase:
         doc_lens=DOCS,
         expected_sites=1,
         layout=layout,
-        overrides=(("core", "transposed_heads"), ("registered", False)),
-        expected_mixing=EXPECTED,
+        overrides=(("core", core), ("registered", False)),
+        expected_mixing=((core, "head_parallel"), ("cross_entropy", "partial_sum")),
         shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
     )
 
 
-def _local_heads(original, *args, **kwargs):
-    """The negative control's core: each run of ``c`` tokens alone, split along the sequence dim (2) of the
-    per-token arguments."""
+def _local_heads(seq_dim: int):
+    """The negative control's core: each run of ``c`` tokens alone, split along the sequence dim (``seq_dim``) of
+    the per-token arguments."""
     import torch.distributed as dist
 
-    n = dist.get_world_size()
-    parts = [original(*(a.chunk(n, dim=2)[piece] for a in args), **kwargs) for piece in range(n)]
-    return torch.cat(parts, dim=2)
+    def local(original, *args, **kwargs):
+        n = dist.get_world_size()
+        parts = [original(*(a.chunk(n, dim=seq_dim)[piece] for a in args), **kwargs) for piece in range(n)]
+        return torch.cat(parts, dim=seq_dim)
+
+    return local
 
 
 def _worker(rank: int, world: int, case: ParityCase) -> dict:
@@ -148,14 +171,17 @@ def _worker(rank: int, world: int, case: ParityCase) -> dict:
     torch.set_num_threads(1)
     group = dist.group.WORLD
     cases = _run([case], group)  # first: this process finds the core here
-    return {"cases": cases, "control": _control(dataclasses.replace(case, expected_mixing=None), group, _local_heads)}
+    local = _local_heads(2 if dict(case.overrides)["core"] in user_cores.TRANSPOSED else 1)
+    return {"cases": cases, "control": _control(dataclasses.replace(case, expected_mixing=None), group, local)}
 
 
 @pytest.mark.timeout(400)
-def test_a_found_core_equals_one_process():
+@pytest.mark.parametrize("core", ["transposed_heads", "grouped_heads"])
+def test_a_found_core_equals_one_process(core):
+    """CP=2, balanced: the loop on ``[B, H, S, D]``, and the loop with groups of heads (``grouped_heads``)."""
     from tests.harness.dist import run_distributed
 
-    case = _case()
+    case = _case(core)
     per_rank = run_distributed(_worker, 2, case, timeout_s=360)
     report(per_rank[0]["cases"])
     assert [s["case"] for s in per_rank[0]["cases"]] == [case.name]
@@ -172,7 +198,7 @@ _RWKV_BLOCK = (("pad", "halo"), ("rwkv_linear_attention_cpu", "head_parallel"), 
 
 def _family_worker(rank: int, world: int, family: str) -> dict:
     """Take ``family``'s core out of :data:`cpcompile.cores.CORES` (a fresh process: it is never substituted) and
-    run its CP=2 cases, contiguous and balanced; or, for Qwen3-Next, return the refusal."""
+    run its CP=2 cases, contiguous and balanced (a refusal returned)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -183,7 +209,8 @@ def _family_worker(rank: int, world: int, family: str) -> dict:
     from tests.test_recurrent_parity import _LOSS, RWKV_CP2
 
     torch.set_num_threads(1)
-    key = {"rwkv": cores._WKV, "mamba": cores._SELECTIVE, "qwen3_next": cores._GDN}[family].format(family)
+    key = {"rwkv": cores._WKV, "mamba": cores._SELECTIVE, "qwen3_next": cores._GDN, "mamba2": cores._MAMBA2}[family]
+    key = key.format(family)
     cores.CORES.pop(key)
     if family == "rwkv":
         cases = [dataclasses.replace(c, expected_mixing=(*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS)) for c in RWKV_CP2]
@@ -205,31 +232,36 @@ def _family_worker(rank: int, world: int, family: str) -> dict:
 
 @slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["rwkv", "mamba", "qwen3_next"])
+@pytest.mark.parametrize("family", ["rwkv", "mamba", "qwen3_next", "mamba2"])
 def test_a_transformers_core_left_out_of_the_registry(family):
-    """transformers' cores taken out of :data:`cpcompile.cores.CORES` (in fresh ranks):
+    """transformers' cores taken out of :data:`cpcompile.cores.CORES` (in fresh ranks), each found and exact at
+    CP=2, contiguous and balanced:
 
     * RWKV's WKV: its CPU path found (channels as heads, ``time_decay`` and ``time_first`` per-head, the state
-      ``None``), exact at CP=2, contiguous and balanced;
+      ``None``);
     * Mamba's selective scan: found with the channels (dim 1) as heads, the sequence at dim 2, ``A``, ``D`` and
-      ``delta_bias`` per-head and ``B``, ``C`` (per token, no channels) gathered whole; exact likewise;
-    * Qwen3-Next's gated delta rule (2 key heads, 4 value heads, which it repeats the key heads to): not found, so
-      refused. Its likeliest classification (the 4 value heads split, query and key gathered) passes the region's
-      proof, and only the test on shares of the heads refuses it: each share would repeat the whole set of key
-      heads to its own value heads."""
+      ``delta_bias`` per-head and ``B``, ``C`` (per token, no channels) gathered whole;
+    * Qwen3-Next's gated delta rule (2 key heads, 4 value heads, which it repeats the key heads to): the value
+      heads split and ``query``, ``key`` split with them as groups;
+    * Mamba2's SSD scan (``n_groups`` 2 of its heads): ``B`` and ``C`` split with the heads as groups, ``A``, ``D``
+      and ``dt_bias`` per-head."""
     from tests.harness.dist import run_distributed
 
     per_rank = run_distributed(_family_worker, 2, family, timeout_s=840, fresh=True)
     got = per_rank[0]
     key = {"rwkv": "rwkv.modeling_rwkv.rwkv_linear_attention_cpu", "mamba": "mamba.modeling_mamba.mamba_selective_scan",
-           "qwen3_next": "qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"}[family]  # fmt: skip
-    if family == "qwen3_next":
-        assert got["found"] is None and got["cases"] == [], got
-        assert "it is not a map over those heads" in got["refused"], got["refused"]
-        return
+           "qwen3_next": "qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule",
+           "mamba2": "mamba2.modeling_mamba2.mamba2_chunk_scan"}[family]  # fmt: skip
     report(got["cases"])
-    assert len(got["cases"]) == 2 and got["tried"] == {f"transformers.models.{key}": "found"}, got
-    if family == "mamba":
+    assert len(got["cases"]) == 2 and got["tried"].get(f"transformers.models.{key}") == "found", got
+    expected = {
+        "mamba": {"per_token": ("z", "hidden_states", "dt"), "per_head": ("D", "delta_bias", "A"),
+                  "gathered": ("B", "C"), "seq_dim": 2, "head_dim": 1},
+        "qwen3_next": {"per_token": ("value", "g", "beta", "query", "key"), "per_head": (), "gathered": (),
+                       "seq_dim": 1, "head_dim": 2},
+        "mamba2": {"per_token": ("hidden_states", "dt", "B", "C"), "per_head": ("D", "dt_bias", "A"), "gathered": (),
+                   "seq_dim": 1, "head_dim": 2},
+    }  # fmt: skip
+    if family in expected:  # RWKV's found function is the wrapper's CPU path, not the registry's key
         found = {k: got["found"][k] for k in ("per_token", "per_head", "gathered", "seq_dim", "head_dim")}
-        assert found == {"per_token": ("z", "hidden_states", "dt"), "per_head": ("D", "delta_bias", "A"),
-                         "gathered": ("B", "C"), "seq_dim": 2, "head_dim": 1}, found  # fmt: skip
+        assert found == expected[family], found

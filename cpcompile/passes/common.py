@@ -276,8 +276,9 @@ def registration_fix(node: fx.Node) -> str:
     return (
         f"if {name} is causal (a token's outputs read only tokens at or before it) and computes each head's "
         "(channel's) outputs from that head's inputs alone, register it before compiling: "
-        f"cpcompile.cores.register_head_parallel({name}, per_token=(...), per_head=(...), shared=(...)), naming "
-        f"each of its tensor parameters ({params}) in one of the three; cpcompile then runs it on the whole "
+        f"cpcompile.cores.register_head_parallel({name}, per_token=(...), per_head=(...), shared=(...), "
+        f"gathered=(...)), naming each of its tensor parameters ({params}) in one of the four; cpcompile then "
+        "runs it on the whole "
         "sequence of some heads on each rank and proves that it keeps the heads apart"
     )
 

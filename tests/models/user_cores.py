@@ -17,7 +17,12 @@ Never registered, for the backend to find (``regions="found"``, ``tests/test_fou
 at dim 1, the sequence at dim 2); :func:`reversed_heads` runs it from the last token back (not causal);
 :func:`heads_mixing_loop` adds the state's mean over heads at every step (not a map over heads);
 :func:`rates_read_inside` reads its rates (per head and channel) from a module global (:data:`RATES`), not from
-an argument.
+an argument; :func:`grouped_heads` is a loop whose state each step also multiplies by a per-token gate of
+:data:`GROUPS` groups of heads (``sigmoid(k.sum(-1))``, ``k`` of ``[B, S, GROUPS, D]``: the sum keeps the channels
+from being split instead), repeated to the heads as ``repeat_interleave`` does (group
+``j`` to heads ``j * H / G`` to ``(j + 1) * H / G - 1``, as gated delta-net pairs key heads with value heads and
+SSD its groups with heads); :func:`tiled_groups` repeats the groups the other way (``repeat``: group ``j`` to heads
+``j``, ``j + G``, ...), so a rank's block of groups does not serve its block of heads.
 
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
 embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
@@ -127,6 +132,38 @@ def rates_read_inside(x, g, decay):
     return torch.stack(out, dim=1)
 
 
+#: Groups of heads (``k`` of :func:`grouped_heads` and :func:`tiled_groups`): each serves ``HEADS // GROUPS`` heads.
+GROUPS = 2
+
+
+def grouped_heads(x, g, decay, k):
+    rate = torch.sigmoid(decay)[:, None]
+    gate = torch.sigmoid(k.sum(-1, keepdim=True)).repeat_interleave(
+        x.shape[2] // k.shape[2], dim=2
+    )  # group j -> heads j*H/G ...
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    h = torch.zeros_like(u[:, 0])
+    out = []
+    for t in range(u.shape[1]):
+        h = rate * h * gate[:, t] + u[:, t]
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
+def tiled_groups(x, g, decay, k):
+    rate = torch.sigmoid(decay)[:, None]
+    gate = torch.sigmoid(k.sum(-1, keepdim=True)).repeat(
+        1, 1, x.shape[2] // k.shape[2], 1
+    )  # group j -> heads j, j + G, ...
+    u = x * torch.sigmoid(g).unsqueeze(-1)
+    h = torch.zeros_like(u[:, 0])
+    out = []
+    for t in range(u.shape[1]):
+        h = rate * h * gate[:, t] + u[:, t]
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
 CORES = {
     "decayed_heads": decayed_heads,
     "mixed_heads": mixed_heads,
@@ -136,11 +173,15 @@ CORES = {
     "reversed_heads": reversed_heads,
     "heads_mixing_loop": heads_mixing_loop,
     "rates_read_inside": rates_read_inside,
+    "grouped_heads": grouped_heads,
+    "tiled_groups": tiled_groups,
 }
 #: Cores that take ``[B, H, S, ...]`` inputs and return ``[B, H, S, D]``: the mixer transposes around them.
 TRANSPOSED = frozenset({"transposed_heads"})
 #: The per-token argument ``restarting_heads`` takes besides those of :data:`REGISTRATION`: document starts.
 STARTS = {"restarting_heads": ("starts",)}
+#: Cores that take a fourth argument, ``k``: ``[B, S, GROUPS, HEAD_DIM]``, per token, a gate for each group of heads.
+GROUPED = frozenset({"grouped_heads", "tiled_groups"})
 
 
 def register(core: str) -> None:
@@ -159,6 +200,8 @@ class UserMixer(nn.Module):
         self.gate = nn.Linear(hidden, heads)
         self.decay = nn.Parameter(torch.linspace(-1.0, 2.0, heads))
         self.out = nn.Linear(heads * HEAD_DIM, hidden)
+        if core in GROUPED:
+            self.group_gate = nn.Linear(hidden, GROUPS * HEAD_DIM)
 
     def forward(self, x, batch=None):
         import tests.models.user_cores as module
@@ -166,6 +209,8 @@ class UserMixer(nn.Module):
         args = [self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)), self.gate(x), self.decay]
         if self.core in STARTS:  # 1.0 at each document's first token (its position id 0), given to every head
             args.append((batch["position_ids"] == 0).to(x.dtype)[:, :, None].expand(-1, -1, self.heads))
+        if self.core in GROUPED:
+            args.append(self.group_gate(x).unflatten(-1, (GROUPS, HEAD_DIM)))
         if self.core in TRANSPOSED:
             args = [args[0].transpose(1, 2), args[1].transpose(1, 2), args[2]]
         y = getattr(module, self.core)(*args)

@@ -212,12 +212,14 @@ STATIC_FIX = (
 
 
 #: Reasons of a refusal that a sequence mixer of the model's own code gives (a product over the sequence, a scan,
-#: a scan's length used as a value): their fix names :func:`cpcompile.cores.register_head_parallel` when the code is
-#: a module-level function, and the backend tries that function as a head-parallel region.
+#: a scan's length used as a value, a mask over positions built by an op the pass does not know, as SSD's ``tril``
+#: of its chunk): their fix names :func:`cpcompile.cores.register_head_parallel` when the code is a module-level
+#: function, and the backend tries that function as a head-parallel region.
 MIXER_REASONS = (
     "contracts the sequence dim",
     "mixes the values of different positions along the sequence",
     "the local sequence length used as a value",
+    "is not known to keep the values of different positions apart",
 )
 
 
