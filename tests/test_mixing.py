@@ -292,6 +292,33 @@ def test_refused_in_static_graphs(world, mixer):
             torch.compile(mixer_lm(mixer=mixer), backend=backend)(**local)
 
 
+@pytest.mark.parametrize(
+    ("mixer", "dynamic", "found"),
+    [
+        (
+            "conv_cumsum",
+            True,
+            [("mixer.conv", "conv1d", "convolution", "halo"), ("mixer", "cumsum", "scan", "gathered")],
+        ),
+        (
+            "conv_cumsum",
+            False,
+            [("mixer.conv", "conv1d", "convolution", "halo"), ("mixer", "cumsum", "scan", "gathered")],
+        ),
+        ("merged_rows_cumsum", False, [("mixer", "cumsum", "scan", "gathered")]),
+    ],
+)
+def test_a_scan_after_a_conv_or_merged_rows_is_found(world, mixer, dynamic, found):
+    """A cumsum along the sequence after a conv's trim, and after a ``baddbmm`` whose rows merge batch and sequence
+    (RG-LRU's gate). In a static graph (``shard(dynamic=False)``) no size names the sequence: it is followed through
+    the conv's longer output and the bias-first product, or the scan would run on this rank's tokens. The scan's
+    region reads the end of the conv's rewritten region (the graph stays well formed)."""
+    backend = cpcompile.backend(world, inner="eager")
+    with cpcompile.shard(packed_batch(DOCS), world, dynamic=dynamic) as local:
+        torch.compile(mixer_lm(mixer=mixer), backend=backend)(**local)
+    assert _actions(backend) == [*found, LOSS]
+
+
 def test_sequence_classification_last_token_pooling_is_pooled(world):
     """LlamaForSequenceClassification pools the last non-padding token (an argmax over the sequence): both ops are
     ``pooled`` (parity and the refused argmax forms: tests/test_pooling.py)."""

@@ -18,7 +18,10 @@ The 4 processes run CP=2 on ranks {0, 1} (contiguous layout, ``inner="eager"``, 
 (the conv model with inductor: the halo ops compiled for real through AOTAutograd; the conv model in a static
 graph, ``shard(dynamic=False)``, where the trim ``[..., :T]`` is a constant; the conv model under the balanced
 layout, two runs per rank whose halos come from the other rank; the per-token forms the mixing pass accepts next
-to refused ones of the same ops: ``token_norm``, ``feature_setitem``, ``head_repeat``) side by side, then CP=3 on
+to refused ones of the same ops: ``token_norm``, ``feature_setitem``, ``head_repeat``; a cumulative sum along the
+sequence after the conv's trim, ``conv_cumsum``, dynamic and static, where the scan's region reads the end of the
+conv's rewritten region; a cumulative sum after a ``baddbmm`` whose rows merge batch and sequence,
+``merged_rows_cumsum``, static; these three with the pass-off control) side by side, then CP=3 on
 ranks {0, 1, 2} (the conv, balanced at T = 37, and head_tail at T = 7: runs of one or two tokens, shorter than the
 conv's halo of 2, fetched from two ranks and from the rank's own other run) and CP=4 on all four under the balanced
 layout (each rank holds several runs of tokens), with the conv and LFM2 under head_tail at T = 8 (runs of one
@@ -46,6 +49,10 @@ EXPECTED = {
     "token_norm": (LOSS,),
     "feature_setitem": (LOSS,),
     "head_repeat": (LOSS,),
+    # a scan that reads a rewritten region's end: the conv takes its halo, then the cumsum runs on the whole sequence
+    "conv_cumsum": (("conv1d", "halo"), ("cumsum", "gathered"), LOSS),
+    # a cumsum after a baddbmm of the tokens with batch and sequence merged into its rows
+    "merged_rows_cumsum": (("cumsum", "gathered"), LOSS),
 }
 
 
@@ -79,7 +86,12 @@ PAIR1 = [
     _case("token_norm"),
     _case("feature_setitem"),
     _case("head_repeat"),
+    _case("conv_cumsum"),
+    _case("conv_cumsum", dynamic=False),
+    _case("merged_rows_cumsum", dynamic=False),
 ]
+#: The controls of PAIR1's cases: the regions' pass off.
+CONTROLS1 = {"conv_cumsum": ("mixing_off",), "merged_rows_cumsum": ("mixing_off",)}
 #: The slow tier adds the inductor case to ranks {2, 3}, and ``CP4``.
 PAIR1_SLOW = [_case("conv", inner="inductor")]
 #: Runs shorter than the conv's halo of 2 tokens (head_tail at T = 7 over 3 ranks, T = 8 over 4: one token each).
@@ -114,7 +126,7 @@ def _worker(rank: int, world: int, with_slow: bool) -> dict:
     if rank < 2:
         out["cp2"] = _run(PAIR0, pairs[0], CONTROLS)
     else:
-        out["cp2"] = _run(PAIR1 + PAIR1_SLOW * with_slow, pairs[1])
+        out["cp2"] = _run(PAIR1 + PAIR1_SLOW * with_slow, pairs[1], CONTROLS1)
     if with_slow and rank < 3:
         out["cp3"] = _run(CP3, three)
     if with_slow:
@@ -149,6 +161,9 @@ def test_cp2_static_and_per_token_forms(results):
     summaries = results[2]["cp2"][: len(PAIR1)]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in PAIR1]
+    names = [dict(c.overrides).get("mixer") for c in PAIR1]
+    assert [set(s["controls"]) for s in summaries] == [set(CONTROLS1.get(n, ())) for n in names]
+    assert_controls(summaries)
 
 
 @slow

@@ -292,6 +292,10 @@ def sequence_dims(
     return tags
 
 
+#: Matrix products whose first argument is a bias and whose leading dims are those of the next (the first factor).
+_BIAS_FIRST = frozenset({"addmm", "baddbmm"})
+
+
 def is_nested(t: object) -> bool:
     """Whether ``t`` is the tags of an op returning several tensors (a tuple of tags)."""
     return isinstance(t, tuple) and any(isinstance(x, tuple) or x is None for x in t)
@@ -325,6 +329,9 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
             return _getitem_tags(n, first_tags, out, seq, tags)
         if name in ("narrow", "slice", "pad") and len(first_tags) == len(out):  # every dim where it was
             return tuple(t or s for t, s in zip(first_tags, _involved(out, seq), strict=True))
+        if name in vocab.CONVOLUTIONS and len(first_tags) == len(out):  # batch and spatial dims where they were
+            kept = (first_tags[0], False, *first_tags[2:])
+            return tuple(t or s for t, s in zip(kept, _involved(out, seq), strict=True))
         if name in vocab.VMAP_DIMS:
             got = _vmap_tags(n, name, first_tags, tags)
             if len(got) == len(out):
@@ -334,9 +341,13 @@ def _node_tags(n: fx.Node, out: tuple, tags: dict, seq: SequenceLength) -> Tags:
             if got is not None and len(got) == len(out):
                 return got
     # every op: dims whose size involves the local length; the leading dims it keeps from its first input keep
-    # their tags (a linear keeps [B, T], a scan of sequence chunks keeps them all); element-wise ops broadcast
-    # their inputs' tags (right-aligned)
+    # their tags (a linear keeps [B, T], a scan of sequence chunks keeps them all; ``addmm`` and ``baddbmm`` keep
+    # those of their first factor, after the bias); element-wise ops broadcast their inputs' tags (right-aligned)
     res = list(_involved(out, seq))
+    if name in _BIAS_FIRST and len(n.args) > 1 and isinstance(n.args[1], fx.Node):
+        first = n.args[1]
+        first_tags = tags.get(first)
+        first_tags = first_tags if isinstance(first_tags, tuple) and not is_nested(first_tags) else None
     first_shape = shape_of(first)
     if first_tags is not None and first_shape is not None:
         for d in range(min(len(first_shape), len(out))):

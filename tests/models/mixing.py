@@ -5,6 +5,9 @@ attention block (``layers.0``, the ``packed_docs`` mask of :mod:`tests.models.at
 (``MIXERS``):
 
 * ``conv``: LFM2's short conv: depthwise ``conv1d(padding=k-1, groups=C)`` over ``[B, C, T]``, then ``[..., :T]``;
+* ``conv_cumsum``: the conv, then a cumulative sum along the sequence (a scan: refused);
+* ``merged_rows_cumsum``: a ``baddbmm`` of the tokens with the batch and sequence merged into its rows
+  (``[1, B*T, C]``, as RG-LRU's gate), then a cumulative sum along the sequence (refused);
 * ``squeezed_conv``: the same conv on channels that reach it as Zamba's Mamba mixer hands them on: a
   ``view(B, C, 1, T)`` then ``squeeze(2)`` in front of the conv (the sequence dim must stay tagged through the
   squeeze, or the conv would run on this rank's tokens only);
@@ -46,7 +49,7 @@ from tests.models.tiny import TinyLM, seeded
 MIXERS = (
     "conv", "shift", "first_diff", "next_diff", "mask_cumsum", "mean_pool", "last_token", "chunked_scan",
     "custom_per_token", "custom_scan", "norm_pool", "sort_tokens", "tril_tokens", "token_norm", "feature_setitem",
-    "token_setitem", "head_repeat", "token_repeat", "squeezed_conv",
+    "token_setitem", "head_repeat", "token_repeat", "squeezed_conv", "conv_cumsum", "merged_rows_cumsum",
 )  # fmt: skip
 KERNEL = 3
 CHUNK = 4
@@ -116,6 +119,12 @@ class Mixer(nn.Module):
         if self.form == "conv":
             y = self.conv(self.mix(x).transpose(1, 2))[..., :T]
             return x + y.transpose(1, 2)
+        if self.form == "conv_cumsum":  # a cumulative sum along the sequence after the conv
+            return x + self.conv(self.mix(x).transpose(1, 2))[..., :T].cumsum(-1).transpose(1, 2)
+        if self.form == "merged_rows_cumsum":  # one row per token, batch and sequence merged, through baddbmm
+            weight = self.mix.weight.t().unsqueeze(0)
+            rows = torch.baddbmm(self.conv.bias.view(1, 1, H), x.reshape(1, B * T, H), weight)
+            return x + rows.reshape(B, T, H).cumsum(1)
         if self.form == "squeezed_conv":
             y = self.conv(self.mix(x).transpose(1, 2).reshape(B, H, 1, T).squeeze(2))[..., :T]
             return x + y.transpose(1, 2)

@@ -193,11 +193,15 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
     if refused and ctx.refuse == "raise":
         raise _refusal(*refused[0])
     reports = []
+    ends: dict[fx.Node, fx.Node] = {}  # the end of each region rewritten -> the node that replaced it
     for op, action, reason in decided:
         nbytes = 0
         if action in REGION_ACTIONS:
+            region = op.region
+            if region.operand in ends:  # it reads a region rewritten before it (a scan after a conv's trim)
+                region = dataclasses.replace(region, operand=ends[region.operand])
             try:
-                rewrite_region(op.region, f"{ctx.site_prefix}:{op.where}", ctx, seq.symbols)
+                ends[op.region.nodes[-1]] = rewrite_region(region, f"{ctx.site_prefix}:{op.where}", ctx, seq.symbols)
             except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
                 raise RuntimeError(f"cpcompile mixing pass failed while rewriting {op.where}: {e}") from e
             nbytes = _bytes(op.region, ctx.cp_size) if action == "gathered" else 0

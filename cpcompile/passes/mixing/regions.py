@@ -386,7 +386,10 @@ def _run_region_on(region: CausalRegion, source: fx.Node, keep: fx.Node, lengths
         env[n] = new
     with graph.inserting_after(env[last]):
         out = graph.call_method("index_select", (env[last], region.out_dim, keep))
-    out.meta.update({k: v for k, v in last.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    # the value of the end it replaces (this rank's tokens, the same shape): a region that reads it next sees it
+    out.meta.update(
+        {k: v for k, v in last.meta.items() if k in ("stack_trace", "nn_module_stack", "example_value", "val")}
+    )
     last.replace_all_uses_with(out)
     for n in reversed(region.nodes):
         graph.erase_node(n)
