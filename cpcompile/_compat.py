@@ -9,6 +9,7 @@ scatter the private APIs the package depends on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -55,6 +56,8 @@ __all__ = [
     "is_peer_exit_error",
     "init_fake_process_group",
     "inline_in_graph",
+    "inline_method",
+    "INLINED",
     "inlined_in_graph",
     "is_non_member_group",
     "lookup_inner_backend",
@@ -62,6 +65,7 @@ __all__ = [
     "NOTED",
     "NOTING",
     "OPAQUE",
+    "Held",
     "note_traced",
     "node_module_class",
     "node_module_path",
@@ -734,8 +738,17 @@ def replace_substitution(fn: object, replacement: object) -> None:
 #: What :func:`note_traced` saw while Dynamo traced: ``key -> [{name: graph node, constant or OPAQUE}, ...]``, one
 #: dict per traced call.
 NOTED: dict[str, list[dict[str, object]]] = {}
-#: What :func:`note_traced` notes for a value that is neither a tensor nor a constant.
+#: What :func:`note_traced` notes for a value that is neither a tensor, a module nor a constant.
 OPAQUE = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What :func:`note_traced` notes for an ``nn.Module`` (a method's ``self``): the module itself."""
+
+    value: object
+
+
 #: The keys :func:`note_traced` notes values for (any other key: nothing is kept).
 NOTING: set[str] = set()
 
@@ -743,7 +756,8 @@ NOTING: set[str] = set()
 def note_traced(key: str, first: bool, name: str, value: object) -> None:
     """While Dynamo traces the caller (a replacement given to ``torch.compiler.substitute_in_graph``) and ``key``
     is in :data:`NOTING`, enter ``value`` in ``NOTED[key][-1][name]`` (``first``: in a new dict, for a new call):
-    its graph node (a tensor), its value (a constant) or :data:`OPAQUE` (anything else). Eagerly it does nothing.
+    its graph node (a tensor), its value (a constant), :class:`Held` (a module) or :data:`OPAQUE` (anything
+    else). Eagerly it does nothing.
     torch 2.13: ``torch._dynamo.comptime`` runs a function while tracing, with the tracer's view of the caller's
     locals; the function may have no free variables."""
     if torch.compiler.is_compiling():
@@ -763,7 +777,8 @@ def _note_local(ctx) -> None:
     elif var.is_proxy() and isinstance(var.as_proxy(), torch.fx.Proxy):
         noted = var.as_proxy().node
     else:
-        noted = OPAQUE
+        value = getattr(var._i_will_not_complain_if_bc_breaks_VariableTracker(), "value", None)
+        noted = Held(value) if isinstance(value, torch.nn.Module) else OPAQUE
     calls = NOTED.setdefault(key, [])
     if ctx.get_local("first").as_python_constant() or not calls:
         calls.append({})
@@ -796,6 +811,27 @@ def inline_in_graph(fn: object, replacement: object) -> None:
     found on an object's type it follows the function's ``_torchdynamo_inline`` attribute (what torch.jit and
     torch.compile's own wrappers set). Eager calls of ``fn`` and the class are unchanged."""
     fn._torchdynamo_inline = replacement  # type: ignore[attr-defined]
+
+
+#: ``key -> replacement`` of each method given one by :func:`inline_method`.
+INLINED: dict[str, object] = {}
+
+
+def inline_method(fn: object, key: str, replacement: object | None) -> None:
+    """:func:`inline_in_graph` for a ``replacement`` that may be a closure (``None``: take the replacement away).
+    torch 2.13: Dynamo reads a function it follows from ``_torchdynamo_inline`` through the source of ``fn`` (its
+    class's dict), so a guard on a closure cell of the replacement names ``fn.__closure__``, which ``fn`` does not
+    have, and building the guards fails. ``fn`` is given a function of this module without a closure that calls
+    ``INLINED[key]``: Dynamo reaches the replacement through this module's global."""
+    if replacement is None:
+        INLINED.pop(key, None)
+        if "_torchdynamo_inline" in vars(fn):
+            del fn._torchdynamo_inline  # type: ignore[attr-defined]
+        return
+    INLINED[key] = replacement
+    namespace: dict[str, object] = {}
+    exec(f"def inlined(*args, **kwargs):\n    return INLINED[{key!r}](*args, **kwargs)\n", globals(), namespace)
+    inline_in_graph(fn, namespace["inlined"])
 
 
 def inlined_in_graph(fn: object) -> bool:

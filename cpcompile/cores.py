@@ -115,6 +115,7 @@ __all__ = [
     "traced_copy",
     "in_core",
     "register_head_parallel",
+    "register_found_method",
     "register_known_cores",
     "registered_cores",
     "replicated",
@@ -1001,6 +1002,47 @@ def register_head_parallel(
             f"register_head_parallel expects a module-level Python function, got {fn!r}; register the function "
             "the model calls (a method or a nested function cannot be substituted: call a module-level one from it)"
         )
+    spec = _head_spec(fn, per_token, per_head, shared, seq_dim, head_dim, gathered)
+    key = f"{fn.__module__}.{fn.__name__}"
+    if key in _HEAD_SPECS:
+        if _HEAD_SPECS[key] != spec:
+            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
+        return
+    _HEAD_SPECS[key] = spec
+    CORES[key] = "registered"
+    if not _compat.substituted_in_graph(fn):
+        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
+            _registered_replacement(traced_copy(fn), key, spec)
+        )
+    _REGISTERED[key] = fn
+
+
+def register_found_method(
+    fn: types.FunctionType,
+    *,
+    per_token: Sequence[str],
+    per_head: Sequence[str] = (),
+    shared: Sequence[str] = (),
+    seq_dim: int = 1,
+    head_dim: int = 2,
+    gathered: Sequence[str] = (),
+) -> None:
+    """Run the method ``fn`` (a function defined in a class, called as ``self.fn(...)``) head-parallel as
+    :func:`register_head_parallel` runs a module-level function, with ``self`` passed unchanged: what
+    :mod:`cpcompile.regions` does with a method it found. The replacement reaches Dynamo through
+    :func:`cpcompile._compat.inline_method` (Dynamo does not consult ``substitute_in_graph`` for a bound method),
+    replacing the one given before (the probe's). A tensor the method reads from ``self`` is not narrowed: the
+    finding refuses one with a dim of the head count."""
+    spec = _head_spec(fn, per_token, per_head, shared, seq_dim, head_dim, gathered)
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    _HEAD_SPECS[key] = spec
+    CORES[key] = "registered"
+    _compat.inline_method(fn, key, _registered_replacement(_copy(fn), key, spec))
+    _REGISTERED[key] = fn
+
+
+def _head_spec(fn, per_token, per_head, shared, seq_dim, head_dim, gathered) -> _HeadSpec:
+    """The checked arguments of :func:`register_head_parallel` for ``fn``."""
     params = inspect.signature(fn).parameters.values()
     odd = [p.name for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD)]
     if odd:
@@ -1031,20 +1073,8 @@ def register_head_parallel(
             "arguments (e.g. seq_dim=1, head_dim=2 for [B, S, H, ...])"
         )
     defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
-    spec = _HeadSpec(names, defaults, lists["per_token"], lists["per_head"], lists["shared"], seq_dim, head_dim,
+    return _HeadSpec(names, defaults, lists["per_token"], lists["per_head"], lists["shared"], seq_dim, head_dim,
                      lists["gathered"])  # fmt: skip
-    key = f"{fn.__module__}.{fn.__name__}"
-    if key in _HEAD_SPECS:
-        if _HEAD_SPECS[key] != spec:
-            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
-        return
-    _HEAD_SPECS[key] = spec
-    CORES[key] = "registered"
-    if not _compat.substituted_in_graph(fn):
-        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
-            _registered_replacement(traced_copy(fn), key, spec)
-        )
-    _REGISTERED[key] = fn
 
 
 def _registered_replacement(original, site: str, spec: _HeadSpec):

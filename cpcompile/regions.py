@@ -1,11 +1,11 @@
 """Head-parallel regions found at compile time: a sequence mixer of the model's own code, written as a
-module-level function, runs on the whole sequence of some heads on each rank without a registration.
+module-level function or a method, runs on the whole sequence of some heads on each rank without a registration.
 
 When the positions or the mixing pass refuses an op that a sequence mixer makes (a scan, a product over the
-sequence, a token picked by its index, the local length used as a value) while a module-level function ``fn`` of
-the model's code runs (:attr:`cpcompile.UnsupportedMixingError.functions`), the backend (``regions="found"``, its
-default) does what :func:`cpcompile.cores.register_head_parallel` asks the user to do, in three traces of the
-same frame:
+sequence, a token picked by its index, the local length used as a value, a mask over positions built by an op it
+does not know) while a module-level function or a method (other than a ``forward``) ``fn`` of the model's code
+runs (:attr:`cpcompile.UnsupportedMixingError.functions`), the backend (``regions="found"``, its default) does
+what :func:`cpcompile.cores.register_head_parallel` asks the user to do, in three traces of the same frame:
 
 1. **probe**: ``fn`` gets a replacement that calls it unchanged and notes, while Dynamo traces it, which graph
    value each of its arguments is (:func:`cpcompile._compat.note_traced`); Dynamo traces the frame again.
@@ -43,8 +43,12 @@ read (``**kwargs`` it drops) is shared. A function transformers binds to a kerne
 When no classification holds, the refusal stands, with the reason added (of the choices tried, the first). The
 functions are tried innermost first; each once per process (a later refusal in it keeps its first reason), but for
 heads that the CP size does not divide (:class:`ForCPSize`: classified again at its next refusal).
-Methods are not tried (Dynamo substitutes module-level functions only), nor functions the user registered or that
-Dynamo already substitutes.
+A method gets its probe and its replacement through :func:`cpcompile._compat.inline_method` (Dynamo does not
+consult ``substitute_in_graph`` for a bound method), its ``self`` passed unchanged (noted as
+:class:`cpcompile._compat.Held`; the eager tests call it on the module itself): a tensor it reads from ``self``
+with a dim of the head count (a per-head parameter) refuses the choice, as a module global does (pass it as an
+argument). A method refused has its probe taken away. A module's ``forward`` is not tried. Nor are functions the
+user registered or that Dynamo already substitutes.
 """
 
 from __future__ import annotations
@@ -79,7 +83,11 @@ _TEST_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def _key(fn: types.FunctionType) -> str:
-    return f"{fn.__module__}.{fn.__name__}"
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _is_method(fn: types.FunctionType) -> bool:
+    return fn.__qualname__ != fn.__name__
 
 
 def _probe_replacement(original, key: str, names: tuple[str, ...], defaults: tuple[tuple[str, object], ...]):
@@ -104,7 +112,7 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
         key = _key(fn)
         state = _TRIED.get(key)
         if state is None:
-            if key in cores.CORES or _compat.substituted_in_graph(fn):
+            if key in cores.CORES or _compat.substituted_in_graph(fn) or _compat.inlined_in_graph(fn):
                 continue
             params = list(inspect.signature(fn).parameters.values())
             if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY) for p in params):
@@ -122,13 +130,18 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
                 continue
             _compat.NOTING.discard(key)
             if not isinstance(found, str):
-                cores.register_head_parallel(fn, **found)
-                _compat.replace_substitution(
-                    fn, cores._registered_replacement(cores.traced_copy(fn), key, cores._HEAD_SPECS[key])
-                )
+                if _is_method(fn):
+                    cores.register_found_method(fn, **found)
+                else:
+                    cores.register_head_parallel(fn, **found)
+                    _compat.replace_substitution(
+                        fn, cores._registered_replacement(cores.traced_copy(fn), key, cores._HEAD_SPECS[key])
+                    )
                 _TRIED[key] = "found"
                 return RESTART
             _TRIED[key] = found
+            if _is_method(fn):  # its probe taken away (a module-level function's calls the original unchanged)
+                _compat.inline_method(fn, key, None)
         if _TRIED.get(key, "found") not in ("found", "probed"):
             reasons.append(f"not {fn.__name__}, as {_TRIED[key]}")
     return "; ".join(reasons)
@@ -144,9 +157,11 @@ def _probe(fn: types.FunctionType, key: str, params: list[inspect.Parameter]) ->
     defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
     _compat.NOTED.pop(key, None)
     _compat.NOTING.add(key)
-    torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
-        _probe_replacement(cores.traced_copy(fn), key, names, defaults)
-    )
+    probe = _probe_replacement(cores.traced_copy(fn), key, names, defaults)
+    if _is_method(fn):
+        _compat.inline_method(fn, key, probe)
+    else:
+        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(probe)
     _TRIED[key] = "probed"
 
 
@@ -342,6 +357,7 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
 
     with _compat.unset_fake_mode(), torch.no_grad():
         base = {name: random_like(_val(n)) if isinstance(n, fx.Node) else n for name, n in noted.items()}
+        base.update({name: n.value for name, n in noted.items() if isinstance(n, _compat.Held)})  # a method's self
         try:
             before = fn(**base)
         except Exception as e:  # noqa: BLE001 - reported as the reason

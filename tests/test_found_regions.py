@@ -78,6 +78,21 @@ def test_grouped_heads_are_split_with_their_heads(world):
     )
 
 
+def test_a_method_is_found_with_its_self_passed_unchanged(world):
+    """``self.scan_method(x, g, decay)``, a method that reads a number from ``self``: found, ``self`` passed to
+    each rank's run unchanged."""
+    assert _compile("scan_method", world)[0] == ("scan_method", "head_parallel")
+    spec = cpcompile.cores._HEAD_SPECS["tests.models.user_cores.UserMixer.scan_method"]
+    assert (spec.names, spec.per_token, spec.per_head, spec.shared, spec.seq_dim, spec.head_dim) == (
+        ("self", "x", "g", "decay"),
+        ("x", "g"),
+        ("decay",),
+        (),
+        1,
+        2,
+    )
+
+
 def test_with_registered_regions_only_the_same_core_is_refused(world):
     with pytest.raises(cpcompile.UnsupportedMixingError, match="picks token 0 of the sequence") as caught:
         _compile("heads_mixing_loop", world, regions="registered")
@@ -92,6 +107,7 @@ def test_with_registered_regions_only_the_same_core_is_refused(world):
         ("heads_mixing_loop", "as heads, mean combines values of different heads"),
         ("rates_read_inside", "a tensor with a dim of its head count that is none of its arguments"),
         ("tiled_groups", "not tiled_groups, as with dim 2 of ['x', 'g', 'k'] as heads, repeat combines values of"),
+        ("rates_from_self", "not rates_from_self, as with dim 2 of ['x', 'g'] as heads, it reads l_self_modules_"),
     ],
 )
 def test_a_core_that_cannot_run_head_parallel_stays_refused(world, core, why):
@@ -176,9 +192,10 @@ def _worker(rank: int, world: int, case: ParityCase) -> dict:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("core", ["transposed_heads", "grouped_heads"])
+@pytest.mark.parametrize("core", ["transposed_heads", "grouped_heads", "scan_method"])
 def test_a_found_core_equals_one_process(core):
-    """CP=2, balanced: the loop on ``[B, H, S, D]``, and the loop with groups of heads (``grouped_heads``)."""
+    """CP=2, balanced: the loop on ``[B, H, S, D]``, the loop with groups of heads (``grouped_heads``) and the loop
+    written as a method (``scan_method``)."""
     from tests.harness.dist import run_distributed
 
     case = _case(core)
@@ -209,11 +226,16 @@ def _family_worker(rank: int, world: int, family: str) -> dict:
     from tests.test_recurrent_parity import _LOSS, RWKV_CP2
 
     torch.set_num_threads(1)
-    key = {"rwkv": cores._WKV, "mamba": cores._SELECTIVE, "qwen3_next": cores._GDN, "mamba2": cores._MAMBA2}[family]
+    key = {"rwkv": cores._WKV, "mamba": cores._SELECTIVE, "qwen3_next": cores._GDN, "mamba2": cores._MAMBA2,
+           "recurrent_gemma": cores._RG_LRU}[family]  # fmt: skip
     key = key.format(family)
     cores.CORES.pop(key)
     if family == "rwkv":
         cases = [dataclasses.replace(c, expected_mixing=(*_RWKV_BLOCK, *_RWKV_BLOCK, _LOSS)) for c in RWKV_CP2]
+    elif family == "recurrent_gemma":
+        from tests.test_recurrent_parity import _case as recurrent_case
+
+        cases = [recurrent_case(), recurrent_case(layout="balanced")]
     else:
         cases = [_case(model=family), _case(model=family, layout="balanced")]
     out = {"cases": [], "refused": ""}
@@ -232,7 +254,7 @@ def _family_worker(rank: int, world: int, family: str) -> dict:
 
 @slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["rwkv", "mamba", "qwen3_next", "mamba2"])
+@pytest.mark.parametrize("family", ["rwkv", "mamba", "qwen3_next", "mamba2", "recurrent_gemma"])
 def test_a_transformers_core_left_out_of_the_registry(family):
     """transformers' cores taken out of :data:`cpcompile.cores.CORES` (in fresh ranks), each found and exact at
     CP=2, contiguous and balanced:
@@ -244,11 +266,20 @@ def test_a_transformers_core_left_out_of_the_registry(family):
     * Qwen3-Next's gated delta rule (2 key heads, 4 value heads, which it repeats the key heads to): the value
       heads split and ``query``, ``key`` split with them as groups;
     * Mamba2's SSD scan (``n_groups`` 2 of its heads): ``B`` and ``C`` split with the heads as groups, ``A``, ``D``
-      and ``dt_bias`` per-head."""
+      and ``dt_bias`` per-head.
+
+    RecurrentGemma's RG-LRU scan, a method (``RecurrentGemmaRglru._rnn_scan``), is tried and refused, as it returns
+    its final state (no sequence dim), which a head-parallel run cannot bring back to the ranks' tokens; the known
+    core drops it under CP."""
     from tests.harness.dist import run_distributed
 
     per_rank = run_distributed(_family_worker, 2, family, timeout_s=840, fresh=True)
     got = per_rank[0]
+    if family == "recurrent_gemma":
+        assert got["cases"] == [] and got["found"] is None, got
+        why = got["tried"]["transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRglru._rnn_scan"]
+        assert "it returns recurrent_states" in why and "not as its per-token arguments hold them" in why, why
+        return
     key = {"rwkv": "rwkv.modeling_rwkv.rwkv_linear_attention_cpu", "mamba": "mamba.modeling_mamba.mamba_selective_scan",
            "qwen3_next": "qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule",
            "mamba2": "mamba2.modeling_mamba2.mamba2_chunk_scan"}[family]  # fmt: skip

@@ -246,22 +246,56 @@ def mixer_function(node: fx.Node) -> types.FunctionType | None:
     return _module_function(frame[0], frame[2]) if frame is not None else None
 
 
+#: Methods :func:`mixer_functions` leaves out: a module's ``forward`` reads its parameters from ``self``.
+_NOT_MIXER_METHODS = frozenset({"forward", "__call__"})
+
+
 def mixer_functions(node: fx.Node) -> tuple[types.FunctionType, ...]:
-    """Every module-level function of the model's code running when Dynamo made ``node`` (the frames of its
-    stack trace outside torch), innermost first, each once."""
+    """Every module-level function and method (other than a ``forward``) of the model's code running when Dynamo
+    made ``node`` (the frames of its stack trace outside torch), innermost first, each once."""
     found: list[types.FunctionType] = []
-    for path, _, name, _ in reversed(_frames(node)):
-        fn = None if path.startswith(_TORCH_DIR) else _module_function(path, name)
+    for path, line, name, _ in reversed(_frames(node)):
+        if path.startswith(_TORCH_DIR):
+            continue
+        fn = _module_function(path, name)
+        if fn is None and name not in _NOT_MIXER_METHODS and line.isdigit():
+            fn = _class_function(path, name, int(line))
         if fn is not None and fn not in found:
             found.append(fn)
     return tuple(found)
 
 
+def _class_function(path: str, name: str, line: int) -> types.FunctionType | None:
+    """The function ``name`` defined in a class of an imported module of source file ``path`` whose code holds
+    ``line`` (a method), or ``None``."""
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not file or os.path.realpath(file) != os.path.realpath(path):
+            continue
+        for cls in list(vars(module).values()):
+            if not isinstance(cls, type) or cls.__module__ != module.__name__:
+                continue
+            fn = cls.__dict__.get(name)
+            if isinstance(fn, types.FunctionType) and fn.__code__.co_filename == path and _holds(fn, line):
+                return fn
+    return None
+
+
+def _holds(fn: types.FunctionType, line: int) -> bool:
+    """Whether ``line`` of its file is one of ``fn``'s own lines."""
+    code = inspect.unwrap(fn).__code__
+    lines = [x for _, _, x in code.co_lines() if x is not None]
+    return code.co_firstlineno <= line <= max(lines, default=code.co_firstlineno)
+
+
 def in_function(node: fx.Node, fn: types.FunctionType) -> bool:
-    """Whether ``fn`` (a module-level function) was running when Dynamo made ``node``: a frame of its stack trace
-    is ``fn``'s."""
+    """Whether ``fn`` (a module-level function or a method) was running when Dynamo made ``node``: a frame of its
+    stack trace is at one of ``fn``'s lines."""
     path = os.path.realpath(inspect.unwrap(fn).__code__.co_filename)
-    return any(f[2] == fn.__name__ and os.path.realpath(f[0]) == path for f in _frames(node))
+    return any(
+        f[2] == fn.__name__ and os.path.realpath(f[0]) == path and f[1].isdigit() and _holds(fn, int(f[1]))
+        for f in _frames(node)
+    )
 
 
 def registration_fix(node: fx.Node) -> str:

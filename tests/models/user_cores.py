@@ -22,7 +22,10 @@ an argument; :func:`grouped_heads` is a loop whose state each step also multipli
 from being split instead), repeated to the heads as ``repeat_interleave`` does (group
 ``j`` to heads ``j * H / G`` to ``(j + 1) * H / G - 1``, as gated delta-net pairs key heads with value heads and
 SSD its groups with heads); :func:`tiled_groups` repeats the groups the other way (``repeat``: group ``j`` to heads
-``j``, ``j + G``, ...), so a rank's block of groups does not serve its block of heads.
+``j``, ``j + G``, ...), so a rank's block of groups does not serve its block of heads. Methods of
+:class:`UserMixer` (:data:`METHODS`): ``scan_method``, the loop with a number read from ``self``, and
+``rates_from_self``, the loop with per-head rates read from a parameter of ``self`` (not an argument, so not
+narrowed to the rank's heads).
 
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
 embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
@@ -191,6 +194,10 @@ def register(core: str) -> None:
     register_head_parallel(CORES[core], **{**REGISTRATION, "per_token": per_token})
 
 
+#: Cores that are methods of :class:`UserMixer`, called as ``self.<core>(x, g, decay)``.
+METHODS = frozenset({"scan_method", "rates_from_self"})
+
+
 class UserMixer(nn.Module):
     def __init__(self, core: str, hidden: int, heads: int = HEADS) -> None:
         super().__init__()
@@ -200,8 +207,28 @@ class UserMixer(nn.Module):
         self.gate = nn.Linear(hidden, heads)
         self.decay = nn.Parameter(torch.linspace(-1.0, 2.0, heads))
         self.out = nn.Linear(heads * HEAD_DIM, hidden)
+        self.input_scale = 0.5  # read by scan_method from self: a number, the same for every head
+        if core == "rates_from_self":
+            self.rates = nn.Parameter(torch.linspace(0.2, 0.8, heads * HEAD_DIM).view(heads, HEAD_DIM))
         if core in GROUPED:
             self.group_gate = nn.Linear(hidden, GROUPS * HEAD_DIM)
+
+    def scan_method(self, x, g, decay):
+        rate = torch.sigmoid(decay)[:, None]
+        h = torch.zeros_like(x[:, 0])
+        out = []
+        for t in range(x.shape[1]):
+            h = rate * h + self.input_scale * x[:, t] * torch.sigmoid(g[:, t]).unsqueeze(-1)
+            out.append(h)
+        return torch.stack(out, dim=1)
+
+    def rates_from_self(self, x, g, decay):
+        h = torch.zeros_like(x[:, 0])
+        out = []
+        for t in range(x.shape[1]):
+            h = torch.sigmoid(self.rates) * h + x[:, t] * torch.sigmoid(g[:, t]).unsqueeze(-1)
+            out.append(h)
+        return torch.stack(out, dim=1)
 
     def forward(self, x, batch=None):
         import tests.models.user_cores as module
@@ -213,7 +240,7 @@ class UserMixer(nn.Module):
             args.append(self.group_gate(x).unflatten(-1, (GROUPS, HEAD_DIM)))
         if self.core in TRANSPOSED:
             args = [args[0].transpose(1, 2), args[1].transpose(1, 2), args[2]]
-        y = getattr(module, self.core)(*args)
+        y = getattr(self if self.core in METHODS else module, self.core)(*args)
         if self.core in TRANSPOSED:
             y = y.transpose(1, 2)
         return x + self.out(y.flatten(-2))
