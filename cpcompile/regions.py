@@ -31,7 +31,9 @@ what :func:`cpcompile.cores.register_head_parallel` asks the user to do, in thre
    share of the heads, joined, must equal its outputs on all heads. These are tests on one draw of inputs, not
    proofs: causality is not proved at all; the split is proved, but the proof does not see how ``fn`` pairs the
    heads of its arguments when it derives that from their sizes (a gathered argument's groups repeated to the
-   heads), which the second test does. A choice the tests refuse leaves the next one to be tried.
+   heads), which the second test does. A choice the tests refuse leaves the next one to be tried. The tests leave
+   the global random state and the module of a method (attributes, buffers, submodules) as they were; a
+   parameter the method changes in place refuses it.
 3. **run**: ``fn`` is registered as found (:func:`cpcompile.cores.register_head_parallel`, its replacement put in
    place of the probe) and Dynamo traces the frame a third time; the mixing pass proves the region again, as it
    does every registered core's.
@@ -53,9 +55,11 @@ user registered or that Dynamo already substitutes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -355,7 +359,8 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
             return (torch.randn(shape, generator=gen) * 0.5).to(value.dtype).to(value.device)
         return torch.zeros(shape, dtype=value.dtype, device=value.device)
 
-    with _compat.unset_fake_mode(), torch.no_grad():
+    modules = [n.value for n in noted.values() if isinstance(n, _compat.Held)]
+    with _compat.unset_fake_mode(), torch.no_grad(), _kept(modules) as changed:
         base = {name: random_like(_val(n)) if isinstance(n, fx.Node) else n for name, n in noted.items()}
         base.update({name: n.value for name, n in noted.items() if isinstance(n, _compat.Held)})  # a method's self
         try:
@@ -396,7 +401,36 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
                     f"on random inputs its outputs from {cp_size} shares of the heads (dim {head_dim}) differ from "
                     "its outputs from all of them: it is not a map over those heads"
                 )
+    if changed:
+        return f"it changes {changed[0]} of its module in place, so it could not be tested"
     return ""
+
+
+@contextlib.contextmanager
+def _kept(modules: list[torch.nn.Module]) -> Iterator[list[str]]:
+    """Run the tests of :func:`_tested_refusal` without a trace on the model: the global random state (of the CPU
+    and of the devices the modules' tensors are on) and every module's attributes and buffers come back as they
+    were; the parameters a run changed in place (which cannot come back) are listed in what it yields."""
+    subs = [m for module in modules for m in module.modules()]
+    attrs = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in subs]
+    buffers = [(b, b.clone()) for m in subs for b in m._buffers.values() if isinstance(b, torch.Tensor)]
+    params = [(name, p, p._version) for module in modules for name, p in module.named_parameters()]
+    devices = sorted({b.device for b, _ in buffers} | {p.device for _, p, _ in params}, key=str)
+    changed: list[str] = []
+    with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
+        try:
+            yield changed
+        finally:
+            for m, d, parameters, bufs, children in attrs:
+                vars(m).clear()
+                vars(m).update(d)
+                for held, saved in ((m._parameters, parameters), (m._buffers, bufs), (m._modules, children)):
+                    held.clear()
+                    held.update(saved)
+            for b, saved in buffers:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
+            changed.extend(f"the parameter {name}" for name, p, version in params if p._version != version)
 
 
 def _tensors(out) -> list[torch.Tensor]:

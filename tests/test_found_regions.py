@@ -150,6 +150,27 @@ def test_heads_the_cp_size_does_not_divide_leave_the_function_to_be_tried_again(
     assert regions._TRIED[key] == "it is not causal" and key not in _compat.NOTING
 
 
+def test_the_eager_tests_leave_the_module_and_the_random_state_as_they_were():
+    """The tests on random inputs run a method on its own module: what the run changes in the module's attributes,
+    buffers and submodules, and the global random state, comes back; a parameter changed in place is reported."""
+    module = torch.nn.Linear(2, 2)
+    module.register_buffer("calls", torch.zeros(1))
+    module.scale = 1.0
+    before = torch.get_rng_state()
+    weight = module.weight.detach().clone()
+    with torch.no_grad(), regions._kept([module]) as changed:
+        module.calls += 1
+        module.scale = 2.0
+        module.extra = torch.nn.Identity()
+        torch.randn(3)
+    assert changed == [] and module.calls.item() == 0.0 and module.scale == 1.0 and "extra" not in module._modules
+    assert torch.equal(torch.get_rng_state(), before)
+    with torch.no_grad(), regions._kept([module]) as changed:
+        module.weight.mul_(2.0)
+    assert changed == ["the parameter weight"]
+    torch.testing.assert_close(module.weight.detach(), 2.0 * weight)
+
+
 def _case(core: str = "transposed_heads", layout: str = "balanced") -> ParityCase:
     from cpcompile.layouts import Workload
 
