@@ -1002,7 +1002,9 @@ def register_head_parallel(
             f"register_head_parallel expects a module-level Python function, got {fn!r}; register the function "
             "the model calls (a method or a nested function cannot be substituted: call a module-level one from it)"
         )
-    spec = _head_spec(fn, per_token, per_head, shared, seq_dim, head_dim, gathered)
+    spec = _head_spec(
+        fn, per_token=per_token, per_head=per_head, shared=shared, seq_dim=seq_dim, head_dim=head_dim, gathered=gathered
+    )
     key = f"{fn.__module__}.{fn.__name__}"
     if key in _HEAD_SPECS:
         if _HEAD_SPECS[key] != spec:
@@ -1017,23 +1019,15 @@ def register_head_parallel(
     _REGISTERED[key] = fn
 
 
-def register_found_method(
-    fn: types.FunctionType,
-    *,
-    per_token: Sequence[str],
-    per_head: Sequence[str] = (),
-    shared: Sequence[str] = (),
-    seq_dim: int = 1,
-    head_dim: int = 2,
-    gathered: Sequence[str] = (),
-) -> None:
+def register_found_method(fn: types.FunctionType, **classified) -> None:
     """Run the method ``fn`` (a function defined in a class, called as ``self.fn(...)``) head-parallel as
-    :func:`register_head_parallel` runs a module-level function, with ``self`` passed unchanged: what
+    :func:`register_head_parallel` runs a module-level function (``classified``: its keyword arguments), with
+    ``self`` passed unchanged: what
     :mod:`cpcompile.regions` does with a method it found. The replacement reaches Dynamo through
     :func:`cpcompile._compat.inline_method` (Dynamo does not consult ``substitute_in_graph`` for a bound method),
     replacing the one given before (the probe's). A tensor the method reads from ``self`` is not narrowed: the
     finding refuses one with a dim of the head count."""
-    spec = _head_spec(fn, per_token, per_head, shared, seq_dim, head_dim, gathered)
+    spec = _head_spec(fn, **classified)
     key = f"{fn.__module__}.{fn.__qualname__}"
     _HEAD_SPECS[key] = spec
     CORES[key] = "registered"
@@ -1041,7 +1035,7 @@ def register_found_method(
     _REGISTERED[key] = fn
 
 
-def _head_spec(fn, per_token, per_head, shared, seq_dim, head_dim, gathered) -> _HeadSpec:
+def _head_spec(fn, *, per_token, per_head=(), shared=(), seq_dim=1, head_dim=2, gathered=()) -> _HeadSpec:
     """The checked arguments of :func:`register_head_parallel` for ``fn``."""
     params = inspect.signature(fn).parameters.values()
     odd = [p.name for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD)]
