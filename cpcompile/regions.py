@@ -28,7 +28,7 @@ what :func:`cpcompile.cores.register_head_parallel` asks the user to do, in thre
    (:func:`_tested_refusal`): its outputs at its first ``k`` tokens must be the same when it runs on those tokens
    alone (``k`` = 1, half the tokens, all but the last), since a head-parallel ``fn`` runs on the padded sequence
    (padding last) and only a causal one keeps the padding from every real token; and its outputs on each rank's
-   share of the heads, joined, must equal its outputs on all heads. These are tests on one draw of inputs, not
+   share of the heads, joined, must equal its outputs on all heads. These are tests on two draws of inputs, not
    proofs: causality is not proved at all; the split is proved, but the proof does not see how ``fn`` pairs the
    heads of its arguments when it derives that from their sizes (a gathered argument's groups repeated to the
    heads), which the second test does. A choice the tests refuse leaves the next one to be tried. The tests leave
@@ -338,9 +338,24 @@ def _heads_kept(gm, fn, seen: list[_Call], per_token, per_head, seq_dim, head_di
     return ""
 
 
+#: The draws of random inputs :func:`_tested_refusal` runs a function on: ``(seed, scale of the floating-point
+#: inputs, whether boolean inputs are drawn too (else all false))``.
+_DRAWS = ((0, 0.5, False), (1, 0.5, True))
+
+
 def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
+    """``""`` when ``fn`` passes the tests of :func:`_tested_on` on every draw of :data:`_DRAWS`, else why not."""
+    for draw in _DRAWS:
+        why = _tested_on(fn, noted, found, length, cp_size, *draw)
+        if why:
+            return why
+    return ""
+
+
+def _tested_on(fn, noted, found: dict, length: int, cp_size: int, seed: int, scale: float, flags: bool) -> str:
     """``""`` when ``fn``, run eagerly on random inputs of the traced shapes and dtypes (floating point: normal,
-    scaled by 0.5; others: zeros), passes two tests, else why not:
+    times ``scale``; boolean: true with probability 1/4 when ``flags``; others: zeros; drawn from ``seed``), passes
+    two tests, else why not:
 
     * causal: its outputs at its first ``k`` tokens are the same when it runs on those tokens alone (``k`` = 1,
       ``length // 2``, ``length - 1``): no later token, nor how many follow, changes them;
@@ -351,12 +366,14 @@ def _tested_refusal(fn, noted, found: dict, length: int, cp_size: int) -> str:
     seq_dim, head_dim = found["seq_dim"], found["head_dim"]
     if length < 2:
         return "its causality cannot be tested on one token"
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
 
     def random_like(value: torch.Tensor) -> torch.Tensor:
         shape = [size_hint(s) for s in value.shape]
         if value.dtype.is_floating_point:
-            return (torch.randn(shape, generator=gen) * 0.5).to(value.dtype).to(value.device)
+            return (torch.randn(shape, generator=gen) * scale).to(value.dtype).to(value.device)
+        if value.dtype == torch.bool and flags:
+            return (torch.rand(shape, generator=gen) < 0.25).to(value.device)
         return torch.zeros(shape, dtype=value.dtype, device=value.device)
 
     modules = [n.value for n in noted.values() if isinstance(n, _compat.Held)]
