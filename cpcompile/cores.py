@@ -970,8 +970,10 @@ def register_head_parallel(
     (this rank's tokens of every head -> every token, in global order, of ``H / N`` heads: the ``r``-th block of
     them on rank ``r``; an argument with fewer heads, ``G``, whose each head serves a block of ``H / G``
     consecutive heads of the others, as ``repeat_interleave`` pairs them, gives the matching ``G / N`` on each
-    rank), each argument named in ``per_head`` (a tensor whose dim 0 is the ``H`` heads) is narrowed to the
-    rank's heads (its gradient summed over the group, as every parameter's is), the arguments named in
+    rank; heads that ``N`` does not divide are padded with zero heads, zero per-head values included, up to the
+    next multiple, whose outputs are cut off after the exchange back), each argument named in ``per_head`` (a
+    tensor whose dim 0 is the ``H`` heads) is narrowed to the rank's heads (its gradient summed over the group, as
+    every parameter's is), the arguments named in
     ``shared`` pass unchanged, and each argument named in ``gathered`` (a tensor whose dim ``seq_dim`` is the
     sequence and that has no heads: the same for every head, as the selective scan's ``B`` and ``C``) is
     all-gathered, every token in global order on every rank (``N`` copies through the same exchange). ``fn`` runs
@@ -985,8 +987,8 @@ def register_head_parallel(
     not a multiple of the CP size), and causality, which is not checked, keeps the padding from every real token.
 
     Refused while tracing, on every rank: a tensor argument not named in any of the lists, and a per-token
-    argument whose heads the CP size does not divide. Register before the first compiled call under CP;
-    registering ``fn`` again with the same arguments does nothing.
+    argument with fewer heads (groups) when the CP size does not divide them or the heads. Register before the
+    first compiled call under CP; registering ``fn`` again with the same arguments does nothing.
 
     ``**kwargs`` of ``fn`` pass through: a tensor in them is refused unless a list names it (as a ``fn`` that takes
     ``**kwargs`` may be given any keyword, a name that is not a parameter is taken for one). A function transformers
@@ -1095,21 +1097,25 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
                     f"got the tensor argument {name!r}, which register_head_parallel did not classify",
                     "name it in per_token, per_head or shared of cpcompile.cores.register_head_parallel",
                 )
+        count = max(values[name].shape[head_dim] for name in per_token)
+        padded = -(-count // n) * n  # heads a CP size does not divide: zero heads up to the next multiple
         for name in per_token:
-            if values[name].shape[head_dim] % n:
+            heads_here = values[name].shape[head_dim]
+            if heads_here != count and (heads_here % n or padded != count):
                 _refuse(
                     values[name],
                     site,
-                    f"has {values[name].shape[head_dim]} heads (dim {head_dim} of {name!r}), which the CP size {n} "
-                    "does not divide",
-                    "use a CP size that divides the heads",
+                    f"has {heads_here} groups of heads (dim {head_dim} of {name!r}) for {count} heads, which the CP "
+                    f"size {n} does not divide",
+                    "use a CP size that divides the groups and the heads",
                 )
-        per = max(values[name].shape[head_dim] for name in per_token) // n
+        per = padded // n
         order = torch.ops.cpcompile.heads_order(first.detach(), seq_dim, n, site)
-        for name in per_token:
-            values[name] = _to_heads(values[name], order, group_name, site, seq_dim, head_dim)
+        for name in per_token:  # groups are never padded: padding happens only when there are none
+            wide = _padded(values[name], padded, head_dim) if values[name].shape[head_dim] == count else values[name]
+            values[name] = _to_heads(wide, order, group_name, site, seq_dim, head_dim)
         for name in per_head:
-            values[name] = values[name].narrow(0, rank * per, per)
+            values[name] = _padded(values[name], padded, 0).narrow(0, rank * per, per)
         for name in gathered:
             values[name] = _gathered(values[name], order, group_name, site, n, seq_dim, head_dim)
         tokens = [values[name] for name in per_token]
@@ -1118,7 +1124,9 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
         def back(t):
             if t is None:
                 return None
-            return _to_sequence(t, order, group_name, site, seq_dim, head_dim)
+            t = _to_sequence(t, order, group_name, site, seq_dim, head_dim)
+            # a slice, as the known cores cut theirs (a narrow made here reads as a per-head parameter's)
+            return t if padded == count else t[(slice(None),) * head_dim + (slice(None, count),)]
 
         if isinstance(out, (tuple, list)):
             return type(out)(back(t) for t in out)

@@ -217,12 +217,14 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
                 if refused:
                     reasons.append(f"with dim {head_dim} of {list(per_token)} as heads, {refused}")
                     continue
-                undivided = {name: seen[0].shapes[name][head_dim] for name in per_token}
-                undivided = {name: h for name, h in undivided.items() if h % cp_size}
+                # groups need whole blocks of heads on every rank; heads alone are padded up to a multiple
+                groups = {name: seen[0].shapes[name][head_dim] for name in per_token}
+                undivided = {n: h for n, h in groups.items() if h != count and (h % cp_size or count % cp_size)}
                 if undivided:  # the other choices are tried first: this one may hold at another CP size
                     name, h = next(iter(undivided.items()))
                     undivided_reason = undivided_reason or ForCPSize(
-                        f"its {h} heads (dim {head_dim} of {name!r}) do not divide by the CP size {cp_size}"
+                        f"its {h} groups of {count} heads (dim {head_dim} of {name!r}) and the CP size {cp_size} "
+                        "do not divide into whole groups per rank"
                     )
                     continue
                 found = {"per_token": per_token, "per_head": per_head, "shared": shared, "gathered": gathered,
@@ -401,18 +403,27 @@ def _tested_on(fn, noted, found: dict, length: int, cp_size: int, seed: int, sca
                         f"it is not causal: its outputs at its first {k} tokens change when tokens follow them, and "
                         "a head-parallel run would let the padding after the last token reach them"
                     )
-        per = {name: base[name].shape[head_dim if name in per_token else 0] // cp_size for name in per_token + per_head}
+        count = base[per_token[0]].shape[head_dim]
+        padded = -(-count // cp_size) * cp_size  # heads a CP size does not divide: zero heads, as the run pads them
+        wide = dict(base)
+        wide.update(
+            {n: cores._padded(base[n], padded, head_dim) for n in per_token if base[n].shape[head_dim] == count}
+        )
+        wide.update({n: cores._padded(base[n], padded, 0) for n in per_head})
+        per = {name: wide[name].shape[head_dim if name in per_token else 0] // cp_size for name in per_token + per_head}
         parts = []
         for r in range(cp_size):
             share = dict(base)
-            share.update({name: base[name].narrow(head_dim, r * per[name], per[name]) for name in per_token})
-            share.update({name: base[name].narrow(0, r * per[name], per[name]) for name in per_head})
+            share.update({name: wide[name].narrow(head_dim, r * per[name], per[name]) for name in per_token})
+            share.update({name: wide[name].narrow(0, r * per[name], per[name]) for name in per_head})
             try:
                 parts.append(_tensors(fn(**share)))
             except Exception as e:  # noqa: BLE001 - reported as the reason
                 return f"it raised {type(e).__name__} ({e}) on a share of the heads"
         for i, whole in enumerate(_tensors(before)):
             joined = torch.cat([p[i] for p in parts], dim=head_dim) if all(len(p) > i for p in parts) else None
+            if joined is not None and joined.dim() > head_dim and joined.shape[head_dim] == padded > count:
+                joined = joined.narrow(head_dim, 0, count)  # the padding heads' outputs, cut off as the run does
             if joined is None or joined.shape != whole.shape or not torch.allclose(joined, whole, **_TEST_TOLERANCE):
                 return (
                     f"on random inputs its outputs from {cp_size} shares of the heads (dim {head_dim}) differ from "

@@ -13,13 +13,14 @@ sequence; the loop picks a token by its index; ``tests/test_found_regions.py`` c
 such a core), and both refusals name the registration of the function, with its parameters, while a mixer
 written in a method gets no such fix; registered, a core
 that adds the mean over heads is refused naming the op; a tensor argument left out of the registration is refused
-naming it, and so are heads that the CP size does not divide (5 heads at CP=2); bad registrations raise
+naming it; heads that the CP size does not divide are padded (5 heads at CP=2, and parity below), groups that it
+does not divide are refused (9 heads in 3 groups at CP=2); bad registrations raise
 ``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced; the loop and the restarting
-core balanced: documents that span rank edges and start on either rank) against
+core balanced: documents that span rank edges and start on either rank; 5 heads, padded to 6) against
 the one-process model, logits, loss and gradients (the decay parameter's gradient is summed over the ranks' heads),
 and a negative control: the core run on each rank's own tokens (``cores._run_core`` replaced by a call per rank
 chunk) must fail. Slow tier:
-parity at CP=3 (balanced). (``aot_eager`` and inductor at CP=2 were checked by hand.)
+parity at CP=3 (balanced; 6 heads, and 5 padded to 6). (``aot_eager`` and inductor at CP=2 were checked by hand.)
 """
 
 from __future__ import annotations
@@ -106,9 +107,16 @@ def test_a_tensor_argument_left_out_of_the_registration_is_refused(world, monkey
         _compile(model, world)
 
 
-def test_heads_the_cp_size_does_not_divide_are_refused(world):
-    with pytest.raises(Exception, match=r"has 5 heads \(dim 2 of 'x'\), which the CP size 2 does not divide"):
-        _compile(user_cores.user_core_lm(heads=5), world)
+def test_heads_the_cp_size_does_not_divide_are_padded(world):
+    """5 heads at CP=2: run as 6, the sixth of zeros (its outputs cut off; parity below)."""
+    assert _compile(user_cores.user_core_lm(heads=5), world) == list(EXPECTED)
+
+
+def test_groups_the_cp_size_does_not_divide_are_refused(world):
+    """9 heads in 3 groups at CP=2: neither divides, and padding the heads would pair them with other groups."""
+    model = user_cores.user_core_lm(core="grouped_heads", heads=9, groups=3)
+    with pytest.raises(Exception, match=r"has 3 groups of heads \(dim 2 of 'k'\) for 9 heads, which the CP size 2"):
+        _compile(model, world)
 
 
 def test_the_restarting_core_restarts_at_document_starts():
@@ -152,7 +160,7 @@ def test_bad_registrations_name_the_value():
 # -- CP=2 and 3 against one process ------------------------------------------------------------------------------
 
 
-def _case(layout: str = "contiguous", core: str = "decayed_heads") -> ParityCase:
+def _case(layout: str = "contiguous", core: str = "decayed_heads", heads: int = user_cores.HEADS) -> ParityCase:
     from cpcompile.layouts import Workload
 
     return ParityCase(
@@ -160,7 +168,8 @@ def _case(layout: str = "contiguous", core: str = "decayed_heads") -> ParityCase
         doc_lens=DOCS,
         expected_sites=1,
         layout=layout,
-        overrides=(("core", core),) if core != "decayed_heads" else (),
+        overrides=((("core", core),) if core != "decayed_heads" else ())
+        + ((("heads", heads),) if heads != user_cores.HEADS else ()),
         expected_mixing=((core, "head_parallel"), EXPECTED[1]),
         shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
     )
@@ -168,8 +177,15 @@ def _case(layout: str = "contiguous", core: str = "decayed_heads") -> ParityCase
 
 #: ``looped_heads``: the same recurrence as a Python loop over the tokens, registered as its refusal says;
 #: ``restarting_heads``: restarted at document starts, which it takes as a per-token argument.
-CP2 = [_case(), _case("balanced"), _case("balanced", "looped_heads"), _case("balanced", "restarting_heads")]
-CP3 = [_case("balanced")]
+CP2 = [
+    _case(),
+    _case("balanced"),
+    _case("balanced", "looped_heads"),
+    _case("balanced", "restarting_heads"),
+    _case("balanced", heads=5),
+]
+#: 5 heads: padded to 6 at CP=3 as at CP=2.
+CP3 = [_case("balanced"), _case("balanced", heads=5)]
 
 
 def _worker(rank: int, world: int, cases: list, control: bool) -> dict:

@@ -190,7 +190,7 @@ GROUPED = frozenset({"grouped_heads", "tiled_groups"})
 def register(core: str) -> None:
     from cpcompile.cores import register_head_parallel
 
-    per_token = REGISTRATION["per_token"] + STARTS.get(core, ())
+    per_token = REGISTRATION["per_token"] + STARTS.get(core, ()) + (("k",) if core in GROUPED else ())
     register_head_parallel(CORES[core], **{**REGISTRATION, "per_token": per_token})
 
 
@@ -199,10 +199,11 @@ METHODS = frozenset({"scan_method", "rates_from_self"})
 
 
 class UserMixer(nn.Module):
-    def __init__(self, core: str, hidden: int, heads: int = HEADS) -> None:
+    def __init__(self, core: str, hidden: int, heads: int = HEADS, groups: int = GROUPS) -> None:
         super().__init__()
         self.core = core
         self.heads = heads
+        self.groups = groups
         self.inp = nn.Linear(hidden, heads * HEAD_DIM)
         self.gate = nn.Linear(hidden, heads)
         self.decay = nn.Parameter(torch.linspace(-1.0, 2.0, heads))
@@ -211,7 +212,7 @@ class UserMixer(nn.Module):
         if core == "rates_from_self":
             self.rates = nn.Parameter(torch.linspace(0.2, 0.8, heads * HEAD_DIM).view(heads, HEAD_DIM))
         if core in GROUPED:
-            self.group_gate = nn.Linear(hidden, GROUPS * HEAD_DIM)
+            self.group_gate = nn.Linear(hidden, groups * HEAD_DIM)
 
     def scan_method(self, x, g, decay):
         rate = torch.sigmoid(decay)[:, None]
@@ -237,7 +238,7 @@ class UserMixer(nn.Module):
         if self.core in STARTS:  # 1.0 at each document's first token (its position id 0), given to every head
             args.append((batch["position_ids"] == 0).to(x.dtype)[:, :, None].expand(-1, -1, self.heads))
         if self.core in GROUPED:
-            args.append(self.group_gate(x).unflatten(-1, (GROUPS, HEAD_DIM)))
+            args.append(self.group_gate(x).unflatten(-1, (self.groups, HEAD_DIM)))
         if self.core in TRANSPOSED:
             args = [args[0].transpose(1, 2), args[1].transpose(1, 2), args[2]]
         y = getattr(self if self.core in METHODS else module, self.core)(*args)
@@ -247,14 +248,20 @@ class UserMixer(nn.Module):
 
 
 def user_core_lm(
-    *, seed: int = 0, core: str = "decayed_heads", registered: bool = True, hidden: int = 32, heads: int = HEADS
+    *,
+    seed: int = 0,
+    core: str = "decayed_heads",
+    registered: bool = True,
+    hidden: int = 32,
+    heads: int = HEADS,
+    groups: int = GROUPS,
 ) -> TinyLM:
-    """:class:`TinyLM` with a :class:`UserMixer` of ``heads`` heads calling ``core``, registered first when
-    ``registered``."""
+    """:class:`TinyLM` with a :class:`UserMixer` of ``heads`` heads (``groups`` groups of them for the cores of
+    :data:`GROUPED`) calling ``core``, registered first when ``registered``."""
     if registered:
         register(core)
 
     def build() -> TinyLM:
-        return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=UserMixer(core, hidden, heads))
+        return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=UserMixer(core, hidden, heads, groups))
 
     return seeded(build, seed=seed)
