@@ -16,9 +16,10 @@ refused, naming why; with the region's proof bypassed, the head-mixing loop is s
 shares of the heads; groups a CP size does not divide leave the function to be tried again; parity at CP=2
 (balanced) against the one-process model (logits, loss, gradients), also with 5 heads (padded to 6) and for the
 loop written as a method (``self`` passed unchanged), each with a negative control: the found core run on each
-rank's own tokens must fail; a method that reads per-head rates from a parameter of ``self`` is refused. Groups of heads: a loop whose per-token gate holds 2 groups of the 6 heads
-(``grouped_heads``, repeated by ``repeat_interleave``) is found with the gate split as groups and is exact at CP=2
-(with the same control); the same loop with the groups tiled (``repeat``) is refused. Slow tier: transformers'
+rank's own tokens must fail; a method that reads per-head rates from a parameter of ``self`` is refused. Groups
+of heads: a loop whose per-token gate holds 2 groups of the 6 heads (``grouped_heads``, repeated by
+``repeat_interleave``) is found with the gate split as groups and is exact at CP=2 (with the same control); the
+same loop with the groups tiled (``repeat``) is refused. Slow tier: transformers'
 cores taken out of the known ones, each found and exact at CP=2 (contiguous, balanced): RWKV's WKV, Mamba's
 selective scan, Qwen3-Next's gated delta rule (2 key heads for 4 value heads, as groups) and Mamba2's SSD scan (2
 groups).
