@@ -970,8 +970,10 @@ def register_head_parallel(
     (this rank's tokens of every head -> every token, in global order, of ``H / N`` heads: the ``r``-th block of
     them on rank ``r``; an argument with fewer heads, ``G``, whose each head serves a block of ``H / G``
     consecutive heads of the others, as ``repeat_interleave`` pairs them, gives the matching ``G / N`` on each
-    rank; heads that ``N`` does not divide are padded with zero heads, zero per-head values included, up to the
-    next multiple, whose outputs are cut off after the exchange back), each argument named in ``per_head`` (a
+    rank, or, when ``N`` does not divide ``G`` or ``H``, is first repeated to the ``H`` heads that way, so that
+    ``fn`` sees one copy of its group per head; heads that ``N`` does not divide are padded with zero heads, zero
+    per-head values included, up to the next multiple, whose outputs are cut off after the exchange back), each
+    argument named in ``per_head`` (a
     tensor whose dim 0 is the ``H`` heads) is narrowed to the rank's heads (its gradient summed over the group, as
     every parameter's is), the arguments named in
     ``shared`` pass unchanged, and each argument named in ``gathered`` (a tensor whose dim ``seq_dim`` is the
@@ -987,8 +989,8 @@ def register_head_parallel(
     not a multiple of the CP size), and causality, which is not checked, keeps the padding from every real token.
 
     Refused while tracing, on every rank: a tensor argument not named in any of the lists, and a per-token
-    argument with fewer heads (groups) when the CP size does not divide them or the heads. Register before the
-    first compiled call under CP; registering ``fn`` again with the same arguments does nothing.
+    argument with fewer heads (groups) that do not divide the heads. Register before the first compiled call under
+    CP; registering ``fn`` again with the same arguments does nothing.
 
     ``**kwargs`` of ``fn`` pass through: a tensor in them is refused unless a list names it (as a ``fn`` that takes
     ``**kwargs`` may be given any keyword, a name that is not a parameter is taken for one). A function transformers
@@ -1100,18 +1102,19 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
         count = max(values[name].shape[head_dim] for name in per_token)
         padded = -(-count // n) * n  # heads a CP size does not divide: zero heads up to the next multiple
         for name in per_token:
-            heads_here = values[name].shape[head_dim]
-            if heads_here != count and (heads_here % n or padded != count):
+            groups = values[name].shape[head_dim]
+            if count % groups:
                 _refuse(
                     values[name],
                     site,
-                    f"has {heads_here} groups of heads (dim {head_dim} of {name!r}) for {count} heads, which the CP "
-                    f"size {n} does not divide",
-                    "use a CP size that divides the groups and the heads",
+                    f"has {groups} groups of heads (dim {head_dim} of {name!r}), which do not divide its {count} heads",
+                    "give each group the same number of heads",
                 )
+            if groups != count and (groups % n or padded != count):  # ranks cannot hold whole groups: each head
+                values[name] = values[name].repeat_interleave(count // groups, dim=head_dim)  # its group's copy
         per = padded // n
         order = torch.ops.cpcompile.heads_order(first.detach(), seq_dim, n, site)
-        for name in per_token:  # groups are never padded: padding happens only when there are none
+        for name in per_token:  # groups split as they are are never padded: padding needs no groups left
             wide = _padded(values[name], padded, head_dim) if values[name].shape[head_dim] == count else values[name]
             values[name] = _to_heads(wide, order, group_name, site, seq_dim, head_dim)
         for name in per_head:

@@ -44,7 +44,7 @@ read (``**kwargs`` it drops) is shared. A function transformers binds to a kerne
 
 When no classification holds, the refusal stands, with the reason added (of the choices tried, the first). The
 functions are tried innermost first; each once per process (a later refusal in it keeps its first reason), but for
-heads that the CP size does not divide (:class:`ForCPSize`: classified again at its next refusal).
+a reason that holds at one CP size only (:class:`ForCPSize`: classified again at its next refusal).
 A method gets its probe and its replacement through :func:`cpcompile._compat.inline_method` (Dynamo does not
 consult ``substitute_in_graph`` for a bound method), its ``self`` passed unchanged (noted as
 :class:`cpcompile._compat.Held`; the eager tests call it on the module itself): a tensor it reads from ``self``
@@ -191,7 +191,6 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
     tokens, seq_dim = seen[0].per_token, seen[0].seq_dim
     ndim = max(len(c.shapes[name]) for c in seen for name in tokens)
     reasons = []  # of each dim and head count tried, the first (the likeliest heads) reported
-    undivided_reason = None  # a choice that holds but for the CP size, reported when no other does
     for head_dim in range(ndim):
         if head_dim == seq_dim or (head_dim == 0 and seq_dim != 0):
             continue
@@ -217,24 +216,12 @@ def classify(gm: fx.GraphModule, fn: types.FunctionType, calls: list[dict[str, o
                 if refused:
                     reasons.append(f"with dim {head_dim} of {list(per_token)} as heads, {refused}")
                     continue
-                # groups need whole blocks of heads on every rank; heads alone are padded up to a multiple
-                groups = {name: seen[0].shapes[name][head_dim] for name in per_token}
-                undivided = {n: h for n, h in groups.items() if h != count and (h % cp_size or count % cp_size)}
-                if undivided:  # the other choices are tried first: this one may hold at another CP size
-                    name, h = next(iter(undivided.items()))
-                    undivided_reason = undivided_reason or ForCPSize(
-                        f"its {h} groups of {count} heads (dim {head_dim} of {name!r}) and the CP size {cp_size} "
-                        "do not divide into whole groups per rank"
-                    )
-                    continue
                 found = {"per_token": per_token, "per_head": per_head, "shared": shared, "gathered": gathered,
                          "seq_dim": seq_dim, "head_dim": head_dim}  # fmt: skip
                 refused = _tested_refusal(fn, calls[0], found, seen[0].length, cp_size)
                 if not refused:
                     return found
                 reasons.append(refused)
-    if undivided_reason:
-        return undivided_reason
     return reasons[0] if reasons else f"no dim of its per-token arguments {list(tokens)} holds heads"
 
 
@@ -406,8 +393,12 @@ def _tested_on(fn, noted, found: dict, length: int, cp_size: int, seed: int, sca
         count = base[per_token[0]].shape[head_dim]
         padded = -(-count // cp_size) * cp_size  # heads a CP size does not divide: zero heads, as the run pads them
         wide = dict(base)
+        for n in per_token:  # groups the ranks cannot hold whole: repeated to their heads, as the run does
+            groups = base[n].shape[head_dim]
+            if groups != count and (groups % cp_size or padded != count):
+                wide[n] = base[n].repeat_interleave(count // groups, dim=head_dim)
         wide.update(
-            {n: cores._padded(base[n], padded, head_dim) for n in per_token if base[n].shape[head_dim] == count}
+            {n: cores._padded(wide[n], padded, head_dim) for n in per_token if wide[n].shape[head_dim] == count}
         )
         wide.update({n: cores._padded(base[n], padded, 0) for n in per_head})
         per = {name: wide[name].shape[head_dim if name in per_token else 0] // cp_size for name in per_token + per_head}

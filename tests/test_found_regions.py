@@ -13,12 +13,13 @@ with ``regions="registered"`` a loop is refused; negative controls of the classi
 the last token back (not causal), a loop that adds the mean over heads to its state (not a map over heads) and a
 loop that reads its rates from a module global (not an argument, so not narrowed to the rank's heads) stay
 refused, naming why; with the region's proof bypassed, the head-mixing loop is still refused by the test on
-shares of the heads; groups a CP size does not divide leave the function to be tried again; parity at CP=2
-(balanced) against the one-process model (logits, loss, gradients), also with 5 heads (padded to 6) and for the
-loop written as a method (``self`` passed unchanged), each with a negative control: the found core run on each
-rank's own tokens must fail; a method that reads per-head rates from a parameter of ``self`` is refused. Groups
-of heads: a loop whose per-token gate holds 2 groups of the 6 heads (``grouped_heads``, repeated by
-``repeat_interleave``) is found with the gate split as groups and is exact at CP=2 (with the same control); the
+shares of the heads; a reason for one CP size leaves the function to be tried again; parity at CP=2 (balanced)
+against the one-process model (logits, loss, gradients), also with 5 heads (padded to 6), with 3 groups of 6 heads
+(repeated to their heads) and for the loop written as a method (``self`` passed unchanged), each with a negative
+control: the found core run on each rank's own tokens must fail; a method that reads per-head rates from a
+parameter of ``self`` is refused. Groups of heads: a loop whose per-token gate holds 2 groups of the 6 heads
+(``grouped_heads``, repeated by ``repeat_interleave``) is found with the gate split as groups and is exact at CP=2
+(with the same control); the
 same loop with the groups tiled (``repeat``) is refused. Slow tier: transformers'
 cores taken out of the known ones, each found and exact at CP=2 (contiguous, balanced): RWKV's WKV, Mamba's
 selective scan, Qwen3-Next's gated delta rule (2 key heads for 4 value heads, as groups) and Mamba2's SSD scan (2
@@ -135,10 +136,10 @@ def test_with_the_proof_bypassed_the_split_test_refuses_a_core_that_mixes_heads(
     assert "differ from its outputs from all of them: it is not a map over those heads" in str(caught.value)
 
 
-def test_groups_the_cp_size_does_not_divide_leave_the_function_to_be_tried_again(monkeypatch):
-    """A function whose groups of heads one CP size does not divide is refused for that compile only: it stays
-    probed, its arguments noted, and is classified again at its next refusal (at CP=2, say, after CP=3). Any other
-    reason is kept."""
+def test_a_reason_for_one_cp_size_leaves_the_function_to_be_tried_again(monkeypatch):
+    """A function refused for a reason that holds at one CP size (:class:`regions.ForCPSize`) is refused for that
+    compile only: it stays probed, its arguments noted, and is classified again at its next refusal (at CP=2, say,
+    after CP=3). Any other reason is kept."""
     key = "tests.models.user_cores.transposed_heads"
     error = cpcompile.UnsupportedMixingError("refused")
     error.functions = (user_cores.transposed_heads,)
@@ -173,7 +174,12 @@ def test_the_eager_tests_leave_the_module_and_the_random_state_as_they_were():
     torch.testing.assert_close(module.weight.detach(), 2.0 * weight)
 
 
-def _case(core: str = "transposed_heads", layout: str = "balanced", heads: int = user_cores.HEADS) -> ParityCase:
+def _case(
+    core: str = "transposed_heads",
+    layout: str = "balanced",
+    heads: int = user_cores.HEADS,
+    groups: int = user_cores.GROUPS,
+) -> ParityCase:
     from cpcompile.layouts import Workload
 
     return ParityCase(
@@ -181,7 +187,9 @@ def _case(core: str = "transposed_heads", layout: str = "balanced", heads: int =
         doc_lens=DOCS,
         expected_sites=1,
         layout=layout,
-        overrides=(("core", core), ("registered", False)) + ((("heads", heads),) if heads != user_cores.HEADS else ()),
+        overrides=(("core", core), ("registered", False))
+        + ((("heads", heads),) if heads != user_cores.HEADS else ())
+        + ((("groups", groups),) if groups != user_cores.GROUPS else ()),
         expected_mixing=((core, "head_parallel"), ("cross_entropy", "partial_sum")),
         shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
     )
@@ -216,14 +224,22 @@ def _worker(rank: int, world: int, case: ParityCase) -> dict:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    ("core", "heads"), [("transposed_heads", 6), ("grouped_heads", 6), ("scan_method", 6), ("transposed_heads", 5)]
+    ("core", "heads", "groups"),
+    [
+        ("transposed_heads", 6, 2),
+        ("grouped_heads", 6, 2),
+        ("scan_method", 6, 2),
+        ("transposed_heads", 5, 2),
+        ("grouped_heads", 6, 3),
+    ],
 )
-def test_a_found_core_equals_one_process(core, heads):
-    """CP=2, balanced: the loop on ``[B, H, S, D]``, the loop with groups of heads (``grouped_heads``), the loop
-    written as a method (``scan_method``), and the first with 5 heads (padded to 6)."""
+def test_a_found_core_equals_one_process(core, heads, groups):
+    """CP=2, balanced: the loop on ``[B, H, S, D]``, the loop with 2 groups of heads (``grouped_heads``: split with
+    them), the loop written as a method (``scan_method``), the first with 5 heads (padded to 6), and the grouped
+    loop with 3 groups (which the CP size does not divide: repeated to their heads)."""
     from tests.harness.dist import run_distributed
 
-    case = _case(core, heads=heads)
+    case = _case(core, heads=heads, groups=groups)
     per_rank = run_distributed(_worker, 2, case, timeout_s=360)
     report(per_rank[0]["cases"])
     assert [s["case"] for s in per_rank[0]["cases"]] == [case.name]

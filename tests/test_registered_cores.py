@@ -14,9 +14,11 @@ such a core), and both refusals name the registration of the function, with its 
 written in a method gets no such fix; registered, a core
 that adds the mean over heads is refused naming the op; a tensor argument left out of the registration is refused
 naming it; heads that the CP size does not divide are padded (5 heads at CP=2, and parity below), groups that it
-does not divide are refused (9 heads in 3 groups at CP=2); bad registrations raise
+does not divide are repeated to their heads (9 heads in 3 groups at CP=2; parity below for 6 in 3); bad
+registrations raise
 ``TypeError``/``ValueError`` naming the value; parity at CP=2 (contiguous, balanced; the loop and the restarting
-core balanced: documents that span rank edges and start on either rank; 5 heads, padded to 6) against
+core balanced: documents that span rank edges and start on either rank; 5 heads, padded to 6; the grouped loop
+with 3 groups of 6 heads, repeated to them) against
 the one-process model, logits, loss and gradients (the decay parameter's gradient is summed over the ranks' heads),
 and a negative control: the core run on each rank's own tokens (``cores._run_core`` replaced by a call per rank
 chunk) must fail. Slow tier:
@@ -112,11 +114,11 @@ def test_heads_the_cp_size_does_not_divide_are_padded(world):
     assert _compile(user_cores.user_core_lm(heads=5), world) == list(EXPECTED)
 
 
-def test_groups_the_cp_size_does_not_divide_are_refused(world):
-    """9 heads in 3 groups at CP=2: neither divides, and padding the heads would pair them with other groups."""
+def test_groups_the_cp_size_does_not_divide_are_repeated_to_their_heads(world):
+    """9 heads in 3 groups at CP=2: ``k`` is repeated to the 9 heads (each its group's copy), then all are padded to
+    10 (parity below for 6 heads in 3 groups)."""
     model = user_cores.user_core_lm(core="grouped_heads", heads=9, groups=3)
-    with pytest.raises(Exception, match=r"has 3 groups of heads \(dim 2 of 'k'\) for 9 heads, which the CP size 2"):
-        _compile(model, world)
+    assert _compile(model, world) == [("grouped_heads", "head_parallel"), EXPECTED[1]]
 
 
 def test_the_restarting_core_restarts_at_document_starts():
@@ -160,7 +162,12 @@ def test_bad_registrations_name_the_value():
 # -- CP=2 and 3 against one process ------------------------------------------------------------------------------
 
 
-def _case(layout: str = "contiguous", core: str = "decayed_heads", heads: int = user_cores.HEADS) -> ParityCase:
+def _case(
+    layout: str = "contiguous",
+    core: str = "decayed_heads",
+    heads: int = user_cores.HEADS,
+    groups: int = user_cores.GROUPS,
+) -> ParityCase:
     from cpcompile.layouts import Workload
 
     return ParityCase(
@@ -169,7 +176,8 @@ def _case(layout: str = "contiguous", core: str = "decayed_heads", heads: int = 
         expected_sites=1,
         layout=layout,
         overrides=((("core", core),) if core != "decayed_heads" else ())
-        + ((("heads", heads),) if heads != user_cores.HEADS else ()),
+        + ((("heads", heads),) if heads != user_cores.HEADS else ())
+        + ((("groups", groups),) if groups != user_cores.GROUPS else ()),
         expected_mixing=((core, "head_parallel"), EXPECTED[1]),
         shard_kwargs=(("workload", Workload(block_size=4)),) if layout == "balanced" else (),
     )
@@ -183,6 +191,7 @@ CP2 = [
     _case("balanced", "looped_heads"),
     _case("balanced", "restarting_heads"),
     _case("balanced", heads=5),
+    _case("balanced", "grouped_heads", groups=3),
 ]
 #: 5 heads: padded to 6 at CP=3 as at CP=2.
 CP3 = [_case("balanced"), _case("balanced", heads=5)]
