@@ -946,6 +946,10 @@ class _HeadSpec:
     seq_dim: int
     head_dim: int
     gathered: tuple[str, ...] = ()
+    #: Whether the pairing of groups with heads was tested (a core :mod:`cpcompile.regions` found): groups that the
+    #: CP size does not divide are then repeated to their heads, inside which the region's proof no longer sees
+    #: the function's own repeat; a registered core's are refused instead.
+    groups_tested: bool = False
 
 
 #: ``"module.function"`` -> the :class:`_HeadSpec` of each core registered by :func:`register_head_parallel`.
@@ -970,8 +974,8 @@ def register_head_parallel(
     (this rank's tokens of every head -> every token, in global order, of ``H / N`` heads: the ``r``-th block of
     them on rank ``r``; an argument with fewer heads, ``G``, whose each head serves a block of ``H / G``
     consecutive heads of the others, as ``repeat_interleave`` pairs them, gives the matching ``G / N`` on each
-    rank, or, when ``N`` does not divide ``G`` or ``H``, is first repeated to the ``H`` heads that way, so that
-    ``fn`` sees one copy of its group per head; heads that ``N`` does not divide are padded with zero heads, zero
+    rank (refused when ``N`` does not divide ``G`` and ``H``); heads that ``N`` does not divide are padded with
+    zero heads, zero
     per-head values included, up to the next multiple, whose outputs are cut off after the exchange back), each
     argument named in ``per_head`` (a
     tensor whose dim 0 is the ``H`` heads) is narrowed to the rank's heads (its gradient summed over the group, as
@@ -989,8 +993,9 @@ def register_head_parallel(
     not a multiple of the CP size), and causality, which is not checked, keeps the padding from every real token.
 
     Refused while tracing, on every rank: a tensor argument not named in any of the lists, and a per-token
-    argument with fewer heads (groups) that do not divide the heads. Register before the first compiled call under
-    CP; registering ``fn`` again with the same arguments does nothing.
+    argument with fewer heads (groups) that do not divide the heads, or that the CP size does not divide with the
+    heads (the region's proof sees the function pair them only when they are split). Register before the first
+    compiled call under CP; registering ``fn`` again with the same arguments does nothing.
 
     ``**kwargs`` of ``fn`` pass through: a tensor in them is refused unless a list names it (as a ``fn`` that takes
     ``**kwargs`` may be given any keyword, a name that is not a parameter is taken for one). A function transformers
@@ -1030,8 +1035,9 @@ def register_found_method(fn: types.FunctionType, **classified) -> None:
     :mod:`cpcompile.regions` does with a method it found. The replacement reaches Dynamo through
     :func:`cpcompile._compat.inline_method` (Dynamo does not consult ``substitute_in_graph`` for a bound method),
     replacing the one given before (the probe's). A tensor the method reads from ``self`` is not narrowed: the
-    finding refuses one with a dim of the head count."""
-    spec = _head_spec(fn, **classified)
+    finding refuses one with a dim of the head count. Its groups of heads were tested, so groups that the CP size
+    does not divide are repeated to their heads (``_HeadSpec.groups_tested``)."""
+    spec = dataclasses.replace(_head_spec(fn, **classified), groups_tested=True)
     key = f"{fn.__module__}.{fn.__qualname__}"
     _HEAD_SPECS[key] = spec
     CORES[key] = "registered"
@@ -1078,7 +1084,7 @@ def _head_spec(fn, *, per_token, per_head=(), shared=(), seq_dim=1, head_dim=2, 
 def _registered_replacement(original, site: str, spec: _HeadSpec):
     # plain tuples and ints in the closure: Dynamo traces the replacement as a polyfill, which cannot hold objects
     names, defaults, per_token, per_head = spec.names, spec.defaults, spec.per_token, spec.per_head
-    gathered = spec.gathered
+    gathered, groups_tested = spec.gathered, spec.groups_tested
     classified = spec.per_token + spec.per_head + spec.shared + spec.gathered
     seq_dim, head_dim = spec.seq_dim, spec.head_dim
 
@@ -1110,8 +1116,16 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
                     f"has {groups} groups of heads (dim {head_dim} of {name!r}), which do not divide its {count} heads",
                     "give each group the same number of heads",
                 )
-            if groups != count and (groups % n or padded != count):  # ranks cannot hold whole groups: each head
-                values[name] = values[name].repeat_interleave(count // groups, dim=head_dim)  # its group's copy
+            if groups != count and (groups % n or padded != count):  # ranks cannot hold whole groups
+                if not groups_tested:
+                    _refuse(
+                        values[name],
+                        site,
+                        f"has {groups} groups of heads (dim {head_dim} of {name!r}) for {count} heads, which the CP "
+                        f"size {n} does not divide",
+                        "use a CP size that divides the groups and the heads",
+                    )
+                values[name] = values[name].repeat_interleave(count // groups, dim=head_dim)  # each its group's
         per = padded // n
         order = torch.ops.cpcompile.heads_order(first.detach(), seq_dim, n, site)
         for name in per_token:  # groups split as they are are never padded: padding needs no groups left

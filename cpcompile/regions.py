@@ -138,9 +138,8 @@ def find(error: Exception, gm: fx.GraphModule, chunk_len: int | None, cp_size: i
                     cores.register_found_method(fn, **found)
                 else:
                     cores.register_head_parallel(fn, **found)
-                    _compat.replace_substitution(
-                        fn, cores._registered_replacement(cores.traced_copy(fn), key, cores._HEAD_SPECS[key])
-                    )
+                    spec = cores._HEAD_SPECS[key] = dataclasses.replace(cores._HEAD_SPECS[key], groups_tested=True)
+                    _compat.replace_substitution(fn, cores._registered_replacement(cores.traced_copy(fn), key, spec))
                 _TRIED[key] = "found"
                 return RESTART
             _TRIED[key] = found
