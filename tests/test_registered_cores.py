@@ -115,7 +115,7 @@ def test_heads_the_cp_size_does_not_divide_are_padded(world):
 def test_groups_the_cp_size_does_not_divide_are_refused(world):
     """6 heads in 3 groups at CP=2, registered: repeated to the heads, the function's own pairing would be out of
     the proof's sight (a found function's is tested instead: ``tests/test_found_regions.py``)."""
-    model = user_cores.user_core_lm(core="grouped_heads", heads=6, groups=3)
+    model = user_cores.user_core_lm(core="registered_groups", heads=6, groups=3)
     with pytest.raises(Exception, match=r"has 3 groups of heads \(dim 2 of 'k'\) for 6 heads, which the CP size 2"):
         _compile(model, world)
 

@@ -22,7 +22,8 @@ an argument; :func:`grouped_heads` is a loop whose state each step also multipli
 from being split instead), repeated to the heads as ``repeat_interleave`` does (group
 ``j`` to heads ``j * H / G`` to ``(j + 1) * H / G - 1``, as gated delta-net pairs key heads with value heads and
 SSD its groups with heads); :func:`tiled_groups` repeats the groups the other way (``repeat``: group ``j`` to heads
-``j``, ``j + G``, ...), so a rank's block of groups does not serve its block of heads. Methods of
+``j``, ``j + G``, ...), so a rank's block of groups does not serve its block of heads; :func:`registered_groups` is
+:func:`grouped_heads` under its own name, registered. Methods of
 :class:`UserMixer` (:data:`METHODS`): ``scan_method``, the loop with a number read from ``self``, and
 ``rates_from_self``, the loop with per-head rates read from a parameter of ``self`` (not an argument, so not
 narrowed to the rank's heads).
@@ -167,6 +168,12 @@ def tiled_groups(x, g, decay, k):
     return torch.stack(out, dim=1)
 
 
+def registered_groups(x, g, decay, k):
+    """:func:`grouped_heads` under a name of its own, for registration (a process that found ``grouped_heads``
+    keeps it registered as found)."""
+    return grouped_heads(x, g, decay, k)
+
+
 CORES = {
     "decayed_heads": decayed_heads,
     "mixed_heads": mixed_heads,
@@ -178,13 +185,14 @@ CORES = {
     "rates_read_inside": rates_read_inside,
     "grouped_heads": grouped_heads,
     "tiled_groups": tiled_groups,
+    "registered_groups": registered_groups,
 }
 #: Cores that take ``[B, H, S, ...]`` inputs and return ``[B, H, S, D]``: the mixer transposes around them.
 TRANSPOSED = frozenset({"transposed_heads"})
 #: The per-token argument ``restarting_heads`` takes besides those of :data:`REGISTRATION`: document starts.
 STARTS = {"restarting_heads": ("starts",)}
 #: Cores that take a fourth argument, ``k``: ``[B, S, GROUPS, HEAD_DIM]``, per token, a gate for each group of heads.
-GROUPED = frozenset({"grouped_heads", "tiled_groups"})
+GROUPED = frozenset({"grouped_heads", "tiled_groups", "registered_groups"})
 
 
 def register(core: str) -> None:
