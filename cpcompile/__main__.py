@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from cpcompile.layouts import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUTS
 from cpcompile.options import ATTENTION_PATHS
+from cpcompile.runtime.shard_options import RECURRENCES
 
 _INSPECT_HELP = """\
 Trace a model as every rank of a CP group, in this one process (a fake process group: no cluster, no GPU,
@@ -98,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_BLOCK_SIZE})",
     )
     p.add_argument(
+        "--recurrence",
+        choices=RECURRENCES,
+        default="heads",
+        help="shard's recurrence: how the gated delta rule, the SSD and the RG-LRU run (default heads: "
+        "head-parallel; state: state passing)",
+    )
+    p.add_argument(
         "--no-config",
         dest="use_config",
         action="store_false",
@@ -130,6 +138,7 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             layout=args.layout,
             block_size=args.block_size,
             use_config=args.use_config,
+            recurrence=args.recurrence,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -66,7 +66,9 @@ class CPBackend:
 
     ``trace_only=True`` is how ``cpcompile inspect`` sees what training would run: every graph is rewritten in a
     copy with refusals recorded instead of raised, recorded in ``traced``, and the original graph runs
-    (no collective is ever issued). ``name`` prefixes the ids of its sites (default ``backend<n>``).
+    (no collective is ever issued). A graph with a refusal also runs through the passes as training runs them, so
+    that a sequence mixer training would find (``regions="found"``) is found here too. ``name`` prefixes the ids
+    of its sites (default ``backend<n>``).
 
     ``copy.copy``/``copy.deepcopy`` return the backend itself (wrappers such as Lightning's ``torch.compile`` copy
     their arguments). A pickle holds the CP group's registered name and the options: unpickled in the same process
@@ -181,6 +183,22 @@ class CPBackend:
             raise
         finally:
             self.position_reports += positions
+        if self.trace_only and self.options.regions == "found" and self.cp_size > 1:
+            refused = [r for r in (*positions, *mixing) if r.action == "refused"]
+            why = self._regions_found(gm, ctx, chunk_len) if refused else ""
+            if why == regions.RESTART:  # as training does: this graph is traced again, nothing of it kept
+                del self.reports[reported:]
+                del self.position_reports[len(self.position_reports) - len(positions) :]
+                del self.mixing_reports[len(self.mixing_reports) - len(mixing) :]
+                counters.clear()
+                counters.update(counted)
+                self._graphs = itertools.count(graph_id)  # the graph traced again keeps its number
+                _compat.restart_trace("cpcompile: a sequence mixer of the model's code is run head-parallel")
+            elif why:  # the first refusal is the one training raises: positions first, as the passes run
+                first = refused[0]
+                note = dataclasses.replace(first, reason=f"{first.reason} (no head-parallel region: {why})")
+                for held in (positions, mixing, self.position_reports, self.mixing_reports):
+                    held[:] = [note if r is first else r for r in held]
         after = dump.graph_source(target, f"{title}: after the cpcompile passes") if keep_source else ""
         trace.emit(before, after, reports, rank=self.cp_rank, cp_size=self.cp_size, mixing=mixing)  # TORCH_LOGS, TRACE
         if self._dump is not None:
@@ -215,6 +233,32 @@ class CPBackend:
         if guards:
             compiled = _checking_length_guards(compiled, guards)
         return compiled
+
+    def _regions_found(self, gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> str:
+        """In ``trace_only`` mode, what training's refusal of ``gm`` leads to (:func:`cpcompile.regions.find`):
+        the passes run again on a copy of ``gm``, raising as training's do, and the refusal they raise goes to
+        ``find``; their counters and reports are dropped. :data:`~cpcompile.regions.RESTART` also when ``find``
+        took a method's probe away: the graph, traced through the probe, is traced again without it."""
+        counted = counters.copy()
+        raising = dataclasses.replace(ctx, refuse="raise")
+        target = copy.deepcopy(gm)
+        try:
+            flex_cp_pass(target, raising)
+            cp_attention_pass(target, raising)
+            if self.options.positions == "rewrite":
+                positions_pass(target, raising, chunk_len)
+            if self.options.mixing == "exact":
+                mixing_pass(target, raising, chunk_len)
+        except _compat.PassThroughCompileError as e:
+            probed = set(_compat.INLINED)
+            why = regions.find(e, gm, chunk_len, self.cp_size)
+            if set(_compat.INLINED) < probed:  # a method lost its probe, which this graph's guards read
+                return regions.RESTART
+            return why
+        finally:
+            counters.clear()
+            counters.update(counted)
+        return ""
 
 
 def _frame_of(gm: fx.GraphModule, graph_id: int) -> str:

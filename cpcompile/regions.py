@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import types
 from collections.abc import Iterator
 
@@ -358,13 +359,19 @@ def _tested_on(fn, noted, found: dict, length: int, cp_size: int, seed: int, sca
 
     def random_like(value: torch.Tensor) -> torch.Tensor:
         shape = [size_hint(s) for s in value.shape]
+        device = "cpu" if value.device.type == "meta" else value.device  # a model traced on meta: tested on CPU
         if value.dtype.is_floating_point:
-            return (torch.randn(shape, generator=gen) * scale).to(value.dtype).to(value.device)
+            return (torch.randn(shape, generator=gen) * scale).to(value.dtype).to(device)
         if value.dtype == torch.bool and flags:
-            return (torch.rand(shape, generator=gen) < 0.25).to(value.device)
-        return torch.zeros(shape, dtype=value.dtype, device=value.device)
+            return (torch.rand(shape, generator=gen) < 0.25).to(device)
+        return torch.zeros(shape, dtype=value.dtype, device=device)
 
     modules = [n.value for n in noted.values() if isinstance(n, _compat.Held)]
+    if any(t.is_meta for m in modules for t in itertools.chain(m.parameters(), m.buffers())):
+        return (
+            "it is a method of a module on the meta device, whose tensors it may read, so it could not be tested "
+            "(cpcompile inspect: pass --device cpu)"
+        )
     with _compat.unset_fake_mode(), torch.no_grad(), _kept(modules) as changed:
         base = {name: random_like(_val(n)) if isinstance(n, fx.Node) else n for name, n in noted.items()}
         base.update({name: n.value for name, n in noted.items() if isinstance(n, _compat.Held)})  # a method's self

@@ -38,7 +38,7 @@ SITE_HEADERS = (
     "gathered K, V",
 )
 #: The columns of one op that mixes tokens (:class:`cpcompile.passes.mixing.MixingReport`), :func:`mixing_cells`.
-MIXING_HEADERS = ("layer", "node", "op", "kind", "action", "AG bytes/call")
+MIXING_HEADERS = ("layer", "node", "op", "kind", "action", "AG bytes/call", "A2A bytes/call")
 
 
 def site_cells(report) -> list[str]:
@@ -60,8 +60,8 @@ def site_cells(report) -> list[str]:
 
 def mixing_cells(report) -> list:
     """The cells of one mixing report under :data:`MIXING_HEADERS`."""
-    nbytes = report.all_gather_bytes_per_call or ""
-    return [report.layer or "<top level>", report.node, report.op, report.kind, report.action, nbytes]
+    gathered, exchanged = report.all_gather_bytes_per_call or "", report.all_to_all_bytes_per_call or ""
+    return [report.layer or "<top level>", report.node, report.op, report.kind, report.action, gathered, exchanged]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:

@@ -278,6 +278,9 @@ def test_cp2_contiguous(results, core):
     summaries = results[0][key][: len(fast)]
     report(summaries)
     assert [s["case"] for s in summaries] == [c.name for c in fast]
+    for s in summaries:  # one graph, run once: the bytes the report gives per call are the bytes received
+        reported, received = s["heads_bytes"]
+        assert reported == received > 0, s
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -135,6 +135,8 @@ class Inspection:
     documents: bool
     #: Every graph traced, of every traced rank.
     graphs: tuple[TracedGraph, ...] = dataclasses.field(repr=False)
+    #: How the recurrent cores that support both run (``shard(recurrence=...)``: ``"heads"`` or ``"state"``).
+    recurrence: str = "heads"
 
     @property
     def batch_size(self) -> int:
@@ -205,7 +207,8 @@ class Inspection:
         return (
             f"{self.model} ({self.model_class}): CP size {self.cp_size}, batch {self.batch_size} x {self.seq_len} "
             f"tokens{pad} (documents {docs}), {self.chunk_len} tokens per rank, {self.dtype}, traced on "
-            f"{self.device}, {self.layout} layout, attention={self.options.attention}; "
+            f"{self.device}, {self.layout} layout, attention={self.options.attention}, "
+            f"recurrence={self.recurrence}; "
             f"{len({(r.graph_id, r.node) for r in self.rows})} SDPA site(s) in "
             f"{len({g.graph for g in self.graphs})} graph(s)"
         )
@@ -303,6 +306,7 @@ class Inspection:
             "layout": self.layout,
             "workload": dataclasses.asdict(self.workload),
             "attention": self.options.attention,
+            "recurrence": self.recurrence,
             "sites": [row.to_json() for row in self.rows],
             "positions": [{"rank": g.rank, **dataclasses.asdict(p)} for g in self.graphs for p in g.positions],
             "mixing": [{"rank": g.rank, **m.to_json()} for g in self.graphs for m in g.mixing],

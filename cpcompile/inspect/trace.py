@@ -24,6 +24,7 @@ from cpcompile.options import BackendOptions
 from cpcompile.passes.sdpa_cp import SiteReport
 from cpcompile.plan import CPPlan, build_plan
 from cpcompile.runtime import current_plan, mark_local_dynamic, shard
+from cpcompile.runtime.shard_options import RECURRENCES
 from cpcompile.runtime.workload import workload_of
 
 __all__ = ["inspect_model"]
@@ -65,6 +66,7 @@ def inspect_model(
     layout: str = DEFAULT_LAYOUT,
     block_size: int = DEFAULT_BLOCK_SIZE,
     use_config: bool = True,
+    recurrence: str = "heads",
 ) -> Inspection:
     """Trace ``model`` as each CP rank of a group of ``cp_size`` and report what the backend does with it.
 
@@ -83,6 +85,8 @@ def inspect_model(
         layout: the layout :func:`cpcompile.shard` uses (:data:`cpcompile.plan.LAYOUTS`; default
             ``"balanced"``, balancing the attention forms of the rewritten layers).
         block_size: the backend's ``block_size`` (block kernel; the computed pairs and the balance use it).
+        recurrence: how the recurrent cores that support both run, as :func:`cpcompile.shard`'s ``recurrence``
+            (``"heads"``: head-parallel, the default; ``"state"``: state passing).
         use_config: pass a transformers model's config to the backend (``backend(..., config=model.config)``),
             as training should: windows and refusals that come from the config then show.
 
@@ -108,6 +112,8 @@ def inspect_model(
     if device not in ("meta", "cpu"):
         raise ValueError(f"device={device!r}: inspect traces on 'meta' (default) or 'cpu'")
     check_layout(layout)
+    if recurrence not in RECURRENCES:
+        raise ValueError(f"recurrence={recurrence!r}: expected one of {RECURRENCES} (as cpcompile.shard takes)")
 
     net = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
     config = getattr(net, "config", None)
@@ -125,7 +131,7 @@ def inspect_model(
 
     graphs: list[TracedGraph] = []
     for rank in ranks:
-        graphs += _trace_rank(net, batch, rank, cp_size, device, model, options, layout)
+        graphs += _trace_rank(net, batch, rank, cp_size, device, model, options, layout, recurrence)
     reports = [(g, report.resolved()) for g in graphs for report in g.reports]
     workload = _workload([report for _, report in reports], options.block_size)
     plans = {r: build_plan(batch, cp_size, r, layout=layout, workload=workload) for r in ranks}
@@ -148,16 +154,20 @@ def inspect_model(
         plan=plan,
         documents=documents,
         graphs=tuple(graphs),
+        recurrence=recurrence,
     )
 
 
-def _trace_rank(net, batch, rank: int, cp_size: int, device: str, spec: str, options, layout) -> list[TracedGraph]:
+def _trace_rank(
+    net, batch, rank: int, cp_size: int, device: str, spec: str, options, layout, recurrence: str
+) -> list[TracedGraph]:
     with _compat.fake_process_group(rank, cp_size) as group:
         tracer = CPBackend(group, options, trace_only=True, name="inspect")
         torch.compiler.reset()
         try:
             compiled = torch.compile(net, backend=tracer)
-            with shard(batch, group, layout=layout, workload=Workload(block_size=options.block_size)) as local:
+            workload = Workload(block_size=options.block_size)
+            with shard(batch, group, layout=layout, workload=workload, recurrence=recurrence) as local:
                 local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
                 mark_local_dynamic(local, current_plan().chunk_len)  # the moved copies, like shard's own
                 compiled(**local)

@@ -332,6 +332,9 @@ class ParityOutcome:
     expected_sites: int = 0
     #: (op, action) of every op the mixing pass reported for this runner's backend so far.
     mixing: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    #: The bytes per call the mixing reports give (summed over every op reported so far): ``"heads"``, the
+    #: all-to-alls of head-parallel and replicated regions; ``"state"``, the all-gathers of state summaries.
+    reported_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -506,6 +509,12 @@ class ParityRunner:
             seconds=time.perf_counter() - start,
             expected_sites=self.expected_sites,
             mixing=[(r.op, r.action) for r in self.backend.mixing_reports],
+            reported_bytes={
+                "heads": sum(r.all_to_all_bytes_per_call for r in self.backend.mixing_reports),
+                "state": sum(
+                    r.all_gather_bytes_per_call for r in self.backend.mixing_reports if r.action == "state_passing"
+                ),  # fmt: skip
+            },
         )
 
 
@@ -590,6 +599,9 @@ def check_case(
         "cp": runner.cp_size,
         "runs": case.max_runs(runner.cp_size),
         **outcome.errors(),
+        # (reported per call, received in the step): equal when every region's graph ran once in the step
+        "heads_bytes": (outcome.reported_bytes["heads"], outcome.comm.heads_bytes),
+        "state_bytes": (outcome.reported_bytes["state"], outcome.comm.state_bytes),
         "seconds": time.perf_counter() - t0,
         "controls": {},
     }

@@ -31,6 +31,7 @@ narrowed to the rank's heads).
 :func:`user_core_lm` (a ``ParityCase`` factory): a :class:`tests.models.tiny.TinyLM` whose ``mixer`` projects the
 embeddings to ``HEADS`` heads of ``HEAD_DIM``, calls the core and projects back (residual), before one
 packed-document attention layer. It registers the core in its process (the spawned ranks build the model too).
+:data:`UNREGISTERED` names factories of it without arguments, its core not registered, for ``cpcompile inspect``.
 """
 
 from __future__ import annotations
@@ -273,3 +274,16 @@ def user_core_lm(
         return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=UserMixer(core, hidden, heads, groups))
 
     return seeded(build, seed=seed)
+
+
+def _unregistered(core: str):
+    def factory() -> TinyLM:
+        return user_core_lm(core=core, registered=False)
+
+    factory.__name__ = factory.__qualname__ = f"{core}_lm"
+    return factory
+
+
+#: ``cpcompile inspect tests.models.user_cores:<name>_lm``: :func:`user_core_lm` of the core ``<name>``, unregistered.
+UNREGISTERED = ("decayed_heads", "tiled_groups", "scan_method")
+decayed_heads_lm, tiled_groups_lm, scan_method_lm = (_unregistered(core) for core in UNREGISTERED)

@@ -155,6 +155,11 @@ class MixingReport:
     #: input or of the candidate rows (``(N - 1) * numel * itemsize``). ``0`` for ``halo``: its bytes depend on the
     #: batch's layout (``CommStats.sequence_halo_bytes``).
     all_gather_bytes_per_call: int = 0
+    #: ``head_parallel``, ``replicated``: bytes this rank receives per call in the all-to-alls of the region's
+    #: exchanges that the report counts (``(N - 1) / N * numel * itemsize`` each, into the heads and back). The
+    #: backward receives the same again for each exchange whose input needs a gradient. ``state_passing`` counts
+    #: its all-gather of state summaries in ``all_gather_bytes_per_call``: a size independent of the sequence.
+    all_to_all_bytes_per_call: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +177,20 @@ def _bytes(region: CausalRegion, cp_size: int) -> int:
     if not isinstance(v, torch.Tensor):
         return 0
     return (cp_size - 1) * size_hint(math.prod(v.shape)) * v.element_size()
+
+
+def _exchanged_bytes(exchanges: tuple[fx.Node, ...], cp_size: int) -> int:
+    """Bytes this rank receives per call in ``exchanges``: ``(N - 1) / N`` of the input of each all-to-all between
+    the sequence and the head split (:mod:`cpcompile.ops.heads`), ``N - 1`` copies of the summary of each
+    all-gather of state summaries (:mod:`cpcompile.ops.state`)."""
+    total = 0
+    for n in exchanges:
+        v = _val(n.args[0])
+        if not isinstance(v, torch.Tensor):
+            continue
+        nbytes = size_hint(math.prod(v.shape)) * v.element_size()
+        total += (cp_size - 1) * nbytes // (1 if vocab.op_name(n) == "cpcompile::state_gather" else cp_size)
+    return total
 
 
 def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> list[MixingReport]:
@@ -195,7 +214,7 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
     reports = []
     ends: dict[fx.Node, fx.Node] = {}  # the end of each region rewritten -> the node that replaced it
     for op, action, reason in decided:
-        nbytes = 0
+        nbytes, a2a = 0, 0
         if action in REGION_ACTIONS:
             region = op.region
             if region.operand in ends:  # it reads a region rewritten before it (a scan after a conv's trim)
@@ -214,10 +233,14 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
             pool_across_ranks(op.node, list(op.picks), ctx, f"{ctx.site_prefix}:{op.where}")
         if action == "pooled" and not op.picks:
             nbytes = _pooled_bytes(op.node, ctx.cp_size)
+        if action in ("head_parallel", "replicated"):
+            a2a = _exchanged_bytes(op.exchanges, ctx.cp_size)
+        if action == "state_passing":
+            nbytes = _exchanged_bytes(op.exchanges, ctx.cp_size)
         if action != "refused":
             counters[f"mixing_{action}"] += 1
         reports.append(
-            MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes)
+            MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes, a2a)
         )
     if any(r.action in (*REGION_ACTIONS, "summed", "mean_share", "pooled") for r in reports):
         finish(gm)

@@ -61,6 +61,9 @@ class MixingOp(FoundAt):
     #: ``pooled`` argmax: the getitems that pick rows of per-token data at the tokens it chose
     #: (:func:`~cpcompile.passes.mixing.pooling.pooled_picks`).
     picks: tuple[fx.Node, ...] = ()
+    #: ``head_parallel``/``replicated``/``state_passing``: the exchanges of its region that it counts (its end, and
+    #: the exchanges into the region that it reads and no op reported before it counts).
+    exchanges: tuple[fx.Node, ...] = ()
 
     @property
     def source(self) -> str:
@@ -599,6 +602,7 @@ def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
     leaks: list[fx.Node] = []
     _reach(starts, _FROM_STATE, whole, ends, leaks)
     ops = []
+    counted: set[fx.Node] = set()
     for n in ends:
         site = n.args[1] if len(n.args) > 1 else ""
         what = (
@@ -606,7 +610,8 @@ def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
             "fixed-size state summaries)"
         )
         op = _head_op(n, what, "state_passing", "state_passing")
-        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core"))
+        exchanges = _exchanges_of_call(n, counted)
+        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core", exchanges=exchanges))
     for n in leaks:
         what = (
             f"is a value of a state-passing region that leaves it without {_FROM_STATE}; return the core's outputs only"
@@ -615,6 +620,27 @@ def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
         ops.append(dataclasses.replace(op, problem="it is not brought back to this rank's tokens"))
     whole.update(ends)
     return ops, whole
+
+
+def _exchanges_of_call(end: fx.Node, counted: set[fx.Node]) -> tuple[fx.Node, ...]:
+    """The exchanges into the region of the call that ``end`` brings back: for a head-parallel end, the
+    ``heads_from_sequence`` that share its token order (each call of a core makes its own ``heads_order``); for a
+    state-passing end, the ``state_gather`` before it in the graph. Data flow alone does not tell them (a core
+    writes its outputs in place, ``out[:, :, i] = ...``). Each exchange is counted once (added to ``counted``), by
+    the first end of its call."""
+    if _exchange_name(end) == _FROM_STATE:
+        found = []
+        for n in end.graph.nodes:
+            if n is end:
+                break
+            if _exchange_name(n) == "cpcompile::state_gather" and n not in counted:
+                found.append(n)
+    else:
+        order = end.args[1] if len(end.args) > 1 and isinstance(end.args[1], fx.Node) else None
+        users = order.users if order is not None else {}
+        found = [u for u in users if _exchange_name(u) == "cpcompile::heads_from_sequence" and u not in counted]
+    counted.update(found)
+    return tuple(found)
 
 
 def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
@@ -642,6 +668,7 @@ def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
         ndim = _val(n).dim()
         seeds[n] = tuple(d == arg(n, 3, "head_dim") % ndim for d in range(ndim))
     ops = _head_map_refusals(g, whole, seeds, core)
+    counted: set[fx.Node] = set()
     for n in ends:
         site = n.args[5] if len(n.args) > 5 else ""
         what = f"runs {site} on the whole sequence for this rank's heads (one all-to-all per tensor each way)"
@@ -649,7 +676,9 @@ def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
         if cores.replicated(str(site)):
             what = f"runs {site} on the whole sequence on every rank (its input all-gathered), each keeping its tokens"
             accounted = "replicated"
-        ops.append(dataclasses.replace(_head_op(n, what, accounted), op=str(site).rpartition(".")[2] or "core"))
+        exchanges = (*_exchanges_of_call(n, counted), n)
+        op = _head_op(n, what, accounted)
+        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core", exchanges=exchanges))
     for n in leaks:
         what = (
             "is a whole-sequence value of a head-parallel region that leaves it without "
