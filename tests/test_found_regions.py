@@ -179,6 +179,7 @@ def _case(
     layout: str = "balanced",
     heads: int = user_cores.HEADS,
     groups: int = user_cores.GROUPS,
+    inner: str = "eager",
 ) -> ParityCase:
     from cpcompile.layouts import Workload
 
@@ -187,6 +188,7 @@ def _case(
         doc_lens=DOCS,
         expected_sites=1,
         layout=layout,
+        inner=inner,
         overrides=(("core", core), ("registered", False))
         + ((("heads", heads),) if heads != user_cores.HEADS else ())
         + ((("groups", groups),) if groups != user_cores.GROUPS else ()),
@@ -337,3 +339,30 @@ def test_a_transformers_core_left_out_of_the_registry(family):
     if family in expected:  # RWKV's found function is the wrapper's CPU path, not the registry's key
         found = {k: got["found"][k] for k in ("per_token", "per_head", "gathered", "seq_dim", "head_dim")}
         assert found == expected[family], found
+
+
+#: Found cores at CP=3 and 4, traced by AOTAutograd and compiled by inductor, under every layout: (CP size, core,
+#: inner compiler, layout). At T = 37: CP=3 pads to 39 (13 tokens a rank), CP=4 to 40. At CP=4 the 6 heads are padded
+#: to 8 and the 2 groups of ``grouped_heads`` repeated to their heads; at CP=3 its 2 groups are repeated too.
+MORE_RANKS = [
+    (3, "grouped_heads", "aot_eager", "head_tail"),
+    (3, "transposed_heads", "inductor", "contiguous"),
+    (4, "grouped_heads", "inductor", "balanced"),
+    (4, "scan_method", "aot_eager", "contiguous"),
+]
+
+
+@slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("cp", "core", "inner", "layout"), MORE_RANKS)
+def test_a_found_core_at_more_ranks_equals_one_process(cp, core, inner, layout):
+    from tests.harness.dist import run_distributed
+
+    case = _case(core, layout=layout, inner=inner)
+    per_rank = run_distributed(_worker, cp, case, timeout_s=840)
+    report(per_rank[0]["cases"])
+    assert [s["case"] for s in per_rank[0]["cases"]] == [case.name]
+    for mine in per_rank:
+        control = mine["control"]
+        print(f"\ncontrol (the found core on each rank's own tokens): {control}")
+        assert control["caught"] and "logits" in control["failing"], control

@@ -164,10 +164,22 @@ def forward_mode(model: torch.nn.Module, mode: str):
         raise ValueError(f"unknown mode {mode!r}")
 
 
+#: ``family`` prefix of a :func:`tests.models.user_cores.user_core_lm` whose core (named after it) is not registered.
+FOUND = "found:"
+
+
 def build_models(family: str = "qwen3") -> tuple[torch.nn.Module, torch.nn.Module]:
     """The policy (train mode) and the frozen reference (eval mode, no parameter requires grad) of ``family``.
     Qwen3 with one decoder layer: what hung is the order of the two models' calls, not their depth; a hybrid with
-    its tiny config's layers (Bamba: a Mamba2 layer, then an attention layer)."""
+    its tiny config's layers (Bamba: a Mamba2 layer, then an attention layer); ``found:<core>``, the TinyLM of
+    :func:`~tests.models.user_cores.user_core_lm` calling ``<core>``, unregistered."""
+    if family.startswith(FOUND):  # a mixer of the user's code, never registered: the backend finds it
+        from tests.models.user_cores import user_core_lm
+
+        core = family.removeprefix(FOUND)
+        policy = user_core_lm(core=core, registered=False, seed=0)
+        reference = user_core_lm(core=core, registered=False, seed=1).eval().requires_grad_(False)
+        return policy, reference
     layers = {"num_hidden_layers": 1} if family == "qwen3" else {}
     policy = tiny_model(family, seed=0, **layers)
     reference = tiny_model(family, seed=1, **layers).eval().requires_grad_(False)
@@ -377,7 +389,8 @@ def check_case(
     **options,
 ) -> None:
     start = time.perf_counter()
-    results = run_distributed(rl_worker, world_size, case_steps, inner, options, timeout_s=timeout_s)
+    fresh = options.get("family", "").startswith(FOUND)  # ranks of their own: a found core stays registered
+    results = run_distributed(rl_worker, world_size, case_steps, inner, options, timeout_s=timeout_s, fresh=fresh)
     elapsed = time.perf_counter() - start
     ref = reference_run(case_steps, options.get("family", "qwen3"))
     for rank, res in enumerate(results):  # every rank holds the same gathered/summed values and parameters
@@ -402,12 +415,15 @@ def test_rl_mix_cp2(name):
 
 #: Hybrid policies and references (``family``, case): Bamba (Mamba2's SSD head-parallel, its conv a halo, then
 #: attention) in the fast tier; Qwen3-Next (the gated delta rule, MoE) and Mamba (no attention layer: the mixing
-#: exchanges' control rounds alone keep the ranks in step) with forward-only steps between training steps.
+#: exchanges' control rounds alone keep the ranks in step) with forward-only steps between training steps; a mixer
+#: of the user's code found at the first compile, under ``no_grad`` (the policy's old log-probs), then run by the
+#: reference and the training forward (fast tier).
 HYBRID_CASES = [
     ("bamba", "grpo"),
     pytest.param("bamba", "inference_mode", marks=pytest.mark.slow),
     pytest.param("qwen3_next", "grpo", marks=pytest.mark.slow),
     pytest.param("mamba", "forward_only_between", marks=pytest.mark.slow),
+    (f"{FOUND}decayed_heads", "grpo"),
 ]
 
 
