@@ -239,10 +239,15 @@ def test_a_found_core_equals_one_process(core, heads, groups):
     """CP=2, balanced: the loop on ``[B, H, S, D]``, the loop with 2 groups of heads (``grouped_heads``: split with
     them), the loop written as a method (``scan_method``), the first with 5 heads (padded to 6), and the grouped
     loop with 3 groups (which the CP size does not divide: repeated to their heads)."""
+    _check_parity(_case(core, heads=heads, groups=groups), 2, timeout_s=360)
+
+
+def _check_parity(case: ParityCase, cp: int, timeout_s: float) -> None:
+    """``case`` on ``cp`` ranks equals one process, and its control (the found core on each rank's own tokens) fails
+    on the logits."""
     from tests.harness.dist import run_distributed
 
-    case = _case(core, heads=heads, groups=groups)
-    per_rank = run_distributed(_worker, 2, case, timeout_s=360)
+    per_rank = run_distributed(_worker, cp, case, timeout_s=timeout_s)
     report(per_rank[0]["cases"])
     assert [s["case"] for s in per_rank[0]["cases"]] == [case.name]
     for mine in per_rank:
@@ -356,13 +361,4 @@ MORE_RANKS = [
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("cp", "core", "inner", "layout"), MORE_RANKS)
 def test_a_found_core_at_more_ranks_equals_one_process(cp, core, inner, layout):
-    from tests.harness.dist import run_distributed
-
-    case = _case(core, layout=layout, inner=inner)
-    per_rank = run_distributed(_worker, cp, case, timeout_s=840)
-    report(per_rank[0]["cases"])
-    assert [s["case"] for s in per_rank[0]["cases"]] == [case.name]
-    for mine in per_rank:
-        control = mine["control"]
-        print(f"\ncontrol (the found core on each rank's own tokens): {control}")
-        assert control["caught"] and "logits" in control["failing"], control
+    _check_parity(_case(core, layout=layout, inner=inner), cp, timeout_s=840)
