@@ -107,6 +107,23 @@ def test_a_tensor_argument_left_out_of_the_registration_is_refused(world, monkey
         _compile(model, world)
 
 
+def _misregistered(x, g, decay):
+    return user_cores.transposed_heads(x, g, decay)
+
+
+def test_a_core_registered_with_the_wrong_dims_is_refused_naming_them(world, monkeypatch):
+    """A core on ``[B, H, S, D]`` inputs registered with the default dims (``seq_dim=1``: its heads): refused while
+    the graph is traced, naming ``seq_dim``, instead of failing in the core's code on exchanged shapes."""
+    cores.register_head_parallel(_misregistered, per_token=("x", "g"), per_head=("decay",))
+    model = user_cores.user_core_lm(registered=False)
+    model.mixer.core = "_misregistered"
+    monkeypatch.setattr(user_cores, "_misregistered", _misregistered, raising=False)
+    monkeypatch.setattr(user_cores, "TRANSPOSED", frozenset({"_misregistered"}))
+    with pytest.raises(Exception, match=r"with 6 along seq_dim=1, but this rank holds 19 tokens .* seq_dim") as caught:
+        _compile(model, world)
+    assert "ValueError" in str(caught.value), str(caught.value)  # raised while tracing, as the cores' refusals are
+
+
 def test_heads_the_cp_size_does_not_divide_are_padded(world):
     """5 heads at CP=2: run as 6, the sixth of zeros (its outputs cut off; parity below)."""
     assert _compile(user_cores.user_core_lm(heads=5), world) == list(EXPECTED)

@@ -32,7 +32,7 @@ import torch.fx as fx
 from cpcompile import _compat
 from cpcompile.ops.check import exchange_round
 from cpcompile.ops.tokens import chunk_context
-from cpcompile.runtime.context import active_context
+from cpcompile.runtime.context import active_context, current_plan
 
 
 def _what(site: str) -> str:
@@ -100,7 +100,25 @@ def heads_order(like: torch.Tensor, seq_dim: int, cp_size: int, site: str) -> to
 
 @heads_order.register_fake
 def _(like, seq_dim, cp_size, site):
+    _check_traced_length(like, seq_dim, site)
     return like.new_empty((cp_size * like.shape[seq_dim],), dtype=torch.long)
+
+
+def _check_traced_length(like: torch.Tensor, seq_dim: int, site: str) -> None:
+    """While a graph is traced under a :func:`cpcompile.shard` context: ``ValueError`` when ``like``'s size along
+    ``seq_dim`` (its value at this trace, no guard taken) is not the plan's chunk length, so that a core registered
+    with the wrong dims is refused naming them rather than failing in its own code on exchanged shapes."""
+    plan = current_plan()
+    n = like.dim()
+    if plan is None or not -n <= seq_dim < n:
+        return
+    tokens = _compat.sym_hint(like.shape[seq_dim])
+    if tokens is not None and tokens != plan.chunk_len:
+        raise ValueError(
+            f"{_what(site)} got a per-token tensor of shape {tuple(like.shape)} with {tokens} along seq_dim={seq_dim}, "
+            f"but this rank holds {plan.chunk_len} tokens of the sequence; pass the dim of the sequence as seq_dim "
+            "(and the dim of the heads as head_dim) to cpcompile.cores.register_head_parallel"
+        )
 
 
 @torch.library.custom_op("cpcompile::heads_from_sequence", mutates_args=())
