@@ -38,7 +38,7 @@ SITE_HEADERS = (
     "gathered K, V",
 )
 #: The columns of one op that mixes tokens (:class:`cpcompile.passes.mixing.MixingReport`), :func:`mixing_cells`.
-MIXING_HEADERS = ("layer", "node", "op", "kind", "action", "AG bytes/call", "A2A bytes/call")
+MIXING_HEADERS = ("layer", "node", "op", "kind", "action", "each rank runs", "AG bytes/call", "A2A bytes/call")
 
 
 def site_cells(report) -> list[str]:
@@ -61,7 +61,8 @@ def site_cells(report) -> list[str]:
 def mixing_cells(report) -> list:
     """The cells of one mixing report under :data:`MIXING_HEADERS`."""
     gathered, exchanged = report.all_gather_bytes_per_call or "", report.all_to_all_bytes_per_call or ""
-    return [report.layer or "<top level>", report.node, report.op, report.kind, report.action, gathered, exchanged]
+    where = [report.layer or "<top level>", report.node, report.op, report.kind, report.action]
+    return [*where, report.split or "", gathered, exchanged]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:

@@ -40,6 +40,7 @@ def test_a_found_mixer_is_shown_head_parallel_with_its_all_to_all_bytes(tmp_path
     back = CP * c * (HEADS // CP) * HEAD_DIM  # y [1, N c, H / N, D]: every token of this rank's heads
     expected = (into + back) * FP32 * (CP - 1) // CP
     assert {m["all_to_all_bytes_per_call"] for m in mixer} == {expected}, mixer
+    assert {m["split"] for m in mixer} == {"its heads (dim 2), every token"}, mixer  # x is [B, S, H, D]
 
 
 def test_a_mixer_training_refuses_shows_refused_with_the_reason(tmp_path):
@@ -75,6 +76,7 @@ def test_gated_delta_rule_bytes_per_call_heads_grow_with_the_length_state_do_not
     assert len(short) == len(long) == 1, rows
     if recurrence == "state":  # one all-gather of fixed-size summaries
         assert short[0].action == "state_passing" and short[0].all_to_all_bytes_per_call == 0, short
+        assert short[0].split == "every head, its tokens", short
         assert short[0].all_gather_bytes_per_call == long[0].all_gather_bytes_per_call > 0, rows
         return
     hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
@@ -84,5 +86,5 @@ def test_gated_delta_rule_bytes_per_call_heads_grow_with_the_length_state_do_not
         into = c * (2 * hk * dk + hv * dv + 2 * hv)  # q, k, v, the decay g and beta of this rank's tokens
         back = CP * c * (hv // CP) * dv  # the output, every token of this rank's value heads
         expected = (into + back) * FP32 * (CP - 1) // CP
-        assert (row.action, row.all_to_all_bytes_per_call, row.all_gather_bytes_per_call) == (
-            "head_parallel", expected, 0), row  # fmt: skip
+        assert (row.action, row.all_to_all_bytes_per_call, row.all_gather_bytes_per_call, row.split) == (
+            "head_parallel", expected, 0, "its heads (dim 2), every token"), row  # fmt: skip

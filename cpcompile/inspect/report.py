@@ -229,9 +229,9 @@ class Inspection:
         rows: dict[tuple, list[int]] = {}
         for g in self.graphs:
             for m in g.mixing:
-                rows.setdefault((g.graph, *mixing_cells(m), m.reason), []).append(g.rank)
+                rows.setdefault((g.graph, *mixing_cells(m), g.calls, m.reason), []).append(g.rank)
         body = [[fmt_ranks(ranks, self.cp_size), *key] for key, ranks in rows.items()]
-        return table(["ranks", "graph", *MIXING_HEADERS, "reason"], body)
+        return table(["ranks", "graph", *MIXING_HEADERS, "calls/forward", "reason"], body)
 
     def report(self) -> str:
         """The text ``cpcompile inspect`` prints."""

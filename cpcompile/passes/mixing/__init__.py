@@ -160,6 +160,9 @@ class MixingReport:
     #: backward receives the same again for each exchange whose input needs a gradient. ``state_passing`` counts
     #: its all-gather of state summaries in ``all_gather_bytes_per_call``: a size independent of the sequence.
     all_to_all_bytes_per_call: int = 0
+    #: ``head_parallel``, ``replicated``, ``state_passing``: what each rank runs the region on
+    #: (:data:`cpcompile.passes.mixing.find.SPLITS`: its heads and at which dim, or every head).
+    split: str = ""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -240,7 +243,9 @@ def mixing_pass(gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> 
         if action != "refused":
             counters[f"mixing_{action}"] += 1
         reports.append(
-            MixingReport(ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes, a2a)
+            MixingReport(
+                ctx.graph_id, op.node.name, op.layer, op.op, op.kind, action, reason, op.source, nbytes, a2a, op.split
+            )
         )
     if any(r.action in (*REGION_ACTIONS, "summed", "mean_share", "pooled") for r in reports):
         finish(gm)

@@ -64,6 +64,8 @@ class MixingOp(FoundAt):
     #: ``head_parallel``/``replicated``/``state_passing``: the exchanges of its region that it counts (its end, and
     #: the exchanges into the region that it reads and no op reported before it counts).
     exchanges: tuple[fx.Node, ...] = ()
+    #: ``head_parallel``/``replicated``/``state_passing``: what each rank runs the region on (:data:`SPLITS`).
+    split: str = ""
 
     @property
     def source(self) -> str:
@@ -611,7 +613,8 @@ def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
         )
         op = _head_op(n, what, "state_passing", "state_passing")
         exchanges = _exchanges_of_call(n, counted)
-        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core", exchanges=exchanges))
+        name = str(site).rpartition(".")[2] or "core"
+        ops.append(dataclasses.replace(op, op=name, exchanges=exchanges, split=SPLITS["state_passing"]))
     for n in leaks:
         what = (
             f"is a value of a state-passing region that leaves it without {_FROM_STATE}; return the core's outputs only"
@@ -620,6 +623,15 @@ def _state_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
         ops.append(dataclasses.replace(op, problem="it is not brought back to this rank's tokens"))
     whole.update(ends)
     return ops, whole
+
+
+#: What each rank runs a region of the recurrent cores on, by the region's action (``{dim}``: the dim of the heads
+#: in the core's outputs).
+SPLITS = {
+    "head_parallel": "its heads (dim {dim}), every token",
+    "replicated": "every head and token",
+    "state_passing": "every head, its tokens",
+}
 
 
 def _exchanges_of_call(end: fx.Node, counted: set[fx.Node]) -> tuple[fx.Node, ...]:
@@ -678,7 +690,8 @@ def _heads_regions(g: fx.GraphModule) -> tuple[list[MixingOp], set[fx.Node]]:
             accounted = "replicated"
         exchanges = (*_exchanges_of_call(n, counted), n)
         op = _head_op(n, what, accounted)
-        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core", exchanges=exchanges))
+        split = SPLITS[accounted].format(dim=arg(n, 3, "head_dim") % _val(n).dim())
+        ops.append(dataclasses.replace(op, op=str(site).rpartition(".")[2] or "core", exchanges=exchanges, split=split))
     for n in leaks:
         what = (
             "is a whole-sequence value of a head-parallel region that leaves it without "
