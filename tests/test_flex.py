@@ -382,9 +382,9 @@ def results(request) -> dict:
 
 
 def _check(summaries: list[dict]) -> None:
-    for s in summaries:
-        if s["case"] in REFUSED_AT_RUN_TIME:
-            continue
+    checked = [s for s in summaries if s["case"] not in REFUSED_AT_RUN_TIME]
+    assert checked, f"no parity case ran: {[s['case'] for s in summaries]}"  # an empty list would pass unchecked
+    for s in checked:
         errors = f"logits {s['logits']:.1e}, loss {s['loss']:.1e}, grad {s['grad']:.1e}"
         print(f"{s['case']}: {errors} in {s['seconds']:.1f}s, all-gathers {s['all_gathers']}, mixing {s['mixing']}")
         sites = len(s["actions"])
