@@ -51,7 +51,8 @@ attention layer, a method given to Dynamo as the RG-LRU's is): its block loop is
 per-token projections and an RMS norm across heads, so no core function can be exchanged by heads; the whole layer
 runs on the whole sequence on every rank instead (its input all-gathered in global token order, blocks counted from
 the sequence's first token as in one process), and each rank keeps its own tokens' output: exact, at ``N`` times
-the layer's work and ``T x hidden`` of memory per layer. Refused under CP: a cache, a padding mask.
+the layer's work and ``T x hidden`` of memory per layer. Refused under CP: a cache, a padding mask. A user runs a
+layer of their own that way with :func:`register_replicated`.
 Gated delta rule: key head ``j // (Hv / Hk)`` serves value head ``j``: when ``N`` divides ``Hk`` a rank takes whole
 groups (its key heads and their value heads); otherwise queries and keys are repeated to the value heads first (as
 the core does itself). SSD: ``hidden_states``, ``dt``, ``B`` and ``C`` are exchanged, group ``j // (H / G)`` serving
@@ -116,6 +117,7 @@ __all__ = [
     "in_core",
     "register_head_parallel",
     "register_found_method",
+    "register_replicated",
     "register_known_cores",
     "registered_cores",
     "replicated",
@@ -144,7 +146,8 @@ _LIGHTNING = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAtten
 #: :func:`register_known_cores` substitutes. Forms: ``"gated_delta_rule"`` (:func:`_gated_delta_rule_replacement`),
 #: ``"mamba2_chunk_scan"`` (:func:`_mamba2_chunk_scan_replacement`), ``"selective_scan"``
 #: (:func:`_selective_scan_replacement`), ``"rg_lru_scan"`` (:func:`_rg_lru_scan_replacement`, a method), ``"wkv"``,
-#: ``"lightning_layer"``, and ``"registered"`` for the cores a user registers (:func:`register_head_parallel`).
+#: ``"lightning_layer"``, ``"registered"`` for the cores a user registers (:func:`register_head_parallel`), and
+#: ``"replicated"`` for the layers a user registers to run whole (:func:`register_replicated`).
 CORES: dict[str, str] = {
     **{_GDN.format(m): "gated_delta_rule" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")},
     **{
@@ -164,7 +167,9 @@ _PLAIN_FORMS = frozenset({"wkv"})
 #: Forms whose replacement runs the library's layer on the whole sequence on every rank (its input all-gathered as
 #: ``N`` copies through the heads exchange, each rank keeping its own tokens' output) instead of a share of the heads:
 #: the mixing pass reports them ``replicated`` (:func:`replicated`).
-_REPLICATED_FORMS = frozenset({"lightning_layer"})
+_REPLICATED_FORMS = frozenset({"lightning_layer", "replicated"})
+#: Forms a user registers: their replacement is given to Dynamo by the registration itself.
+_USER_FORMS = frozenset({"registered", "replicated"})
 
 _REGISTERED: dict[str, object] = {}
 
@@ -303,7 +308,7 @@ def register_known_cores() -> None:
     (:func:`_fused_replacement`), as does any other function of a transformers model bound to a fused kernel
     (:func:`cpcompile.fused.register_fused_functions`)."""
     for key, form in CORES.items():
-        if form == "registered":  # substituted by register_head_parallel itself
+        if form in _USER_FORMS:  # substituted by its registration
             continue
         if form in _METHOD_FORMS:
             _register_method(key, form)
@@ -380,8 +385,16 @@ def _gathered(x, order, group_name, site, n, seq_dim, head_dim):
     return whole.squeeze(head_dim)
 
 
-def _refuse(like, site: str, what: str, fix: str) -> None:
-    torch.ops.cpcompile.heads_refusal(like, f"the head-parallel core {site} under context parallelism {what}; {fix}")
+def _own_tokens(y, order, group_name, site, rank, seq_dim):
+    """This rank's tokens of ``y``, a value of the whole sequence (padding last, sequence at ``seq_dim``) that every
+    rank computed alike: each rank's copy goes through the exchange back as one head at ``seq_dim + 1``, so rank
+    ``j``'s copy arrives as head ``j``, and this rank keeps its own."""
+    back = _to_sequence(y.unsqueeze(seq_dim + 1), order, group_name, site, seq_dim, seq_dim + 1)
+    return back[(slice(None),) * (seq_dim + 1) + (rank,)]
+
+
+def _refuse(like, site: str, what: str, fix: str, kind: str = "head-parallel core") -> None:
+    torch.ops.cpcompile.heads_refusal(like, f"the {kind} {site} under context parallelism {what}; {fix}")
 
 
 def _to_heads(x, order, group_name, site, seq_dim=1, head_dim=2):
@@ -901,11 +914,9 @@ def _lightning_layer(self, hidden_states, position_embeddings, attention_mask, c
     if attention_mask is not None:
         _refuse(hidden_states, site, "got a padding mask", "pack the documents and pass no attention_mask")
     order = torch.ops.cpcompile.heads_order(hidden_states.detach(), 1, n, site)
-    copies = hidden_states.unsqueeze(2).expand(*hidden_states.shape[:2], n, *hidden_states.shape[2:])
-    whole = _to_heads(copies, order, group_name, site).squeeze(2)  # every token, in global order, padding last
+    whole = _gathered(hidden_states, order, group_name, site, n, 1, 2)  # every token, in global order, padding last
     out, _ = _core_call(lambda x: original(self, x, position_embeddings, None, **kwargs), whole)
-    # rank j's copy of the output comes back as head j: this rank keeps its own (each copy is the whole output)
-    return _to_sequence(out.unsqueeze(2), order, group_name, site)[:, :, rank], None
+    return _own_tokens(out, order, group_name, site, rank, 1), None
 
 
 def _wkv_replacement(original, site: str):
@@ -1045,13 +1056,123 @@ def register_found_method(fn: types.FunctionType, **classified) -> None:
     _REGISTERED[key] = fn
 
 
-def _head_spec(fn, *, per_token, per_head=(), shared=(), seq_dim=1, head_dim=2, gathered=()) -> _HeadSpec:
-    """The checked arguments of :func:`register_head_parallel` for ``fn``."""
+def register_replicated(fn, *, per_token: Sequence[str], shared: Sequence[str] = (), seq_dim: int = 1) -> None:
+    """Run ``fn``, a causal sequence mixer that cannot be split by heads, on the whole sequence on every rank under
+    CP: a layer's ``forward`` whose scan is written inline between projections that combine heads
+    (``MyLayer.forward``, a function defined in a class), or a module-level function.
+
+    While a :func:`cpcompile.shard` context of more than one rank is active, Dynamo traces a replacement of ``fn``
+    (as it does MiniMax's lightning-attention layer): each argument named in ``per_token`` (a tensor whose dim
+    ``seq_dim`` is the sequence) is all-gathered, every token in global order with the padding last, on every rank
+    (``N`` copies through ``cpcompile::heads_from_sequence``); the arguments named in ``shared`` pass unchanged;
+    ``fn`` runs on the whole sequence, with ``self`` (a method's module, its parameters whole) unchanged; and every
+    tensor it returns (one, or a tuple or list of tensors and other values, which pass unchanged), laid out with
+    the sequence at ``seq_dim``, is cut back to this rank's tokens (``cpcompile::sequence_from_heads``). The mixing
+    pass reports the call ``replicated``. Exact under every layout, with packed documents as ``fn`` treats them in
+    one process (it sees the whole sequence, in order), when ``fn`` is causal: a token's outputs read only tokens
+    at or before it, so the padding after the last token reaches no real one (not checked). The cost is ``N``
+    times ``fn``'s work and the memory of its activations over the whole sequence on every rank, and two
+    exchanges of ``N`` copies of each per-token input and output each way: prefer moving a scan that keeps the
+    heads apart into a function of its own, which cpcompile finds and runs head-parallel. Outside a shard context,
+    and in eager calls, ``fn`` runs unchanged. Each rank's gradients cover its own tokens' outputs, and the sum over
+    the CP group that every parameter's gradient gets is the whole.
+
+    Refused while tracing, on every rank: a tensor argument named in neither list, a returned tensor with fewer
+    than ``seq_dim + 1`` dims. Register before the first compiled call under CP; registering ``fn`` again with the
+    same arguments does nothing.
+
+    Raises ``TypeError`` when ``fn`` is not a Python function defined at module level or in a class (a nested
+    function cannot be substituted), or has ``*args`` or positional-only parameters, and ``ValueError`` for a name
+    that is not a parameter of ``fn`` (without ``**kwargs``), a name in both lists, an empty ``per_token``, a
+    negative ``seq_dim``, or a second registration of ``fn`` with other arguments.
+    """
+    if not isinstance(fn, types.FunctionType) or "<locals>" in fn.__qualname__:
+        raise TypeError(
+            f"register_replicated expects a function defined at module level or in a class (MyLayer.forward), got "
+            f"{fn!r}; register the function or method the model calls"
+        )
+    if seq_dim < 0:
+        raise ValueError(f"seq_dim={seq_dim}: expected the non-negative dim of the per-token arguments' sequence")
+    spec = _head_spec(fn, per_token=per_token, shared=shared, seq_dim=seq_dim, head_dim=seq_dim + 1,
+                      api="register_replicated")  # fmt: skip
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    if key in _HEAD_SPECS:
+        if _HEAD_SPECS[key] != spec:
+            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
+        return
+    _HEAD_SPECS[key] = spec
+    CORES[key] = "replicated"
+    if fn.__qualname__ != fn.__name__:  # a method: Dynamo does not consult substitute_in_graph for a bound method
+        _compat.inline_method(fn, key, _replicated_replacement(_copy(fn), key, spec))
+    elif not _compat.substituted_in_graph(fn):
+        torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
+            _replicated_replacement(traced_copy(fn), key, spec)
+        )
+    _REGISTERED[key] = fn
+
+
+def _replicated_replacement(original, site: str, spec: _HeadSpec):
+    # plain tuples and ints in the closure, as in _registered_replacement
+    names, defaults, per_token, seq_dim = spec.names, spec.defaults, spec.per_token, spec.seq_dim
+    classified = spec.per_token + spec.shared
+
+    def replicated_core(*args, **kwargs):
+        heads = HEADS_GROUP  # a global of this module: Dynamo guards on its value
+        if heads is None:
+            return original(*args, **kwargs)
+        group_name, n, rank = heads
+        values = dict(defaults)
+        values.update(zip(names, args))
+        values.update(kwargs)
+        _refuse_unclassified(values, classified, site, "register_replicated", "per_token or shared")
+        order = torch.ops.cpcompile.heads_order(values[per_token[0]].detach(), seq_dim, n, site)
+        tokens = [_gathered(values[name], order, group_name, site, n, seq_dim, seq_dim + 1) for name in per_token]
+        out = _core_call(lambda *ts: original(**{**values, **dict(zip(per_token, ts))}), *tokens)
+
+        def back(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dim() <= seq_dim:
+                _refuse(
+                    t,
+                    site,
+                    f"returned a tensor of {t.dim()} dims, without the sequence at seq_dim={seq_dim}",
+                    "return only per-token values from the registered function",
+                    kind="replicated layer",
+                )
+            return _own_tokens(t, order, group_name, site, rank, seq_dim)
+
+        if isinstance(out, (tuple, list)):
+            return type(out)(back(t) for t in out)
+        return back(out)
+
+    return replicated_core
+
+
+def _refuse_unclassified(values: dict, classified: tuple[str, ...], site: str, api: str, lists: str) -> None:
+    """Refuse each tensor of ``values`` (a registered function's arguments by name) that its registration ``api``
+    did not name in one of its ``lists``."""
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and name not in classified:
+            _refuse(
+                value,
+                site,
+                f"got the tensor argument {name!r}, which {api} did not classify",
+                f"name it in {lists} of cpcompile.cores.{api}",
+                kind="head-parallel core" if api == "register_head_parallel" else "replicated layer",
+            )
+
+
+def _head_spec(
+    fn, *, per_token, per_head=(), shared=(), seq_dim=1, head_dim=2, gathered=(), api="register_head_parallel"
+) -> _HeadSpec:
+    """The checked arguments of :func:`register_head_parallel` (``api``: the registration named in errors) for
+    ``fn``."""
     params = inspect.signature(fn).parameters.values()
     odd = [p.name for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD)]
     if odd:
         raise TypeError(
-            f"register_head_parallel needs {fn.__name__}'s parameters named, got *args or positional-only "
+            f"{api} needs {fn.__name__}'s parameters named, got *args or positional-only "
             f"parameters {odd}; give the core named parameters"
         )
     names = tuple(p.name for p in params if p.kind != p.VAR_KEYWORD)
@@ -1097,14 +1218,7 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
         values.update(zip(names, args))
         values.update(kwargs)
         first = values[per_token[0]]
-        for name, value in values.items():
-            if isinstance(value, torch.Tensor) and name not in classified:
-                _refuse(
-                    value,
-                    site,
-                    f"got the tensor argument {name!r}, which register_head_parallel did not classify",
-                    "name it in per_token, per_head or shared of cpcompile.cores.register_head_parallel",
-                )
+        _refuse_unclassified(values, classified, site, "register_head_parallel", "per_token, per_head or shared")
         count = max(values[name].shape[head_dim] for name in per_token)
         padded = -(-count // n) * n  # heads a CP size does not divide: zero heads up to the next multiple
         for name in per_token:

@@ -75,8 +75,9 @@ def test_the_same_core_not_registered_is_refused_naming_the_registration(world):
 
 
 def test_a_method_is_not_named_for_registration(world, monkeypatch):
-    """A mixer in a method (the layer's forward) gets the refusal's other fixes only: a method cannot be
-    registered."""
+    """A mixer in a method gets no head-parallel registration as its fix: a method cannot be registered so
+    (a class's ``forward`` gets :func:`cpcompile.cores.register_replicated` instead: tests/test_replicated_layers.py;
+    this ``forward``, nested in the test, is in no class)."""
 
     def forward(self, x, batch=None):
         u = self.inp(x).unflatten(-1, (self.heads, user_cores.HEAD_DIM))

@@ -116,9 +116,20 @@ def _check_traced_length(like: torch.Tensor, seq_dim: int, site: str) -> None:
     if tokens is not None and tokens != plan.chunk_len:
         raise ValueError(
             f"{_what(site)} got a per-token tensor of shape {tuple(like.shape)} with {tokens} along seq_dim={seq_dim}, "
-            f"but this rank holds {plan.chunk_len} tokens of the sequence; pass the dim of the sequence as seq_dim "
-            "(and the dim of the heads as head_dim) to cpcompile.cores.register_head_parallel"
+            f"but this rank holds {plan.chunk_len} tokens of the sequence; {_registration_fix(site)}"
         )
+
+
+def _registration_fix(site: str) -> str:
+    """How to register the core ``site`` with the dims of its layout."""
+    from cpcompile import cores
+
+    if cores.CORES.get(site) == "replicated":
+        return "pass the dim of the sequence as seq_dim to cpcompile.cores.register_replicated"
+    return (
+        "pass the dim of the sequence as seq_dim (and the dim of the heads as head_dim) to "
+        "cpcompile.cores.register_head_parallel"
+    )
 
 
 @torch.library.custom_op("cpcompile::heads_from_sequence", mutates_args=())

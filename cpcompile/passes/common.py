@@ -299,12 +299,14 @@ def in_function(node: fx.Node, fn: types.FunctionType) -> bool:
 
 
 def registration_fix(node: fx.Node) -> str:
-    """The fix that runs the sequence mixer that made ``node`` head-parallel, when the model code that made it is
-    a module-level function (:func:`cpcompile.cores.register_head_parallel`), naming the function and its
-    parameters; ``""`` otherwise (a method, no stack trace)."""
+    """The fix that runs the sequence mixer that made ``node`` exact under CP, naming the function and its
+    parameters: when the model code that made it is a module-level function, its registration with
+    :func:`cpcompile.cores.register_head_parallel`; when it is a module's ``forward`` (a scan inline between
+    projections), moving the scan into a function of its own, or the registration of the ``forward`` with
+    :func:`cpcompile.cores.register_replicated`; ``""`` otherwise (another method, no stack trace)."""
     fn = mixer_function(node)
     if fn is None:
-        return ""
+        return _replicated_fix(node)
     name = f"{fn.__module__}.{fn.__name__}"
     params = ", ".join(inspect.signature(fn).parameters)
     return (
@@ -314,6 +316,27 @@ def registration_fix(node: fx.Node) -> str:
         f"gathered=(...)), naming each of its tensor parameters ({params}) in one of the four; cpcompile then "
         "runs it on the whole "
         "sequence of some heads on each rank and proves that it keeps the heads apart"
+    )
+
+
+def _replicated_fix(node: fx.Node) -> str:
+    """:func:`registration_fix` for a mixer inline in a module's ``forward`` (the innermost frame of the model's
+    code), or ``""``."""
+    frame = _model_frame(node)
+    if frame is None or frame[2] != "forward" or not frame[1].isdigit():
+        return ""
+    fn = _class_function(frame[0], "forward", int(frame[1]))
+    if fn is None:
+        return ""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    params = ", ".join(p for p in inspect.signature(fn).parameters if p != "self")
+    return (
+        f"the op is inline in {name}: move the loop or product over the sequence into a function of its own, "
+        "called with the per-head tensors, which cpcompile then finds and runs on the whole sequence of some heads "
+        f"on each rank; or, if {name} is causal (a token's outputs read only tokens at or before it), register it "
+        f"before compiling to run on the whole sequence on every rank (N times its work): "
+        f"cpcompile.cores.register_replicated({name}, per_token=(...), shared=(...)), naming each of its tensor "
+        f"parameters ({params}) in one of the two"
     )
 
 

@@ -276,6 +276,49 @@ def user_core_lm(
     return seeded(build, seed=seed)
 
 
+class InlineMixer(nn.Module):
+    """A mixer whose scan is inline in its ``forward``: per-token projections to ``HEADS`` heads, the per-head
+    recurrence of :func:`looped_heads` as a loop over the tokens, then an RMS norm across the heads (which combines
+    heads, so no share of them can run it) and the projection back (residual)."""
+
+    def __init__(self, hidden: int, heads: int = HEADS) -> None:
+        super().__init__()
+        self.heads = heads
+        self.inp = nn.Linear(hidden, heads * HEAD_DIM)
+        self.gate = nn.Linear(hidden, heads)
+        self.decay = nn.Parameter(torch.linspace(-1.0, 2.0, heads))
+        self.norm = nn.RMSNorm(heads * HEAD_DIM)
+        self.out = nn.Linear(heads * HEAD_DIM, hidden)
+
+    def forward(self, x, batch=None):
+        u = self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)) * torch.sigmoid(self.gate(x)).unsqueeze(-1)
+        rate = torch.sigmoid(self.decay)[:, None]
+        h = torch.zeros_like(u[:, 0])
+        out = []
+        for t in range(u.shape[1]):
+            h = rate * h + u[:, t]
+            out.append(h)
+        return x + self.out(self.norm(torch.stack(out, dim=1).flatten(-2)))
+
+
+#: How :class:`InlineMixer`'s ``forward`` is registered to run whole on every rank.
+INLINE_REGISTRATION = {"per_token": ("x",), "shared": ()}
+
+
+def inline_forward_lm(*, seed: int = 0, registered: bool = True, hidden: int = 32, heads: int = HEADS) -> TinyLM:
+    """:class:`TinyLM` with an :class:`InlineMixer`, its ``forward`` first registered with
+    :func:`cpcompile.cores.register_replicated` when ``registered``."""
+    if registered:
+        from cpcompile.cores import register_replicated
+
+        register_replicated(InlineMixer.forward, **INLINE_REGISTRATION)
+
+    def build() -> TinyLM:
+        return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=InlineMixer(hidden, heads))
+
+    return seeded(build, seed=seed)
+
+
 def _unregistered(core: str):
     def factory() -> TinyLM:
         return user_core_lm(core=core, registered=False)
