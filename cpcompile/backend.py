@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import os
 import weakref
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -150,7 +151,7 @@ class CPBackend:
         if self.cp_size > 1 and not self.trace_only:
             seq = sequence_length(gm, chunk_len, mixed=True)
             exact = exact_outputs(gm, seq) if seq is not None else []
-        reported, counted = len(self.reports), counters.copy()
+        held = (len(self.reports), len(self.position_reports), len(self.mixing_reports), counters.copy())
         try:
             reports = flex_cp_pass(target, ctx)  # first: the SDPA pass refuses attention it does not rewrite
             reports += cp_attention_pass(target, ctx)
@@ -170,12 +171,9 @@ class CPBackend:
         except _compat.PassThroughCompileError as e:  # a refusal: the refused graph is the one to look at
             if self.options.regions == "found" and not self.trace_only and self.cp_size > 1:
                 why = regions.find(e, gm, chunk_len, self.cp_size)
-                if why == regions.RESTART:  # this graph is traced again: nothing of it is kept
-                    del self.reports[reported:]
-                    counters.clear()
-                    counters.update(counted)
-                    positions = []
-                    _compat.restart_trace("cpcompile: a sequence mixer of the model's code is run head-parallel")
+                if why == regions.RESTART:
+                    positions = []  # (kept by ``finally``)
+                    self._trace_again(graph_id, held)
                 elif why:
                     e.args = (f"{e.args[0]} (cpcompile found no head-parallel region for this op: {why}.)",)
             if self._dump is not None:
@@ -186,14 +184,8 @@ class CPBackend:
         if self.trace_only and self.options.regions == "found" and self.cp_size > 1:
             refused = [r for r in (*positions, *mixing) if r.action == "refused"]
             why = self._regions_found(gm, ctx, chunk_len) if refused else ""
-            if why == regions.RESTART:  # as training does: this graph is traced again, nothing of it kept
-                del self.reports[reported:]
-                del self.position_reports[len(self.position_reports) - len(positions) :]
-                del self.mixing_reports[len(self.mixing_reports) - len(mixing) :]
-                counters.clear()
-                counters.update(counted)
-                self._graphs = itertools.count(graph_id)  # the graph traced again keeps its number
-                _compat.restart_trace("cpcompile: a sequence mixer of the model's code is run head-parallel")
+            if why == regions.RESTART:  # as training does
+                self._trace_again(graph_id, held)
             elif why:  # the first refusal is the one training raises: positions first, as the passes run
                 first = refused[0]
                 note = dataclasses.replace(first, reason=f"{first.reason} (no head-parallel region: {why})")
@@ -233,6 +225,20 @@ class CPBackend:
         if guards:
             compiled = _checking_length_guards(compiled, guards)
         return compiled
+
+    def _trace_again(self, graph_id: int, held: tuple[int, int, int, dict]) -> NoReturn:
+        """Have Dynamo trace the frame of graph ``graph_id`` again, keeping nothing of it: a sequence mixer of the
+        model's code was registered (:data:`cpcompile.regions.RESTART`), or a method lost the probe this graph was
+        traced through. ``held``: the lengths of the attention, position and mixing reports and the counters
+        before the graph's passes ran. The graph traced again keeps its number."""
+        reports, positions, mixing, counted = held
+        del self.reports[reports:]
+        del self.position_reports[positions:]
+        del self.mixing_reports[mixing:]
+        counters.clear()
+        counters.update(counted)
+        self._graphs = itertools.count(graph_id)
+        _compat.restart_trace("cpcompile: a sequence mixer of the model's code is run head-parallel")
 
     def _regions_found(self, gm: fx.GraphModule, ctx: PassContext, chunk_len: int | None) -> str:
         """In ``trace_only`` mode, what training's refusal of ``gm`` leads to (:func:`cpcompile.regions.find`):
