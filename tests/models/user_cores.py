@@ -276,13 +276,20 @@ def user_core_lm(
     return seeded(build, seed=seed)
 
 
+#: How :class:`InlineMixer` computes its recurrence: ``"loop"``, a Python loop over the tokens in its ``forward``;
+#: ``"matrix"``, the decay matrix of :func:`decayed_heads` built in its ``forward``; ``"function"``, a call of
+#: :func:`decayed_heads` (the same values, in a function of its own, which runs head-parallel).
+INLINE_FORMS = ("loop", "matrix", "function")
+
+
 class InlineMixer(nn.Module):
     """A mixer whose scan is inline in its ``forward``: per-token projections to ``HEADS`` heads, the per-head
-    recurrence of :func:`looped_heads` as a loop over the tokens, then an RMS norm across the heads (which combines
-    heads, so no share of them can run it) and the projection back (residual)."""
+    recurrence of :func:`looped_heads` (as ``form`` says: :data:`INLINE_FORMS`), then an RMS norm across the heads
+    (which combines heads, so no share of them can run it) and the projection back (residual)."""
 
-    def __init__(self, hidden: int, heads: int = HEADS) -> None:
+    def __init__(self, hidden: int, heads: int = HEADS, form: str = "loop") -> None:
         super().__init__()
+        self.form = form
         self.heads = heads
         self.inp = nn.Linear(hidden, heads * HEAD_DIM)
         self.gate = nn.Linear(hidden, heads)
@@ -291,7 +298,16 @@ class InlineMixer(nn.Module):
         self.out = nn.Linear(heads * HEAD_DIM, hidden)
 
     def forward(self, x, batch=None):
-        u = self.inp(x).unflatten(-1, (self.heads, HEAD_DIM)) * torch.sigmoid(self.gate(x)).unsqueeze(-1)
+        v = self.inp(x).unflatten(-1, (self.heads, HEAD_DIM))
+        if self.form == "function":
+            return x + self.out(self.norm(decayed_heads(v, self.gate(x), self.decay).flatten(-2)))
+        u = v * torch.sigmoid(self.gate(x)).unsqueeze(-1)
+        if self.form == "matrix":
+            pos = torch.arange(u.shape[1], device=u.device)
+            lag = (pos[:, None] - pos[None, :]).to(u.dtype)
+            rate = torch.sigmoid(self.decay)[:, None, None]
+            weights = torch.where(lag >= 0, rate ** lag.clamp(min=0), torch.zeros_like(lag))
+            return x + self.out(self.norm(torch.einsum("hts,bshd->bthd", weights, u).flatten(-2)))
         rate = torch.sigmoid(self.decay)[:, None]
         h = torch.zeros_like(u[:, 0])
         out = []
@@ -305,16 +321,21 @@ class InlineMixer(nn.Module):
 INLINE_REGISTRATION = {"per_token": ("x",), "shared": ()}
 
 
-def inline_forward_lm(*, seed: int = 0, registered: bool = True, hidden: int = 32, heads: int = HEADS) -> TinyLM:
-    """:class:`TinyLM` with an :class:`InlineMixer`, its ``forward`` first registered with
-    :func:`cpcompile.cores.register_replicated` when ``registered``."""
-    if registered:
+def inline_forward_lm(
+    *, seed: int = 0, registered: bool = True, hidden: int = 32, heads: int = HEADS, form: str = "loop"
+) -> TinyLM:
+    """:class:`TinyLM` with an :class:`InlineMixer` of ``form``, its ``forward`` first registered with
+    :func:`cpcompile.cores.register_replicated` when ``registered`` (``form="function"``: :func:`decayed_heads`
+    registered with :func:`cpcompile.cores.register_head_parallel` instead)."""
+    if registered and form == "function":
+        register("decayed_heads")
+    elif registered:
         from cpcompile.cores import register_replicated
 
         register_replicated(InlineMixer.forward, **INLINE_REGISTRATION)
 
     def build() -> TinyLM:
-        return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=InlineMixer(hidden, heads))
+        return TinyLM([sdpa("packed_docs")], hidden=hidden, mixer=InlineMixer(hidden, heads, form))
 
     return seeded(build, seed=seed)
 
