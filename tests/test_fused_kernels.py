@@ -167,7 +167,8 @@ def test_functions_bound_to_fused_kernels_run_their_torch_path_under_cp(model):
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize(
-    ("model", "control"), [("bamba", "every kernel"), ("bamba", "non-core"), ("mamba", "non-core")]
+    ("model", "control"),
+    [pytest.param("bamba", "every kernel", marks=pytest.mark.slow), ("bamba", "non-core"), ("mamba", "non-core")],
 )
 def test_a_fused_kernel_left_alone_under_cp_fails(model, control):
     """Bamba's kernels on each rank's tokens fail the parity check. Mamba's fused mixer is its only op that mixes

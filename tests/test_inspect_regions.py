@@ -62,7 +62,7 @@ def test_a_method_is_found_on_cpu_and_refused_on_meta_with_the_fix(tmp_path):
     assert [m["action"] for m in on_cpu if m["layer"] == "mixer"] == ["head_parallel"] * CP, on_cpu
 
 
-@pytest.mark.parametrize("recurrence", ["heads", "state"])
+@pytest.mark.parametrize("recurrence", ["heads", pytest.param("state", marks=slow)])
 def test_gated_delta_rule_bytes_per_call_heads_grow_with_the_length_state_do_not(tmp_path, recurrence):
     config = tiny_config("qwen3_next")
     config.save_pretrained(tmp_path)
