@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -12,7 +13,7 @@ import sys
 import torch
 from tabulate import tabulate
 
-__all__ = ["machine", "command", "print_table", "packed_doc_lens", "lognormal_doc_lens"]
+__all__ = ["machine", "command", "print_table", "packed_doc_lens", "lognormal_doc_lens", "step_peak_mib"]
 
 
 def machine() -> str:
@@ -37,6 +38,27 @@ def print_table(title: str, rows: list[dict], floatfmt: str = ".3g") -> None:
     print(f"machine: {machine()}")
     print(f"command: `{command()}`\n")
     print(tabulate(rows, headers="keys", tablefmt="github", floatfmt=floatfmt))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def step_peak_mib(step, barrier=lambda: None) -> float:
+    """The peak resident memory of one call of ``step`` above the process's resident size before it, in MiB:
+    after a garbage collection and ``barrier()`` (the other ranks at the same point), the kernel's peak (VmHWM) is
+    reset to the current resident size (Linux ``/proc/self/clear_refs``) and read again after the step."""
+    gc.collect()
+    barrier()
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    step()
+    return (_status_kib("VmHWM") - before) / 1024.0
 
 
 def packed_doc_lens(total: int, rows: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

@@ -35,20 +35,11 @@ channels).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import time
 
-from benchmarks._common import print_table, row_doc_lens
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from benchmarks._common import print_table, row_doc_lens, step_peak_mib
 
 
 def _overrides(family: str, hidden: int, layers: int) -> dict:
@@ -151,13 +142,7 @@ def _worker(
 
     step()  # compile
     step()
-    gc.collect()
-    barrier()
-    before = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    step()
-    peak = (_status_kib("VmHWM") - before) / 1024.0
+    peak = step_peak_mib(step, barrier)
     times = []
     for _ in range(steps):
         barrier()

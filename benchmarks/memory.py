@@ -17,18 +17,9 @@ CPU only (on CUDA the same comparison would read torch.cuda.max_memory_allocated
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 
-from benchmarks._common import print_table, row_doc_lens
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from benchmarks._common import print_table, row_doc_lens, step_peak_mib
 
 
 def _worker(rank: int, world_size: int, options: dict, doc_lens: list, hidden: int, layers: int, window: int | None):
@@ -61,13 +52,7 @@ def _worker(rank: int, world_size: int, options: dict, doc_lens: list, hidden: i
         del out
 
     step()  # compile
-    gc.collect()
-    before = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    step()
-    peak = _status_kib("VmHWM")
-    return (peak - before) / 1024.0
+    return step_peak_mib(step)
 
 
 def _options(variant: str, window: int | None, slots: int) -> dict:

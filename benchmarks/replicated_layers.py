@@ -22,21 +22,12 @@ divide by the one-process row of the same run.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 
 import torch
 
-from benchmarks._common import packed_doc_lens, print_table
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from benchmarks._common import packed_doc_lens, print_table, step_peak_mib
 
 
 def _worker(rank: int, world: int, form: str, plain: bool, hidden: int, doc_lens, steps: int) -> dict:
@@ -63,13 +54,7 @@ def _worker(rank: int, world: int, form: str, plain: bool, hidden: int, doc_lens
 
     step()
     step()
-    gc.collect()
-    dist.barrier(group)
-    before = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    step()
-    peak = (_status_kib("VmHWM") - before) / 1024.0
+    peak = step_peak_mib(step, lambda: dist.barrier(group))
     times = []
     for _ in range(steps):
         dist.barrier(group)
@@ -111,7 +96,7 @@ def main() -> None:
                 "CP": cp,
                 "mixer": name,
                 "peak MiB (max rank)": peak,
-                "peak / one process": peak / base[0],
+                "peak / one process": peak / base[0] if base[0] else float("nan"),
                 "step ms (slowest rank)": 1e3 * step,
                 "step / one process": step / base[1],
                 "A2A MiB/step (fwd)": max(r["heads"] for r in res) / 2**20,

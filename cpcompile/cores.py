@@ -1121,9 +1121,7 @@ def _replicated_replacement(original, site: str, spec: _HeadSpec):
         if heads is None:
             return original(*args, **kwargs)
         group_name, n, rank = heads
-        values = dict(defaults)
-        values.update(zip(names, args))
-        values.update(kwargs)
+        values = _bound(names, defaults, args, kwargs)
         _refuse_unclassified(values, classified, site, "register_replicated", "per_token or shared")
         order = torch.ops.cpcompile.heads_order(values[per_token[0]].detach(), seq_dim, n, site)
         tokens = [_gathered(values[name], order, group_name, site, n, seq_dim, seq_dim + 1) for name in per_token]
@@ -1147,6 +1145,14 @@ def _replicated_replacement(original, site: str, spec: _HeadSpec):
         return back(out)
 
     return replicated_core
+
+
+def _bound(names: tuple[str, ...], defaults: tuple[tuple[str, object], ...], args, kwargs) -> dict:
+    """A registered function's arguments by name: its defaults, then the positional and keyword arguments."""
+    values = dict(defaults)
+    values.update(zip(names, args))
+    values.update(kwargs)
+    return values
 
 
 def _refuse_unclassified(values: dict, classified: tuple[str, ...], site: str, api: str, lists: str) -> None:
@@ -1214,9 +1220,7 @@ def _registered_replacement(original, site: str, spec: _HeadSpec):
         if heads is None:
             return original(*args, **kwargs)
         group_name, n, rank = heads
-        values = dict(defaults)
-        values.update(zip(names, args))
-        values.update(kwargs)
+        values = _bound(names, defaults, args, kwargs)
         first = values[per_token[0]]
         _refuse_unclassified(values, classified, site, "register_head_parallel", "per_token, per_head or shared")
         count = max(values[name].shape[head_dim] for name in per_token)

@@ -19,8 +19,6 @@ step moved), and a negative control: the layer run on each rank's own tokens mus
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -150,23 +148,11 @@ CP2 = [_case(), _case("balanced")]
 MORE = {3: [_case("balanced"), _case("head_tail", "inductor")], 4: [_case("balanced", "aot_eager"), _case("head_tail")]}
 
 
-def _worker(rank: int, world: int, cases: list, control: bool) -> dict:
-    import torch.distributed as dist
-
-    from tests.test_hybrids_parity import _control, _local_core, _run
-
-    torch.set_num_threads(1)
-    group = dist.group.WORLD
-    out = {"cases": _run(cases, group)}
-    if control:
-        out["control"] = _control(dataclasses.replace(cases[0], expected_mixing=None), group, _local_core)
-    return out
-
-
 @pytest.mark.timeout(660)
 @pytest.mark.parametrize("cp", [2, pytest.param(3, marks=slow), pytest.param(4, marks=slow)])
 def test_a_replicated_layer_equals_one_process(cp):
     from tests.harness.dist import run_distributed
+    from tests.test_registered_cores import _worker  # the cases, then the control on the first one
 
     cases = CP2 if cp == 2 else MORE[cp]
     per_rank = run_distributed(_worker, cp, cases, cp == 2, timeout_s=600)
