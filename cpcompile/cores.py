@@ -1026,17 +1026,25 @@ def register_head_parallel(
         fn, per_token=per_token, per_head=per_head, shared=shared, seq_dim=seq_dim, head_dim=head_dim, gathered=gathered
     )
     key = f"{fn.__module__}.{fn.__name__}"
-    if key in _HEAD_SPECS:
-        if _HEAD_SPECS[key] != spec:
-            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
+    if not _new_registration(key, spec, "registered"):
         return
-    _HEAD_SPECS[key] = spec
-    CORES[key] = "registered"
     if not _compat.substituted_in_graph(fn):
         torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(
             _registered_replacement(traced_copy(fn), key, spec)
         )
     _REGISTERED[key] = fn
+
+
+def _new_registration(key: str, spec: _HeadSpec, form: str) -> bool:
+    """Record a user's registration of the function ``key`` as ``form`` (:data:`CORES`): ``False`` when it is
+    registered already with the same ``spec``; ``ValueError`` when with another."""
+    if key in _HEAD_SPECS:
+        if _HEAD_SPECS[key] != spec:
+            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
+        return False
+    _HEAD_SPECS[key] = spec
+    CORES[key] = form
+    return True
 
 
 def register_found_method(fn: types.FunctionType, **classified) -> None:
@@ -1096,12 +1104,8 @@ def register_replicated(fn, *, per_token: Sequence[str], shared: Sequence[str] =
     spec = _head_spec(fn, per_token=per_token, shared=shared, seq_dim=seq_dim, head_dim=seq_dim + 1,
                       api="register_replicated")  # fmt: skip
     key = f"{fn.__module__}.{fn.__qualname__}"
-    if key in _HEAD_SPECS:
-        if _HEAD_SPECS[key] != spec:
-            raise ValueError(f"{key} is registered already with {_HEAD_SPECS[key]}; register it once per process")
+    if not _new_registration(key, spec, "replicated"):
         return
-    _HEAD_SPECS[key] = spec
-    CORES[key] = "replicated"
     if fn.__qualname__ != fn.__name__:  # a method: Dynamo does not consult substitute_in_graph for a bound method
         _compat.inline_method(fn, key, _replicated_replacement(_copy(fn), key, spec))
     elif not _compat.substituted_in_graph(fn):
